@@ -1,0 +1,162 @@
+"""advantage.py — advantages as pure functions over a tree given as parent indices (and over groups).
+
+A tree is two parallel lists (see tree.py): `parents[i]` is the block that block i continues (None = it
+starts at the prompt) and `rewards[i]` is the 0/1 reward of a terminal block (None for inner blocks).
+
+DATPO (Sec. 4.2, App. F):
+  mc_values          V_MC(s) = mean reward of all terminal blocks descending from s (Eq. "Monte Carlo State
+                     Value"); V(after a terminal block) = 0; V(root) = mean over every terminal block.
+  base_advantages    Â_base(b) = r(b) + V_MC(s_end) − V_MC(s_start)                          (Eq. 3)
+  sibling_diversity  Div_sib(b) = 1 − mean cos(e_b, e_b') over b' with the same start state  (Eq. 10)
+  datpo_advantages   Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
+  alpha_at           α linearly annealed from start to end over the run (Table "alpha")
+Baselines (Sec. 5.1, App. E.2):
+  grpo_advantages    (r − mean) / std within a group (GRPO)
+  drgrpo_advantages  r − mean (Dr.GRPO: no std division)
+  treerl_advantages  TreeRL / AttnRL process advantage per segment ending at node s:
+                     [(V(s) − V(root)) + (V(s) − V(parent(s)))] / √|L(s)|, V = mean leaf reward below
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _children(parents: list[int | None]) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents):
+        if p is not None:
+            if not 0 <= p < len(parents) or p == i:
+                raise ValueError(f"block {i}: parent {p} is not another block index")
+            children[p].append(i)
+    return children
+
+
+def _leaf_rewards(parents: list[int | None], rewards: list[float | None]) -> list[list[float]]:
+    """For every block, the rewards of the terminal blocks in its subtree (itself included when terminal)."""
+    if len(parents) != len(rewards):
+        raise ValueError(f"parents ({len(parents)}) and rewards ({len(rewards)}) differ in length")
+    children = _children(parents)
+    below: list[list[float] | None] = [None] * len(parents)
+
+    def collect(i: int, depth: int = 0) -> list[float]:
+        if depth > len(parents):
+            raise ValueError("parents contain a cycle")
+        if below[i] is None:
+            if rewards[i] is not None:
+                if children[i]:
+                    raise ValueError(f"block {i} has a reward (terminal) but also children {children[i]}")
+                below[i] = [float(rewards[i])]
+            else:
+                if not children[i]:
+                    raise ValueError(f"block {i} has no reward and no children: every path must end in a "
+                                     f"terminal block")
+                below[i] = [r for c in children[i] for r in collect(c, depth + 1)]
+        return below[i]
+
+    return [collect(i) for i in range(len(parents))]
+
+
+def mc_values(parents: list[int | None], rewards: list[float | None]) -> tuple[list[float], list[float]]:
+    """(V(s_start), V(s_end)) of every block, by Monte-Carlo averaging (App. F.1).
+
+    The state at the end of an inner block is a forking point: its value averages every terminal block
+    below it — the base response's own continuation as well as the new branches. The state after a terminal
+    block has value 0. A block that starts at the prompt starts from the root, whose value is the mean over
+    all terminal blocks of the tree.
+    """
+    below = _leaf_rewards(parents, rewards)
+    terminal = [r for r in rewards if r is not None]
+    v_root = float(np.mean(terminal)) if terminal else 0.0
+    v_end = [0.0 if rewards[i] is not None else float(np.mean(below[i])) for i in range(len(parents))]
+    v_start = [v_root if p is None else v_end[p] for p in parents]
+    return v_start, v_end
+
+
+def base_advantages(parents: list[int | None], rewards: list[float | None]) -> list[float]:
+    """Â_base(b) = r(b) + V_MC(s_end) − V_MC(s_start), r(b) = 0 for inner blocks (Sec. 4.2, Eq. 3)."""
+    v_start, v_end = mc_values(parents, rewards)
+    return [(r or 0.0) + e - s for r, s, e in zip(rewards, v_start, v_end)]
+
+
+def sibling_diversity(parents: list[int | None], embeddings) -> list[float]:
+    """Div_sib(b) = 1 − mean cosine similarity between b and each other block with the same parent, i.e. the
+    same start state (App. F.1, Eq. 10); 0 when b has no sibling. Blocks starting at the prompt are siblings
+    of each other. Embeddings need not be normalised."""
+    emb = np.asarray(embeddings, dtype=float)
+    if emb.ndim != 2 or emb.shape[0] != len(parents):
+        raise ValueError(f"embeddings must be [{len(parents)}, dim], got shape {emb.shape}")
+    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    groups: dict = {}
+    for i, p in enumerate(parents):
+        groups.setdefault(p, []).append(i)
+    div = [0.0] * len(parents)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        sims = emb[members] @ emb[members].T
+        for row, i in enumerate(members):
+            others = np.delete(sims[row], row)
+            div[i] = float(1.0 - others.mean())
+    return div
+
+
+def datpo_advantages(parents: list[int | None], rewards: list[float | None], embeddings, alpha: float,
+                     scope: str = "positive") -> list[float]:
+    """Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b) (Sec. 4.2, Eq. 4).
+
+    scope "positive" rewards diversity only on blocks that are better than their start state (the paper's
+    choice: never encourage exploring wrong paths); "all" drops the indicator (Table "alpha", ablation).
+    With α = 0 the embeddings are not needed (pass None).
+    """
+    if scope not in ("positive", "all"):
+        raise ValueError(f"scope must be 'positive' or 'all', got {scope!r}")
+    base = base_advantages(parents, rewards)
+    if alpha == 0:
+        return base
+    div = sibling_diversity(parents, embeddings)
+    return [a + (alpha * d if (scope == "all" or a > 0) else 0.0) for a, d in zip(base, div)]
+
+
+def alpha_at(step: int, total_steps: int, start: float, end: float) -> float:
+    """α at `step` (0-based) of a run of `total_steps`: start at step 0, end at the last step, linear between."""
+    progress = min(max(step / max(total_steps - 1, 1), 0.0), 1.0)
+    return start + (end - start) * progress
+
+
+# --------------------------------------------------------------------------------------------------------
+# Baselines
+# --------------------------------------------------------------------------------------------------------
+def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """GRPO: (r − mean) / (std + eps) within the group of G responses to one prompt (unbiased std, as
+    torch.std; a group with equal rewards gets 0)."""
+    r = np.asarray(rewards, dtype=float)
+    std = float(r.std(ddof=1)) if len(r) > 1 else 0.0
+    return ((r - r.mean()) / (std + eps)).tolist()
+
+
+def drgrpo_advantages(rewards: list[float]) -> list[float]:
+    """Dr.GRPO (Liu et al. 2025): r − mean, no division by the group std (which biases toward easy and
+    hard prompts)."""
+    r = np.asarray(rewards, dtype=float)
+    return (r - r.mean()).tolist()
+
+
+def treerl_advantages(parents: list[int | None], rewards: list[float | None]) -> list[float]:
+    """TreeRL process advantage (Hou et al. 2025; also AttnRL), one value per segment (block).
+
+    For the node s at the end of block b: V(s) = mean reward of the leaves below s (a leaf's own reward for a
+    terminal block), V(parent(s)) = V at the start of b (V(root) for a block starting at the prompt), and
+    A(b) = [(V(s) − V(root)) + (V(s) − V(parent(s)))] / √|L(s)| with |L(s)| the number of leaves below s —
+    the down-weighting that TreeRL needs because its root-to-leaf training paths repeat shared prefixes.
+    """
+    below = _leaf_rewards(parents, rewards)
+    v_node = [float(np.mean(b)) for b in below]
+    terminal = [r for r in rewards if r is not None]
+    v_root = float(np.mean(terminal)) if terminal else 0.0
+    out = []
+    for i, p in enumerate(parents):
+        v_parent = v_root if p is None else v_node[p]
+        out.append(((v_node[i] - v_root) + (v_node[i] - v_parent)) / math.sqrt(len(below[i])))
+    return out

@@ -1,0 +1,221 @@
+"""config.py — every knob of a run in one dataclass, named presets, and the command line.
+
+Defaults are the paper's DATPO run on Qwen2.5-3B-Base (Appendix E.2 "Implementation Details" and
+"Training Hyperparameters"). Where the paper is silent we take the authors' released config
+(colin31472/DATPO, config.yaml) and say so next to the field.
+
+    python train.py --preset demo --steps 10 --fork tok-entropy --out_dir runs/x
+
+Every field can be set as `--<field_name> VALUE`; values are type-checked, and an unknown flag or a bad
+value is an error that lists what is valid. Ablations: edit a preset below or pass flags.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+
+METHODS = ("datpo", "grpo", "drgrpo", "treerl", "attnrl")
+FORKS = ("random", "fixed-seg", "atb", "tok-entropy", "sent-entropy")
+ALPHA_SCOPES = ("positive", "all")
+PRECISIONS = ("bf16-autocast", "bf16", "fp32")
+PROMPT_STYLES = ("chat", "plain")
+LOSS_NORMS = ("token", "constant")
+
+# Field name -> allowed values, checked by Config.validate() and shown by the CLI.
+CHOICES = {
+    "method": METHODS,
+    "fork": FORKS,
+    "alpha_scope": ALPHA_SCOPES,
+    "precision": PRECISIONS,
+    "prompt_style": PROMPT_STYLES,
+    "loss_norm": LOSS_NORMS,
+}
+
+
+@dataclass
+class Config:
+    # ---- what to train -------------------------------------------------------------------------------
+    method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines")
+    model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
+    train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. E.1)
+    prompt_style: str = "chat"              # chat template + system prompt, as the authors' release does
+    few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
+    answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
+
+    # ---- tree rollout (Sec. 4.1, App. C/D) -----------------------------------------------------------
+    n_base: int = 4                         # N base responses per prompt
+    k_max: int = 3                          # K_max forking points per base response
+    b_max: int = 4                          # B_max branches per forking point
+    adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉; False: fixed (K_max, B_max)
+    fork: str = "sent-entropy"              # forking strategy (App. D, Alg. "Forking Points Selection")
+    fork_min_dist: float = 0.0              # tok-entropy distance forcing, fraction of length (App. D.4: .05, .10)
+    atb_quantile: float = 0.8               # ATB candidates: steps with FCI at or above this quantile (App. D.1)
+    atb_gap: int = 4                        # FCI counts attention from steps ≥ this many steps later (AttnRL Δ)
+    group_size: int = 16                    # G for grpo / drgrpo (parallel sampling, App. E.2)
+    attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. E.2)
+
+    # ---- sampling ------------------------------------------------------------------------------------
+    temperature: float = 1.0
+    top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
+    top_k: int = 0                          # 0 = off
+    max_new_tokens: int = 1024              # per response, base or branch (App. E.2)
+    max_prompt_tokens: int = 256            # longer prompts are skipped and counted (authors' release)
+    gen_batch_size: int = 64                # base responses generated per generate() call
+    branch_chunk_size: int = 384            # branch rollouts per generate() call (App. E.2: 384 for 3B)
+    naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
+
+    # ---- advantage (Sec. 4.2, App. F) ----------------------------------------------------------------
+    alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
+    alpha_end: float = 0.0                  # ... to this value over the run (Table "alpha")
+    alpha_scope: str = "positive"           # bonus only where A_base > 0 ("all" = the ablation)
+    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline)
+    embed_batch_size: int = 64
+
+    # ---- optimisation (App. E.2 "Training Hyperparameters") ------------------------------------------
+    lr: float = 5e-6                        # constant
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
+    clip_low: float = 0.2                   # ε for ratio < 1
+    clip_high: float = 0.2                  # ε for ratio > 1 (GRPO clip-higher: 0.28)
+    max_grad_norm: float = 1.0              # paper silent; authors' release uses 1.0
+    loss_norm: str = "token"                # token: / total tokens (DAPO, Eq. DATPO); constant: Dr.GRPO
+    ppo_epochs: int = 2                     # paper silent; authors' release uses 2
+    prompts_per_step: int = 16
+    mini_batch_size: int = 64               # training rows per optimizer step (a row = a leaf's new tokens)
+    micro_batch_size: int = 2               # rows per forward/backward (gradient accumulation)
+    precision: str = "bf16-autocast"        # fp32 master weights + bf16 autocast | pure bf16 | fp32
+    steps: int = 750                        # one pass over 12,000 problems at 16 per step
+
+    # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
+    eval_data: str = "math500"
+    eval_every: int = 40                    # steps; 0 = never (authors' release: 40)
+    eval_limit: int = 0                     # problems; 0 = all
+    eval_k: int = 8                         # samples per problem for avg@k during training
+    eval_max_new_tokens: int = 2048         # App. E.1
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    seed: int = 0
+    device: str = "auto"                    # auto | cpu | cuda | cuda:N
+    threads: int = 0                        # torch CPU threads; 0 = torch default
+    out_dir: str = "runs/datpo"
+    save_every: int = 100                   # steps; 0 = only at the end
+    resume: str = ""                        # checkpoint folder to continue from
+    log_every: int = 1
+
+    def validate(self) -> "Config":
+        """Raise ValueError naming the field and what is valid; return self for chaining."""
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name}: got {getattr(self, name)!r}, expected one of {', '.join(allowed)}")
+        positive = ["n_base", "group_size", "max_new_tokens", "gen_batch_size", "branch_chunk_size",
+                    "prompts_per_step", "mini_batch_size", "micro_batch_size", "ppo_epochs", "steps",
+                    "eval_k", "eval_max_new_tokens", "embed_batch_size", "max_prompt_tokens"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 1")
+        for name in ["k_max", "b_max", "atb_gap", "eval_every", "eval_limit", "save_every", "top_k", "threads"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature: got {self.temperature}, expected > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p: got {self.top_p}, expected 0 < top_p <= 1")
+        if not 0 <= self.fork_min_dist < 1:
+            raise ValueError(f"--fork_min_dist: got {self.fork_min_dist}, expected a fraction in [0, 1)")
+        if not 0 <= self.atb_quantile <= 1:
+            raise ValueError(f"--atb_quantile: got {self.atb_quantile}, expected a fraction in [0, 1]")
+        for name in ["clip_low", "clip_high"]:
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected 0 <= eps < 1")
+        if self.lr <= 0:
+            raise ValueError(f"--lr: got {self.lr}, expected > 0")
+        if self.micro_batch_size > self.mini_batch_size:
+            raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be <= "
+                             f"--mini_batch_size ({self.mini_batch_size})")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Presets: a name -> field overrides on top of the paper defaults above.
+# ---------------------------------------------------------------------------------------------------------
+PRESETS: dict[str, dict] = {
+    # The paper's DATPO run (Qwen2.5-3B-Base, one A100): the dataclass defaults.
+    "paper": {},
+    # Two CPU cores, offline: the embedded SmolLM2-135M-Instruct and MiniLM embedder on synthetic arithmetic
+    # it can learn (NOTES.md: one worked example gives it a reward signal; lr 1e-5 was steady, 3e-5 not).
+    "demo": dict(
+        model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True,
+        embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
+        max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
+        gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=40, eval_every=0,
+        eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=20, out_dir="runs/demo", threads=2,
+    ),
+    # Tests: tiny random models, a handful of tokens.
+    "tiny": dict(
+        model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="tiny-random",
+        n_base=2, k_max=2, b_max=2, max_new_tokens=12, max_prompt_tokens=512, prompts_per_step=2,
+        mini_batch_size=8, micro_batch_size=4, gen_batch_size=8, branch_chunk_size=8, ppo_epochs=1,
+        lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12, save_every=1,
+        precision="fp32", device="cpu", out_dir="runs/tiny",
+    ),
+}
+
+
+def make_config(preset: str = "paper", **overrides) -> Config:
+    """A validated Config from a preset name plus field overrides (for Python callers and tests)."""
+    if preset not in PRESETS:
+        raise ValueError(f"--preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], **overrides}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; valid fields: "
+                         f"{', '.join(f.name for f in dataclasses.fields(Config))}")
+    return Config(**values).validate()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line: --preset NAME then --<field> VALUE for every field.
+# ---------------------------------------------------------------------------------------------------------
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser(description: str = "DATPO training") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="paper", choices=list(PRESETS),
+                        help="named settings; other flags override them")
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        kind = hints[f.name]
+        parse = _parse_bool if kind is bool else kind
+        kwargs = dict(type=parse, default=None, metavar=kind.__name__.upper(),
+                      help=f"default {f.default!r} (before the preset)")
+        if f.name in CHOICES:
+            kwargs.update(choices=CHOICES[f.name], metavar=None)
+        parser.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, description: str = "DATPO training") -> Config:
+    """Parse the command line into a validated Config; argparse exits with a message on bad input."""
+    parser = build_parser(description)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "preset" and v is not None}
+    try:
+        return make_config(args.preset, **overrides)
+    except ValueError as err:
+        parser.error(str(err))

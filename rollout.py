@@ -1,0 +1,436 @@
+"""rollout.py — sample base responses and grow difficulty-adaptive trees with HF `generate`.
+
+Paper: Sec. 3.2 and App. C (Algorithm "Tree Rollout"), Sec. 4.1 (difficulty-adaptive tree search), App. D
+(forking strategies), App. E.2 (branch rollouts generated in chunks).
+
+One call of `rollout_trees` does, for a batch of prompts:
+  Phase 1  N base responses per prompt. Each prompt is prefilled once and its KV cache copied to its N samples.
+           For every sampled token we record the entropy H_t of the distribution it was drawn from, on the fly
+           (a logits processor reduces each step's [batch, vocab] scores to [batch] entropies, so memory is
+           O(batch × length), never × vocabulary), and the final hidden state that produced it.
+  Budget   V(root) = mean reward of the N responses → (K̂, B̂) (tree.adaptive_budget), or fixed (K, B).
+  Forks    tree.select_forks on each base response.
+  Phase 2  B̂ branches from each fork, batched across forks, responses and prompts, in chunks of
+           `branch_chunk_size`. KV-cache prefix reuse: a branch at fork f needs the keys/values of
+           prompt + response[:f]; they already sit in the cache that generating the base response filled, so
+           they are sliced out of it (no prefix token is recomputed), and the distribution of the first branch
+           token is the lm_head of the hidden state saved in Phase 1 — so the first forward pass of a branch
+           already samples its second token. `naive_prefill=True` instead re-prefills prompt + response[:f]
+           for every branch (the simple path, kept for comparison and as the test oracle).
+  Blocks   tree.base_blocks + one terminal block per branch → a `tree.Tree` per prompt.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+                          StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+import tree as T
+from reward import compute_reward
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sampling pieces shared by the cached and the naive path
+# --------------------------------------------------------------------------------------------------------
+def sampling_processors(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list[LogitsProcessor]:
+    """The warpers that turn logits into the sampling distribution, in HF's order (temperature, top-k, top-p).
+
+    We pass them ourselves (and keep HF's own off) so that the entropy recorder runs after them and the
+    first token of a cached branch is drawn from exactly the distribution `generate` would use.
+    """
+    warpers: list[LogitsProcessor] = []
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def entropy_of(scores: torch.Tensor) -> torch.Tensor:
+    """H = −Σ_v p log p of softmax(scores) per row (App. D.1); −inf scores (top-k/p) have p = 0."""
+    return torch.special.entr(torch.softmax(scores.float(), dim=-1)).sum(dim=-1)
+
+
+class EntropyRecorder(LogitsProcessor):
+    """Records the entropy of each step's sampling distribution: a [batch] vector per step, nothing bigger."""
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        self.steps.append(entropy_of(scores))
+        return scores
+
+
+class RowLimits(StoppingCriteria):
+    """Per-row budget of new tokens (a branch at fork f may only add max_new_tokens − f)."""
+
+    def __init__(self, start: int, limits: torch.Tensor):
+        self.start, self.limits = start, limits
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids.shape[1] - self.start) >= self.limits
+
+
+class LastHidden:
+    """Saves, for every decoding step of `generate`, the final hidden state of each row (the input of lm_head).
+
+    hidden[t] produced the distribution of generated token t, so lm_head(hidden[f]) is the distribution a
+    branch at fork f samples its first token from. Memory: batch × length × hidden size.
+    """
+
+    def __init__(self, model):
+        self.head = model.get_output_embeddings()
+        self.steps: list[torch.Tensor] = []
+
+    def __enter__(self):
+        self.handle = self.head.register_forward_pre_hook(lambda module, args: self.steps.append(args[0][:, -1, :]))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS, the model's generation EOS ids, and the chat
+    end-of-turn token (a base model prompted with a chat template may stop with <|im_end|>)."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = model.generation_config.eos_token_id
+    ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>") if t in vocab)
+    return sorted(i for i in ids if i is not None)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@dataclass
+class Sampler:
+    """What every generate call needs: the model, its stop ids, pad id and sampling settings."""
+    model: torch.nn.Module
+    stop_ids: list[int]
+    pad_id: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_config(cls, model, tokenizer, cfg) -> "Sampler":
+        return cls(model, stop_token_ids(tokenizer, model), tokenizer.pad_token_id,
+                   cfg.temperature, cfg.top_k, cfg.top_p)
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        # A clean config: the model's own defaults (top_k=20, repetition penalty, ...) would make the samples
+        # off-policy with respect to the log-probs we train on.
+        return GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
+                                return_dict_in_generate=True)
+
+    def trim(self, new_tokens: torch.Tensor, entropies: torch.Tensor, limits: list[int]):
+        """Cut each row after its first stop token (kept: EOS is trained) or at its budget."""
+        stops = torch.isin(new_tokens, torch.tensor(self.stop_ids, device=new_tokens.device))
+        tokens, ents = [], []
+        toks_cpu, ents_cpu, stops_cpu = new_tokens.tolist(), entropies.tolist(), stops.tolist()
+        for row, limit in enumerate(limits):
+            n = min(limit, len(toks_cpu[row]))
+            for t in range(n):
+                if stops_cpu[row][t]:
+                    n = t + 1
+                    break
+            tokens.append(toks_cpu[row][:n])
+            ents.append(ents_cpu[row][:n])
+        return tokens, ents
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask, limits: list[int], cache=None, record_hidden=False):
+        """HF generate with per-row budgets; returns (tokens, entropies, hf_output, hidden steps or None)."""
+        recorder = EntropyRecorder()
+        processors = LogitsProcessorList([*sampling_processors(self.temperature, self.top_k, self.top_p), recorder])
+        limit_t = torch.tensor(limits, device=input_ids.device)
+        stopping = StoppingCriteriaList([RowLimits(input_ids.shape[1], limit_t)])
+        hidden = LastHidden(self.model) if record_hidden else None
+        if hidden:
+            hidden.__enter__()
+        try:
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                      generation_config=self.generation_config(max(limits)),
+                                      logits_processor=processors, stopping_criteria=stopping)
+        finally:
+            if hidden:
+                hidden.__exit__()
+        new = out.sequences[:, input_ids.shape[1]:]
+        ents = torch.stack(recorder.steps, dim=1) if recorder.steps else new.new_zeros(new.shape, dtype=torch.float)
+        tokens, entropies = self.trim(new, ents, limits)
+        return tokens, entropies, out, (hidden.steps if hidden else None)
+
+    @torch.no_grad()
+    def sample_first(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row from lm_head(hidden) exactly as generate's sampling step does."""
+        scores = self.model.get_output_embeddings()(hidden).float()
+        for warper in sampling_processors(self.temperature, self.top_k, self.top_p):
+            scores = warper(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, num_samples=1).squeeze(1), entropy_of(scores)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Phase 1: base responses (shared prompt prefill)
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class BaseBatch:
+    """N responses for each of P prompts, rows ordered prompt-major; plus what branches reuse."""
+    prompt_ids: list[list[int]]          # per row
+    tokens: list[list[int]]
+    entropies: list[list[float]]
+    width: int = 0                       # padded prompt width of the generate call
+    cache: object = None                 # KV cache of [pad + prompt + response[:-1]] per row
+    hidden: list[torch.Tensor] | None = None  # per step [rows, d]: hidden[t] → distribution of token t
+
+
+@torch.no_grad()
+def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
+                keep_cache: bool = False) -> BaseBatch:
+    """N samples per prompt. The prompts are prefilled once (all but their last token) and the cache is
+    repeated N times, so the prompt is not recomputed per sample (NOTES.md: outputs identical)."""
+    ids, mask = left_pad(prompt_ids, sampler.pad_id, sampler.device)
+    cache = None
+    if ids.shape[1] > 1:
+        cache = DynamicCache(config=sampler.model.config)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift the rotary positions
+        sampler.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+                      past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(n)
+    ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+    tokens, ents, out, hidden = sampler.generate(ids, mask, [max_new_tokens] * ids.shape[0], cache=cache,
+                                                 record_hidden=keep_cache)
+    rows_prompt = [p for p in prompt_ids for _ in range(n)]
+    batch = BaseBatch(rows_prompt, tokens, ents, width=ids.shape[1])
+    if keep_cache:
+        batch.cache, batch.hidden = out.past_key_values, hidden
+    return batch
+
+
+# --------------------------------------------------------------------------------------------------------
+# Phase 2: branches
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class BranchRequest:
+    row: int          # base row in the BaseBatch
+    fork: int         # f: keep response[:f], resample from token f
+    count: int        # B̂
+
+
+def slice_prefix_cache(model, base: BaseBatch, rows: list[int], forks: list[int]) -> tuple[DynamicCache, int]:
+    """A cache holding, right-aligned and left-padded, the keys/values of prompt + response[:f] of each
+    (row, f), gathered from the base generation's cache. Positions keep their rotary phases: generate derives
+    position ids from the attention mask, which counts only real tokens, exactly as in Phase 1."""
+    device = base.cache.layers[0].keys.device
+    lengths = torch.tensor([len(base.prompt_ids[r]) + f for r, f in zip(rows, forks)], device=device)
+    starts = base.width - torch.tensor([len(base.prompt_ids[r]) for r in rows], device=device)
+    width = int(lengths.max())
+    offset = torch.arange(width, device=device)[None, :] - (width - lengths[:, None])   # <0 on the padding
+    source = (starts[:, None] + offset.clamp(min=0))                                       # [n, width]
+    valid = (offset >= 0)[:, None, :, None]
+    row_index = torch.tensor(rows, device=device)[:, None]
+    cache = DynamicCache(config=model.config)
+    for layer_idx, layer in enumerate(base.cache.layers):
+        keys = layer.keys[row_index, :, source].transpose(1, 2) * valid       # [n, kv_heads, width, d]
+        values = layer.values[row_index, :, source].transpose(1, 2) * valid
+        cache.update(keys.contiguous(), values.contiguous(), layer_idx)
+    return cache, width
+
+
+@torch.no_grad()
+def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequest], max_new_tokens: int,
+                    chunk_size: int, naive_prefill: bool = False, counters: dict | None = None):
+    """All branches of all requests, in chunks. Returns, per request, `count` (tokens, entropies) pairs of the
+    branch continuation (from token f on). counters['recomputed_prefix_tokens'] counts prefix tokens whose
+    keys/values were computed again (0 on the cached path)."""
+    counters = counters if counters is not None else {}
+    jobs = [(i, req) for i, req in enumerate(requests) for _ in range(req.count)]
+    results: list[list] = [[] for _ in requests]
+    for begin in range(0, len(jobs), chunk_size):
+        chunk = jobs[begin:begin + chunk_size]
+        rows = [req.row for _, req in chunk]
+        forks = [req.fork for _, req in chunk]
+        limits = [max_new_tokens - f for f in forks]
+        prefixes = [base.prompt_ids[r] + base.tokens[r][:f] for r, f in zip(rows, forks)]
+        if naive_prefill:
+            ids, mask = left_pad(prefixes, sampler.pad_id, sampler.device)
+            tokens, ents, _, _ = sampler.generate(ids, mask, limits)
+            counters["recomputed_prefix_tokens"] = counters.get("recomputed_prefix_tokens", 0) + sum(map(len, prefixes))
+        else:
+            hidden = torch.stack([base.hidden[f][r] for r, f in zip(rows, forks)])
+            first, first_ent = sampler.sample_first(hidden)
+            cache, width = slice_prefix_cache(sampler.model, base, rows, forks)
+            ids, mask = left_pad([p + [t] for p, t in zip(prefixes, first.tolist())], sampler.pad_id, sampler.device)
+            # A branch whose first token already ends it, or whose budget is one token, must not continue:
+            # it stays in the batch (same batch shape as the naive path) with a budget of 1 extra step.
+            ended = [t in sampler.stop_ids or lim <= 1 for t, lim in zip(first.tolist(), limits)]
+            rest_limits = [1 if e else lim - 1 for e, lim in zip(ended, limits)]
+            rest, rest_ents, _, _ = sampler.generate(ids, mask, rest_limits, cache=cache)
+            tokens = [[t] + ([] if e else r) for t, e, r in zip(first.tolist(), ended, rest)]
+            ents = [[h] + ([] if e else r) for h, e, r in zip(first_ent.tolist(), ended, rest_ents)]
+            counters["recomputed_prefix_tokens"] = counters.get("recomputed_prefix_tokens", 0)
+            del cache
+        for (i, _), tok, ent in zip(chunk, tokens, ents):
+            results[i].append((tok, ent))
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------
+# Attention-based forking (ATB) needs one attention-returning forward pass per base response
+# --------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def atb_step_scores(model, prompt_ids: list[int], response_ids: list[int], spans: list[tuple[int, int]],
+                    gap: int = 4) -> list[float]:
+    """FCI of each step of one response (tree.fci_step_scores) from one attention-returning forward pass.
+
+    The model runs once with eager attention (the only kind that returns weights). Each layer's
+    [heads, L, L] weights are reduced to step level [heads, S, S] as they are produced, so memory holds one
+    layer's token attention at a time.
+    """
+    import numpy as np
+
+    per_layer: list[np.ndarray] = []
+    p = len(prompt_ids)
+
+    def keep(module, args, output):
+        weights = output[1]
+        if weights is None:
+            raise RuntimeError("attention weights unavailable: ATB needs eager attention")
+        per_layer.append(T.step_attention(weights[0, :, p:, p:].float().cpu().numpy(), spans))
+
+    previous = model.config._attn_implementation
+    handles = [m.register_forward_hook(keep) for name, m in model.named_modules() if name.endswith("self_attn")]
+    try:
+        model.set_attn_implementation("eager")
+        device = next(model.parameters()).device
+        model(input_ids=torch.tensor([prompt_ids + response_ids], device=device), logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.set_attn_implementation(previous)
+    return T.fci_step_scores(np.concatenate(per_layer, axis=0), gap=gap)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The tree rollout (App. C Algorithm "Tree Rollout" + Sec. 4.1)
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class RolloutStats:
+    base_tokens: int = 0
+    branch_tokens: int = 0
+    recomputed_prefix_tokens: int = 0
+    seconds_base: float = 0.0
+    seconds_forks: float = 0.0
+    seconds_branches: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entropies, rng, cfg) -> list[int]:
+    """Forks for one base response, computing what the method needs (sentences, steps, attention)."""
+    if k <= 0 or len(tokens) < 2:
+        return []
+    spans = scores = None
+    if method in ("sent-entropy", "atb"):
+        text, offsets = T.decode_with_offsets(tokenizer, tokens)
+        if method == "sent-entropy":
+            spans = T.sentence_spans(text, offsets)
+        else:
+            spans = T.step_spans(text, offsets)
+            scores = atb_step_scores(model, prompt_ids, tokens, spans, gap=cfg.atb_gap)
+    return T.select_forks(method, k, entropies, spans=spans, rng=rng, min_dist=cfg.fork_min_dist,
+                          step_scores=scores, quantile=cfg.atb_quantile)
+
+
+def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
+                  budget=None, n_base: int | None = None, levels: list | None = None,
+                  progress=None) -> tuple[list[T.Tree], RolloutStats]:
+    """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
+
+    budget: v_root -> (K, B); default is DATPO's adaptive_budget(v, k_max, b_max), or fixed (k_max, b_max)
+    when cfg.adaptive is False. n_base overrides cfg.n_base (GRPO samples G parallel responses, no branches).
+    """
+    n = n_base or cfg.n_base
+    if budget is None:
+        budget = (lambda v: T.adaptive_budget(v, cfg.k_max, cfg.b_max)) if cfg.adaptive else \
+                 (lambda v: (cfg.k_max, cfg.b_max))
+    sampler = Sampler.from_config(model, tokenizer, cfg)
+    stats = RolloutStats()
+    prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    trees: list[T.Tree] = []
+    per_call = max(1, cfg.gen_batch_size // n)           # whole prompt groups per generate call
+    expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
+    for first in range(0, len(prompts), per_call):
+        group = list(range(first, min(first + per_call, len(prompts))))
+        t0 = time.perf_counter()
+        base = sample_base(sampler, [prompt_ids[i] for i in group], n, cfg.max_new_tokens,
+                           keep_cache=expandable and not cfg.naive_prefill)
+        texts = tokenizer.batch_decode(base.tokens, skip_special_tokens=True)
+        rewards = [compute_reward(texts[r], answers[group[r // n]], cfg.answer_fallback) for r in range(len(texts))]
+        stats.base_tokens += sum(map(len, base.tokens))
+        stats.seconds_base += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        requests, plans = [], []
+        for g, prompt_index in enumerate(group):
+            rows = range(g * n, (g + 1) * n)
+            v_root = sum(rewards[r] for r in rows) / n
+            k_hat, b_hat = budget(v_root)
+            forks = [choose_forks(cfg.fork, k_hat, tokenizer, model, base.prompt_ids[r], base.tokens[r],
+                                  base.entropies[r], rng, cfg) if b_hat > 0 else [] for r in rows]
+            requests += [BranchRequest(r, f, b_hat) for r, fs in zip(rows, forks) for f in fs]
+            plans.append((prompt_index, rows, v_root, k_hat, b_hat, forks))
+        stats.seconds_forks += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        counters: dict = {}
+        branches = sample_branches(sampler, base, requests, cfg.max_new_tokens, cfg.branch_chunk_size,
+                                   cfg.naive_prefill, counters) if requests else []
+        stats.recomputed_prefix_tokens += counters.get("recomputed_prefix_tokens", 0)
+        stats.branch_tokens += sum(len(tok) for per in branches for tok, _ in per)
+        base.cache = base.hidden = None  # free the KV cache before the next group
+        by_request = {(req.row, req.fork): out for req, out in zip(requests, branches)}
+        branch_texts = {key: tokenizer.batch_decode([tok for tok, _ in out], skip_special_tokens=True)
+                        for key, out in by_request.items()}
+        for prompt_index, rows, v_root, k_hat, b_hat, forks in plans:
+            blocks: list[T.Block] = []
+            for j, (r, fs) in enumerate(zip(rows, forks)):
+                cut, ends_at = T.base_blocks(j, base.tokens[r], base.entropies[r], rewards[r], fs, len(blocks))
+                for block in cut:
+                    block.text = tokenizer.decode(block.token_ids, skip_special_tokens=True)
+                blocks += cut
+                for f in fs:
+                    for (tok, ent), text in zip(by_request[(r, f)], branch_texts[(r, f)]):
+                        full_text = tokenizer.decode(base.tokens[r][:f] + tok, skip_special_tokens=True)
+                        reward = compute_reward(full_text, answers[prompt_index], cfg.answer_fallback)
+                        blocks.append(T.Block(parent=ends_at[f], token_ids=tok, entropies=ent, text=text,
+                                              reward=reward, base=j, start=f, branch=True))
+            trees.append(T.Tree(prompt=prompts[prompt_index], prompt_ids=prompt_ids[prompt_index],
+                                answer=answers[prompt_index], blocks=blocks, v_root=v_root, k_hat=k_hat,
+                                b_hat=b_hat, forks=forks, level=levels[prompt_index] if levels else None))
+        stats.seconds_branches += time.perf_counter() - t0
+        if progress is not None:
+            progress(len(group))
+    return trees, stats

@@ -1,0 +1,140 @@
+"""advantage.py against hand computations from the paper's formulas (Sec. 4.2, App. F) and the baselines'."""
+import math
+
+import numpy as np
+import pytest
+
+import advantage as A
+
+# A base response (reward 0) with two forks p1 < p2 and two branches at each:
+#   block 0: base [0, p1)            parent None
+#   block 1: base [p1, p2)           parent 0
+#   block 2: base [p2, n)  r = 0     parent 1   (terminal: the base response's own tail)
+#   block 3: branch at p1  r = 1     parent 0
+#   block 4: branch at p1  r = 0     parent 0
+#   block 5: branch at p2  r = 1     parent 1
+#   block 6: branch at p2  r = 1     parent 1
+TWO_FORKS_PARENTS = [None, 0, 1, 0, 0, 1, 1]
+TWO_FORKS_REWARDS = [None, None, 0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_mc_values_two_forks_by_hand():
+    v_start, v_end = A.mc_values(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS)
+    v_root = (0 + 1 + 0 + 1 + 1) / 5            # every terminal block of the tree
+    v_p1 = (0 + 1 + 0 + 1 + 1) / 5              # end of block 0: all terminals below it (tail included)
+    v_p2 = (0 + 1 + 1) / 3                      # end of block 1: base tail + the two branches at p2
+    assert v_start == pytest.approx([v_root, v_p1, v_p2, v_p1, v_p1, v_p2, v_p2])
+    assert v_end == pytest.approx([v_p1, v_p2, 0, 0, 0, 0, 0])
+
+
+def test_base_advantages_two_forks_by_hand():
+    adv = A.base_advantages(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS)
+    v_root, v_p1, v_p2 = 0.6, 0.6, 2 / 3
+    expected = [
+        0 + v_p1 - v_root,       # block 0
+        0 + v_p2 - v_p1,         # block 1: moving from p1 to p2 raised the value
+        0 + 0 - v_p2,            # block 2: the base tail failed
+        1 + 0 - v_p1,            # block 3
+        0 + 0 - v_p1,            # block 4
+        1 + 0 - v_p2,            # block 5
+        1 + 0 - v_p2,            # block 6
+    ]
+    assert adv == pytest.approx(expected)
+
+
+def test_single_branch_fork_is_not_forced_to_zero():
+    # base response (r = 0) with one fork and ONE branch (r = 1): the fork's value counts the base tail too,
+    # so the branch is credited (the released code scored forks with new branches only → always 0 here)
+    parents = [None, 0, 0]
+    rewards = [None, 0.0, 1.0]
+    adv = A.base_advantages(parents, rewards)
+    assert adv == pytest.approx([0.0, 0 - 0.5, 1 - 0.5])
+    assert adv[2] != 0
+
+
+def test_v_root_one_gives_all_zero():
+    parents = [None, None, None, None]          # V = 1: no expansion, 4 correct base responses
+    assert A.base_advantages(parents, [1.0] * 4) == [0.0] * 4
+    assert A.datpo_advantages(parents, [1.0] * 4, np.eye(4), alpha=0.2) == [0.0] * 4
+
+
+def test_base_only_tree_is_reward_minus_mean():
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    assert A.base_advantages([None] * 4, rewards) == pytest.approx([0.5, -0.5, -0.5, 0.5])
+
+
+def test_sibling_diversity_by_hand_with_unnormalised_embeddings():
+    parents = [None, 0, 0, 0, None]
+    # blocks 1,2,3 are siblings (same start state: end of block 0); blocks 0 and 4 both start at the prompt
+    emb = [[3, 0], [2, 0], [0, 5], [4, 4], [0, 7]]        # deliberately not unit length
+    div = A.sibling_diversity(parents, emb)
+    c = 1 / math.sqrt(2)
+    assert div[1] == pytest.approx(1 - (0 + c) / 2)
+    assert div[2] == pytest.approx(1 - (0 + c) / 2)
+    assert div[3] == pytest.approx(1 - (c + c) / 2)
+    assert div[0] == pytest.approx(1 - 0) and div[4] == pytest.approx(1 - 0)   # orthogonal prompt siblings
+    assert A.sibling_diversity([None, 0], [[1, 0], [0, 1]]) == [0.0, 0.0]     # no sibling → 0
+
+
+def test_datpo_advantage_positive_scope_vs_all():
+    parents = [None, 0, 0, 0]
+    rewards = [None, 1.0, 0.0, 1.0]
+    emb = [[1, 0], [1, 0], [0, 1], [1, 1]]
+    base = A.base_advantages(parents, rewards)             # [0, 1/3, -2/3, 1/3]
+    div = A.sibling_diversity(parents, emb)
+    alpha = 0.2
+    positive = A.datpo_advantages(parents, rewards, emb, alpha, scope="positive")
+    everything = A.datpo_advantages(parents, rewards, emb, alpha, scope="all")
+    assert base == pytest.approx([0, 1 / 3, -2 / 3, 1 / 3])
+    assert positive == pytest.approx([0, 1 / 3 + alpha * div[1], -2 / 3, 1 / 3 + alpha * div[3]])
+    assert everything == pytest.approx([b + alpha * d for b, d in zip(base, div)])
+    assert everything[2] > positive[2]                      # "all" also rewards the wrong branch's diversity
+    assert A.datpo_advantages(parents, rewards, None, 0.0) == pytest.approx(base)   # α = 0 needs no embeddings
+    with pytest.raises(ValueError):
+        A.datpo_advantages(parents, rewards, emb, alpha, scope="some")
+
+
+def test_alpha_linear_annealing():
+    assert A.alpha_at(0, 11, 0.2, 0.0) == pytest.approx(0.2)
+    assert A.alpha_at(5, 11, 0.2, 0.0) == pytest.approx(0.1)
+    assert A.alpha_at(10, 11, 0.2, 0.0) == pytest.approx(0.0)
+    assert A.alpha_at(5, 11, 0.2, -0.2) == pytest.approx(0.0)
+    assert A.alpha_at(3, 11, 0.2, 0.2) == pytest.approx(0.2)
+
+
+def test_malformed_trees_are_errors():
+    with pytest.raises(ValueError, match="no reward and no children"):
+        A.mc_values([None, 0], [None, None])
+    with pytest.raises(ValueError, match="terminal"):
+        A.mc_values([None, 0], [1.0, 0.0])
+    with pytest.raises(ValueError):
+        A.mc_values([None], [1.0, 0.0])
+
+
+# ---- baselines ----------------------------------------------------------------------------------------
+def test_grpo_advantage_by_hand():
+    rewards = [1.0, 0.0, 0.0, 0.0]
+    mean, std = 0.25, math.sqrt((0.75 ** 2 + 3 * 0.25 ** 2) / 3)     # unbiased std
+    assert A.grpo_advantages(rewards) == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards])
+    assert A.grpo_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+
+
+def test_drgrpo_advantage_has_no_std():
+    assert A.drgrpo_advantages([1.0, 0.0, 0.0, 0.0]) == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
+def test_treerl_advantage_by_hand():
+    # two-fork tree above: node values V(s) = mean leaf reward below the end of each block
+    adv = A.treerl_advantages(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS)
+    v_root = 0.6
+    v0, v1 = 0.6, 2 / 3                       # ends of blocks 0 and 1
+    expected = [
+        ((v0 - v_root) + (v0 - v_root)) / math.sqrt(5),
+        ((v1 - v_root) + (v1 - v0)) / math.sqrt(3),
+        ((0 - v_root) + (0 - v1)) / 1,
+        ((1 - v_root) + (1 - v0)) / 1,
+        ((0 - v_root) + (0 - v0)) / 1,
+        ((1 - v_root) + (1 - v1)) / 1,
+        ((1 - v_root) + (1 - v1)) / 1,
+    ]
+    assert adv == pytest.approx(expected)

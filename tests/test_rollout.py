@@ -1,0 +1,152 @@
+"""rollout.py on a tiny random model: entropies, tree shape, block/path invariants, and the KV-cache reuse
+path checked against an independent re-prefilled path."""
+import random
+
+import pytest
+import torch
+
+import config
+import rollout as R
+import tree as T
+
+
+def _cfg(**overrides):
+    base = dict(n_base=4, k_max=3, b_max=4, fork="tok-entropy", max_new_tokens=12, gen_batch_size=8,
+                branch_chunk_size=16)
+    base.update(overrides)
+    return config.make_config("tiny", **base)
+
+
+class RecordingReward:
+    """Replaces reward.compute_reward: the first `correct` calls per answer return 1 (so the N base responses
+    — graded first — set V(root) = correct / N), and every graded text is recorded."""
+
+    def __init__(self, correct: dict):
+        self.correct, self.calls, self.texts = correct, {}, []
+
+    def __call__(self, text, answer, fallback=False):
+        self.texts.append((answer, text))
+        k = self.calls.get(answer, 0)
+        self.calls[answer] = k + 1
+        return 1.0 if k < self.correct.get(answer, 0) else 0.0
+
+
+@pytest.mark.parametrize("correct", [0, 1, 2, 3, 4])
+def test_leaf_count_follows_difficulty(tiny_policy, monkeypatch, correct):
+    model, tok = tiny_policy
+    grader = RecordingReward({"7": correct})
+    monkeypatch.setattr(R, "compute_reward", grader)
+    torch.manual_seed(correct)
+    trees, stats = R.rollout_trees(model, tok, ["What is 3 + 4?"], ["7"], _cfg(), random.Random(0))
+    (t,) = trees
+    k_hat, b_hat = T.adaptive_budget(correct / 4, 3, 4)
+    assert t.v_root == correct / 4 and (t.k_hat, t.b_hat) == (k_hat, b_hat)
+    for j in range(4):
+        base_response = [x for b in t.blocks if b.base == j and not b.branch for x in b.token_ids]
+        assert len(base_response) >= 4             # long enough for K̂ forks (random 2-layer model, seeded)
+        assert len(t.forks[j]) == k_hat
+    assert t.leaves == 4 * (1 + k_hat * b_hat)      # N(1 + K̂B̂): 52, 40, 20, 8, 4
+    assert t.generated_tokens == stats.base_tokens + stats.branch_tokens
+    assert t.pass_rate == float(correct > 0)
+
+
+def test_blocks_partition_tokens_and_paths_rebuild_responses(tiny_policy, monkeypatch):
+    model, tok = tiny_policy
+    grader = RecordingReward({"7": 1, "12": 0})
+    monkeypatch.setattr(R, "compute_reward", grader)
+    torch.manual_seed(1)
+    prompts = ["What is 3 + 4?", "What is 5 + 7? Think."]
+    trees, stats = R.rollout_trees(model, tok, prompts, ["7", "12"], _cfg(k_max=2, b_max=2), random.Random(1))
+    for prompt, t in zip(prompts, trees):
+        assert t.prompt_ids == tok(prompt, add_special_tokens=False).input_ids
+        children = {i: [c for c, b in enumerate(t.blocks) if b.parent == i] for i in range(len(t.blocks))}
+        for i, b in enumerate(t.blocks):
+            assert b.terminal == (not children[i])          # leaves carry the reward, inner blocks do not
+            assert len(b.entropies) == len(b.token_ids) > 0
+            if b.parent is not None:                        # a child starts where its parent ends
+                parent = t.blocks[b.parent]
+                assert b.start == parent.start + len(parent.token_ids)
+        # each base response's chain of base blocks is cut at exactly its forks; each branch hangs off the
+        # base block that ends at its fork
+        for j, forks in enumerate(t.forks):
+            chain = [b for b in t.blocks if b.base == j and not b.branch]
+            assert [b.start for b in chain] == [0] + forks
+            for b in t.blocks:
+                if b.base == j and b.branch:
+                    assert b.start in forks and t.blocks[b.parent].start + len(t.blocks[b.parent].token_ids) == b.start
+    # every graded text is the decoding of exactly one root-to-leaf path rebuilt from the blocks, and back
+    decoded = sorted((t.answer, tok.decode(T.path_token_ids(t.blocks, leaf), skip_special_tokens=True))
+                     for t in trees for leaf, b in enumerate(t.blocks) if b.terminal)
+    assert decoded == sorted(grader.texts)
+
+
+def test_recorded_entropy_matches_an_independent_forward(tiny_policy):
+    model, tok = tiny_policy
+    sampler = R.Sampler.from_config(model, tok, _cfg())
+    prompt = tok("Compute 12 * 3.", add_special_tokens=False).input_ids
+    torch.manual_seed(3)
+    base = R.sample_base(sampler, [prompt, prompt[:3]], n=2, max_new_tokens=8)
+    for row in range(4):
+        ids = base.prompt_ids[row] + base.tokens[row]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+        p = len(base.prompt_ids[row])
+        expected = R.entropy_of(logits[p - 1:p - 1 + len(base.tokens[row])])
+        assert torch.allclose(torch.tensor(base.entropies[row]), expected, atol=1e-4)
+
+
+def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
+    model, tok = tiny_policy
+    sampler = R.Sampler.from_config(model, tok, _cfg())
+    prompts = [tok("What is 3 + 4?", add_special_tokens=False).input_ids,
+               tok("Add 10 and 25, then explain.", add_special_tokens=False).input_ids]
+    torch.manual_seed(5)
+    base = R.sample_base(sampler, prompts, n=2, max_new_tokens=10, keep_cache=True)
+    rows, forks = [0, 1, 2, 3, 3], [1, 4, 7, 2, 9]            # different prompt and prefix lengths → padding
+    for r, f in zip(rows, forks):
+        prefix = base.prompt_ids[r] + base.tokens[r][:f]
+        with torch.no_grad():
+            reference = model(torch.tensor([prefix])).logits[0, -1]
+            reused = model.get_output_embeddings()(base.hidden[f][r])
+        assert (reference - reused).abs().max().item() < 1e-4
+    # the sliced cache continues each prefix exactly like a fresh prefill of prefix + next token
+    cache, width = R.slice_prefix_cache(model, base, rows, forks)
+    nxt = [base.tokens[r][f] for r, f in zip(rows, forks)]
+    prefixes = [base.prompt_ids[r] + base.tokens[r][:f] for r, f in zip(rows, forks)]
+    ids, mask = R.left_pad([p + [t] for p, t in zip(prefixes, nxt)], tok.pad_token_id, "cpu")
+    assert ids.shape[1] == width + 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        cached = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
+                       past_key_values=cache).logits[:, -1]
+        for j, (p, t) in enumerate(zip(prefixes, nxt)):
+            fresh = model(torch.tensor([p + [t]])).logits[0, -1]
+            assert (fresh - cached[j]).abs().max().item() < 1e-4
+
+
+def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy):
+    model, tok = tiny_policy
+    sampler = R.Sampler.from_config(model, tok, _cfg())
+    prompts = [tok("What is 3 + 4?", add_special_tokens=False).input_ids,
+               tok("Add 10 and 25.", add_special_tokens=False).input_ids]
+    torch.manual_seed(11)
+    base = R.sample_base(sampler, prompts, n=2, max_new_tokens=10, keep_cache=True)
+    requests = [R.BranchRequest(0, 3, 2), R.BranchRequest(1, 1, 1), R.BranchRequest(3, 8, 3)]
+    outcomes = {}
+    for naive in (False, True):
+        counters = {}
+        torch.manual_seed(123)
+        outcomes[naive] = (R.sample_branches(sampler, base, requests, max_new_tokens=10, chunk_size=4,
+                                             naive_prefill=naive, counters=counters), counters)
+    (cached, c_count), (naive, n_count) = outcomes[False], outcomes[True]
+    assert c_count["recomputed_prefix_tokens"] == 0
+    assert n_count["recomputed_prefix_tokens"] == sum(
+        (len(base.prompt_ids[q.row]) + q.fork) * q.count for q in requests)
+    for per_c, per_n, q in zip(cached, naive, requests):
+        assert len(per_c) == len(per_n) == q.count
+        for (tok_c, ent_c), (tok_n, ent_n) in zip(per_c, per_n):
+            assert tok_c == tok_n
+            assert len(tok_c) <= 10 - q.fork                  # total response length stays within the budget
+            assert ent_c == pytest.approx(ent_n, abs=1e-4)
+    # branches of one fork are different samples, not copies
+    assert len({tuple(t) for t, _ in cached[2]}) > 1

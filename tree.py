@@ -1,0 +1,338 @@
+"""tree.py — the tree of one prompt: where to fork, how much to branch, and how it is cut into blocks.
+
+Paper map:
+  adaptive_budget      Sec. 4.1, Eq. (1)-(2): K̂ = ⌈K_max(1−V(root))⌉, B̂ = ⌈B_max(1−V(root))⌉
+  select_forks         App. D, Algorithm "Forking Points Selection" (random, fixed-seg, ATB, tok-entropy,
+                       sent-entropy) and App. D.4 (distance-forced tok-entropy)
+  sentence_spans       App. D.1: PySBD sentences aligned to tokens through the offset mapping
+  step_spans           App. D.1 (ATB): steps delimited by blank lines
+  step_attention, fci_step_scores
+                       App. D.1 (ATB): Forward Context Influence of each step (AttnRL)
+  split_at_forks, Block, Tree
+                       Sec. 4.2 and App. C.2: contiguous blocks bounded by forking points or the end of a
+                       trajectory; every generated token is in exactly one block
+  sib_div              App. D.3: the tree-level SibDiv metric (Section 3 analysis)
+
+Conventions (used by rollout.py and advantage.py):
+  * A response is a list of generated token ids (EOS included when the model stopped).
+  * A fork at position f (1 ≤ f ≤ n−1) keeps response[:f] and regenerates from token f on, so the chosen
+    token — or the first token of the chosen sentence — is itself resampled. Position 0 is never a fork:
+    regenerating from the prompt is just another base response, which is what N already samples.
+  * A tree is a flat list of Blocks; `parent` is the index of the block whose end state this block starts
+    from (None = the prompt). Blocks with a reward are terminal (they end a root-to-leaf path).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORK_METHODS = ("random", "fixed-seg", "atb", "tok-entropy", "sent-entropy")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Difficulty-adaptive budget (Sec. 4.1)
+# --------------------------------------------------------------------------------------------------------
+def adaptive_budget(v_root: float, k_max: int, b_max: int) -> tuple[int, int]:
+    """(K̂, B̂) = (⌈K_max(1−V)⌉, ⌈B_max(1−V)⌉), Eq. (1)-(2). V = 1 expands nothing.
+
+    The product is rounded to 9 decimals before the ceiling: with N = 7 and 6 correct, 7·(1 − 6/7) =
+    1.0000000000000004 in floating point, which a bare ceil would turn into 2.
+    """
+    if not 0.0 <= v_root <= 1.0:
+        raise ValueError(f"v_root must be in [0, 1], got {v_root}")
+    k_hat = math.ceil(round(k_max * (1.0 - v_root), 9))
+    b_hat = math.ceil(round(b_max * (1.0 - v_root), 9))
+    return int(k_hat), int(b_hat)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Token offsets, sentences and steps
+# --------------------------------------------------------------------------------------------------------
+def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Decode generated ids to text and give each token its (start, end) character span in that text.
+
+    Re-tokenising the decoded text could give different ids than the ones sampled, so offsets are taken
+    from the sampled ids themselves: each token decoded alone, lengths accumulated. When a character is
+    split across tokens (byte-level BPE on non-ASCII text) the pieces do not rejoin to the text; then the
+    prefix lengths are measured by decoding growing prefixes (slower, exact). Special tokens (EOS) decode to
+    nothing and get an empty span.
+    """
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    pieces = tokenizer.batch_decode([[t] for t in token_ids], skip_special_tokens=True)
+    if "".join(pieces) == text:
+        ends = np.cumsum([len(p) for p in pieces]).tolist()
+    else:
+        ends = [len(tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
+        ends = np.maximum.accumulate(np.minimum(ends, len(text))).tolist() if ends else []
+    starts = [0] + ends[:-1]
+    return text, list(zip(starts, ends))
+
+
+_MATH = re.compile(r"\$\$.+?\$\$|\\\[.+?\\\]|\\\(.+?\\\)|\$[^$]+?\$", re.DOTALL)
+_SEGMENTER = None
+
+
+def _segmenter():
+    global _SEGMENTER
+    if _SEGMENTER is None:
+        import pysbd  # imported lazily: only sent-entropy needs it
+
+        _SEGMENTER = pysbd.Segmenter(language="en", clean=False, char_span=True)
+    return _SEGMENTER
+
+
+def _char_spans_to_token_spans(starts: list[int], offsets: list[tuple[int, int]], text: str) -> list[tuple[int, int]]:
+    """Map sentence start characters to token spans covering every token once, in order.
+
+    A token belongs to the sentence holding its first non-space character (a leading space belongs to
+    the word after it); a token with no such character (EOS, pure whitespace) joins the sentence of the
+    token before it.
+    """
+    if not offsets:
+        return []
+    sentence_of = []
+    current = 0
+    for begin, end in offsets:
+        chunk = text[begin:end]
+        stripped = len(chunk) - len(chunk.lstrip())
+        if end > begin and stripped < end - begin:
+            anchor = begin + stripped
+            current = max(current, int(np.searchsorted(starts, anchor, side="right")) - 1)
+        sentence_of.append(current)
+    spans, first = [], 0
+    for i in range(1, len(sentence_of) + 1):
+        if i == len(sentence_of) or sentence_of[i] != sentence_of[first]:
+            spans.append((first, i))
+            first = i
+    return spans
+
+
+def sentence_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """PySBD sentences as token spans (start inclusive, end exclusive), covering every token once (App. D.1).
+
+    Maths is masked before splitting so that a full stop inside $...$, $$...$$, \\[...\\] or \\(...\\)
+    does not end a sentence (PySBD otherwise splits display maths before its closing $$).
+    """
+    if not offsets:
+        return []
+    masked = _MATH.sub(lambda m: "x" * len(m.group()), text)
+    char_starts = sorted({span.start for span in _segmenter().segment(masked)} | {0}) if masked.strip() else [0]
+    return _char_spans_to_token_spans(char_starts, offsets, text)
+
+
+def step_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Reasoning steps as token spans: a new step starts after each blank line (ATB, App. D.1)."""
+    if not offsets:
+        return []
+    char_starts = [0] + [m.end() for m in re.finditer(r"\n\s*\n", text) if m.end() < len(text)]
+    return _char_spans_to_token_spans(sorted(set(char_starts)), offsets, text)
+
+
+def step_attention(attention: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Step-to-step attention α[h, j, k] = mean over tokens i ∈ step j, m ∈ step k of a[h, i, m].
+
+    attention: [heads, n, n] token attention (query i, key m) of one layer; returns [heads, S, S].
+    """
+    n = attention.shape[-1]
+    average = np.zeros((len(spans), n))
+    for s, (a, b) in enumerate(spans):
+        average[s, a:b] = 1.0 / (b - a)
+    return average @ attention @ average.T
+
+
+def fci_step_scores(step_attn: np.ndarray, gap: int = 4) -> list[float]:
+    """Forward Context Influence of each step (ATB, App. D.1; AttnRL, Liu et al. 2025).
+
+    step_attn: [layers·heads, S, S] step-level attention (step_attention of every layer, stacked).
+    y_k = max over (layer, head) of Σ_{j ≥ k+gap} α[j, k]: how much the steps at least `gap` steps later
+    attend to step k. AttnRL's released code uses gap Δ = 4 (which DATPO's App. E.2 lists as "Δ = 4").
+    """
+    steps = step_attn.shape[-1]
+    later = np.tril(np.ones((steps, steps), dtype=bool), k=-gap)       # query j ≥ key k + gap
+    return (step_attn * later).sum(axis=-2).max(axis=0).tolist() if steps else []
+
+
+# --------------------------------------------------------------------------------------------------------
+# Forking-point selection (App. D, Algorithm "Forking Points Selection")
+# --------------------------------------------------------------------------------------------------------
+def _top_positions(scores: list[float], positions: list[int], k: int) -> list[int]:
+    """The k positions with the highest score; ties go to the earlier position (stable)."""
+    order = sorted(range(len(positions)), key=lambda i: (-scores[i], positions[i]))
+    return [positions[i] for i in order[:k]]
+
+
+def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist: float = 0.0,
+                 step_scores=None, quantile: float = 0.8) -> list[int]:
+    """K forking positions f (sorted, distinct, 1 ≤ f ≤ n−1) in a response of n = len(entropies) tokens.
+
+    random        K positions uniformly without replacement (rng: a random.Random).
+    fixed-seg     ⌊i·n/(K+1)⌋ for i = 1..K.
+    tok-entropy   the K highest token entropies H_t; with min_dist > 0 (App. D.4: 0.05, 0.10) candidates are
+                  taken greedily in entropy order and one closer than min_dist·n tokens to an already
+                  chosen fork is skipped.
+    sent-entropy  `spans` are sentences (token spans); H^S_m = mean token entropy of sentence m; fork at the
+                  first token of each of the K highest sentences. The first sentence starts at token 0, the
+                  prompt boundary, where a fork would only repeat a base response: it is not a candidate.
+    atb           `spans` are steps and `step_scores` their FCI; candidates are steps scoring at or above the
+                  `quantile` (0.8) quantile of all steps, and the K earliest candidates give the forks (a step
+                  starting at token 0 is excluded, as above); too few candidates → earliest other steps.
+    Fewer than K positions come back when the response is too short or has too few sentences/steps.
+    """
+    n = len(entropies)
+    if k <= 0 or n < 2:
+        return []
+    k = min(k, n - 1)
+    if method == "random":
+        if rng is None:
+            raise ValueError("select_forks('random') needs rng (a random.Random)")
+        return sorted(rng.sample(range(1, n), k))
+    if method == "fixed-seg":
+        return sorted({max(1, (i * n) // (k + 1)) for i in range(1, k + 1)})
+    if method == "tok-entropy":
+        positions = list(range(1, n))
+        ranked = _top_positions([float(entropies[p]) for p in positions], positions, len(positions))
+        chosen: list[int] = []
+        for p in ranked:
+            if min_dist > 0 and any(abs(p - q) < min_dist * n for q in chosen):
+                continue
+            chosen.append(p)
+            if len(chosen) == k:
+                break
+        return sorted(chosen)
+    if method == "sent-entropy":
+        if spans is None:
+            raise ValueError("select_forks('sent-entropy') needs spans (sentence token spans)")
+        usable = [(a, b) for a, b in spans if 1 <= a < n and b > a]
+        scores = [float(np.mean([float(entropies[t]) for t in range(a, b)])) for a, b in usable]
+        return sorted(_top_positions(scores, [a for a, _ in usable], k))
+    if method == "atb":
+        if spans is None or step_scores is None or len(spans) != len(step_scores):
+            raise ValueError("select_forks('atb') needs spans (steps) and one step_scores value per step")
+        if not spans:
+            return []
+        scores = np.asarray(step_scores, dtype=float)
+        threshold = float(np.quantile(scores, quantile))
+        if threshold <= 0 and (scores > 0).any():   # AttnRL: a zero quantile falls back to the least positive
+            threshold = float(scores[scores > 0].min())
+        starts = [a for a, _ in spans if 1 <= a < n]
+        candidates = [a for (a, _), s in zip(spans, scores) if s >= threshold and 1 <= a < n]
+        # Fewer than K candidates: the earliest remaining steps fill the gap (AttnRL's code does the same), so
+        # ATB spends the same budget as the other strategies.
+        chosen = sorted(candidates)[:k]
+        chosen += [a for a in starts if a not in chosen][: k - len(chosen)]
+        return sorted(chosen)
+    raise ValueError(f"unknown fork method {method!r}; expected one of {', '.join(FORK_METHODS)}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Blocks (Sec. 4.2, App. C.2)
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Block:
+    """A contiguous run of generated tokens between two forks (or a fork and the end of a trajectory)."""
+    parent: int | None              # block whose end state this block starts from; None = the prompt
+    token_ids: list[int]
+    entropies: list[float]          # H_t of the distribution each token was sampled from
+    text: str = ""
+    reward: float | None = None     # terminal blocks only (0/1 verifiable reward of the whole path)
+    base: int = 0                   # which base response (0..N−1) the block grows from
+    start: int = 0                  # position of its first token within its root-to-leaf response
+    branch: bool = False            # a branch rollout (one terminal block) rather than a piece of a base response
+
+    @property
+    def terminal(self) -> bool:
+        return self.reward is not None
+
+
+@dataclass
+class Tree:
+    """One prompt's rollout tree and the per-tree statistics the paper reports (Fig. leaf count, PassRate)."""
+    prompt: str
+    prompt_ids: list[int]
+    answer: str
+    blocks: list[Block]
+    v_root: float                   # mean reward of the N base responses (difficulty, Sec. 4.1)
+    k_hat: int
+    b_hat: int
+    forks: list[list[int]] = field(default_factory=list)   # fork positions per base response
+    level: int | None = None
+
+    @property
+    def leaves(self) -> int:
+        return sum(b.terminal for b in self.blocks)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(b.token_ids) for b in self.blocks)
+
+    @property
+    def pass_rate(self) -> float:
+        """PassRate (App. C.2): 1 when any leaf is correct."""
+        return float(any(b.reward == 1.0 for b in self.blocks))
+
+    @property
+    def parents(self) -> list[int | None]:
+        return [b.parent for b in self.blocks]
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [b.reward for b in self.blocks]
+
+
+def split_at_forks(n: int, forks: list[int]) -> list[tuple[int, int]]:
+    """A base response of n tokens with forks p1 < … < pk → [0,p1), [p1,p2), …, [pk,n)."""
+    bounds = [0] + list(forks) + [n]
+    if any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"forks must be strictly increasing within (0, {n}): {forks}")
+    return list(zip(bounds, bounds[1:]))
+
+
+def base_blocks(base: int, token_ids: list[int], entropies: list[float], reward: float, forks: list[int],
+                first_index: int) -> tuple[list[Block], dict[int, int]]:
+    """Cut one base response at its forks. Returns its blocks (the last is terminal, carrying the response's
+    reward) and, for each fork f, the index of the block that ends at f — the parent of f's branches."""
+    blocks, ends_at = [], {}
+    for j, (a, b) in enumerate(split_at_forks(len(token_ids), forks)):
+        parent = None if j == 0 else first_index + j - 1
+        last = b == len(token_ids)
+        blocks.append(Block(parent=parent, token_ids=list(token_ids[a:b]), entropies=list(entropies[a:b]),
+                            reward=reward if last else None, base=base, start=a))
+        ends_at[b] = first_index + j
+    return blocks, ends_at
+
+
+def path_to(blocks: list[Block], leaf: int) -> list[int]:
+    """Block indices from the prompt down to `leaf`."""
+    path = []
+    node: int | None = leaf
+    while node is not None:
+        path.append(node)
+        node = blocks[node].parent
+    return path[::-1]
+
+
+def path_token_ids(blocks: list[Block], leaf: int) -> list[int]:
+    """The generated ids of the root-to-leaf response that ends in block `leaf`."""
+    return [t for i in path_to(blocks, leaf) for t in blocks[i].token_ids]
+
+
+def sib_div(parents: list[int | None], embeddings) -> float | None:
+    """Tree-level SibDiv (App. D.3): 1 − mean over forking points of the mean pairwise cosine similarity of
+    the blocks branching from that point. Only forking points count: states with ≥ 2 children other than
+    the prompt itself (the N base responses are parallel samples, not a fork). None when there is none."""
+    emb = np.asarray(embeddings, dtype=float)
+    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    groups: dict = {}
+    for i, p in enumerate(parents):
+        groups.setdefault(p, []).append(i)
+    sims = []
+    for parent, members in groups.items():
+        if parent is None or len(members) < 2:
+            continue
+        g = emb[members] @ emb[members].T
+        upper = g[np.triu_indices(len(members), k=1)]
+        sims.append(float(upper.mean()))
+    return 1.0 - float(np.mean(sims)) if sims else None
