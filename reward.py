@@ -1,0 +1,433 @@
+"""Binary verifiable reward for math answers.
+
+The paper trains with a binary verifiable reward: 1 if the final answer is correct, 0 otherwise
+(DATPO, Section 5.1 and Appendix E.1 "Training Hyperparameters"; the same r(b) in {0, 1} scores the
+terminal blocks of a tree, Section 4). This module turns a model response into that number:
+
+    extract_answer(text)         -> content of the last brace-balanced \\boxed{...} (or \\fbox{...}), or None
+    is_equivalent(pred, gold)    -> math-verify equivalence of two bare answer strings, strict
+    compute_reward(text, gold)   -> 1.0 / 0.0
+
+Grading is math-verify (the grader of TRL, open-r1 and lm-eval) with strict=True: \\frac12 = 0.5,
+\\sqrt2/2 = 1/\\sqrt2, 1,000 = 1000, "x = 5" = 5, 30^\\circ = 30, "5 \\text{ cm}" = 5, sets are unordered,
+tuples and interval endpoints are not. There is no numeric fallback that strips letters (the public
+reference code graded \\sqrt{2} as 2; here it is wrong). LaTeX mangled by a non-raw Python string
+("\\boxed" typed as "\\x08oxed") is repaired. Answers never make these functions raise; the one error
+is a RuntimeError when a helper process (below) cannot start at all, which is a broken environment.
+
+Bounding the time. A model can write anything inside a box (9^{9^{9^{9}}}, 10,000 characters, garbage
+LaTeX) and sympy may then work for minutes; a training step grades hundreds of responses, so every
+check must end within TIMEOUT_SECONDS, return False rather than raise, and work from any thread or
+worker process. Three layers:
+  1. Cheap guards reject what no real answer looks like before sympy sees it: more than
+     MAX_ANSWER_CHARS characters (MATH's longest gold answer has 159), braces that are unbalanced or,
+     with brackets, nested deeper than MAX_NESTING, numeric exponent towers (a digit raised to a digit
+     inside an exponent, 9^9^9) and exponents, factorials or binomials of 6+ digit integers. Identical
+     strings are accepted before the guards, so a gold answer is never guarded away from an identical
+     prediction; two plain numbers are compared exactly without sympy (microseconds).
+  2. On the main thread, math-verify runs in-process under our own SIGALRM (setitimer, re-firing every
+     0.1 s in case some library swallows the first exception). math-verify's own timeouts are off
+     (parsing_timeout=None, timeout_seconds=None): they call signal.alarm, which raises ValueError off
+     the main thread, and they would bound parsing and comparing separately rather than the whole check.
+  3. Off the main thread (thread pools) signals cannot be used, so the check is sent to a persistent
+     helper process (a pool of them, one per concurrent caller, at most MAX_HELPERS). The helper grades
+     with layer 2 on its own main thread (alarm at 0.85 x the timeout, so it usually answers and lives
+     on); if no answer comes back within TIMEOUT_SECONDS the helper is killed and the next call starts
+     a fresh one (under a second). Helpers are started with subprocess, not multiprocessing, so daemonic
+     workers (torch DataLoader, multiprocessing.Pool) may use them; a forked child forgets its parent's
+     helpers and starts its own if it needs them.
+Worker processes (ProcessPoolExecutor, DataLoader) run their tasks on their main thread: layer 2.
+A (pred, gold) pair whose check ran out of time is remembered and graded False at once the next time.
+
+Speed (2-core CPU): a plain-number check takes microseconds; a math-verify check of two MATH500 answers
+averages 13 ms with both sides parsed cold, less in training, where a group shares its gold answer
+(parses and whole (pred, gold) results are cached); a round trip to a warm helper adds about 0.1 ms.
+The first math-verify call of a process pays about 1 s of imports, a helper's start about 0.7 s.
+"""
+
+import atexit
+import functools
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+
+TIMEOUT_SECONDS = 3.0          # wall-clock bound on one equivalence check (read at call time)
+MAX_ANSWER_CHARS = 1000        # longer "answers" are graded wrong without parsing
+MAX_NESTING = 16               # braces and brackets
+MAX_HELPERS = 8                # helper processes for off-main-thread callers
+HELPER_STARTUP_SECONDS = 120.0 # importing sympy on a busy 2-core box can take a while; not part of the bound
+
+
+# ---------------------------------------------------------------------------------------------------
+# Answer extraction
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_BARE_BOX_TOKEN_RE = re.compile(r"[ \t]*([^\s${}\\]+)")   # "\boxed 5" (LaTeX allows one bare token)
+# Numbers for the optional fallback: 1,234.5 / 12.5 / .5 / 7; a minus only when it is not a binary minus.
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.,])(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
+
+
+# LaTeX typed into a non-raw Python string loses its backslash: "\boxed" -> "\x08oxed", "\frac" ->
+# "\x0crac", "\text" -> TAB + "ext". Those control characters never occur in model output, so put the
+# backslash back (only TAB/CR before a known command name, since plain tabs and CRs are real text).
+_MANGLED_RE = re.compile(r"[\x07\x08\x0b\x0c]|\t(?=ext|imes|heta|frac|riangle)|\r(?=ight|angle|ho)")
+_MANGLED = {"\x07": "\\a", "\x08": "\\b", "\x0b": "\\v", "\x0c": "\\f", "\t": "\\t", "\r": "\\r"}
+
+
+def _unmangle(text: str) -> str:
+    return _MANGLED_RE.sub(lambda m: _MANGLED[m.group()], text)
+
+
+def _match_braces(text: str) -> dict[int, int]:
+    """Map the index of each '{' to its matching '}' in one pass; escaped \\{ \\} are not braces."""
+    pairs, stack, i = {}, [], 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # skip the escaped character (\{, \}, \\)
+            continue
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            pairs[stack.pop()] = i
+        i += 1
+    return pairs
+
+
+def extract_answer(text: str, fallback_last_number: bool = False) -> str | None:
+    """Content of the last brace-balanced \\boxed{...} / \\fbox{...} (or \\boxed TOKEN), else None.
+
+    An unbalanced box is skipped. With fallback_last_number=True and no usable box, the last number in
+    the text is returned instead (a switch for easy demo data; off for MATH-style training).
+    """
+    if not isinstance(text, str):
+        return None
+    text = _unmangle(text)
+    pairs = None  # computed lazily: most texts have one box
+    for m in reversed(list(_BOX_RE.finditer(text))):
+        j = m.end()
+        while j < len(text) and text[j] in " \t":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            if pairs is None:
+                pairs = _match_braces(text)
+            if j in pairs:
+                return text[j + 1:pairs[j]].strip()
+            continue  # unbalanced: try an earlier box
+        bare = _BARE_BOX_TOKEN_RE.match(text, m.end())
+        if bare and bare.group(1).rstrip(".,;:"):
+            return bare.group(1).rstrip(".,;:")
+    if fallback_last_number:
+        numbers = _NUMBER_RE.findall(text)
+        if numbers:
+            return numbers[-1]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cheap checks that need no sympy
+
+_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+_DIGITS = r"\d(?:,?\d){5,}"  # 6+ digits (thousands commas allowed)
+_EXPLOSIVE_RES = [
+    re.compile(r"\^\s*\{?\s*\(?\s*-?" + _DIGITS),                  # 2^{1000000}
+    re.compile(_DIGITS + r"\s*\)?\s*!"),                            # 1000000!
+    re.compile(r"\\[dt]?binom\s*\{?\s*" + _DIGITS),                 # \binom{1000000}{500000}
+    re.compile(r"\^\s*\{?\s*\(?\s*\d+\s*\)?\s*\}?\s*\^"),          # 9^9^9, 9^{9}^{9}
+]
+
+
+_TRAILING_RE = re.compile(r"(?:\\[,;:]|\\q?quad|[\s.,;:])+$")  # "30^\circ." does not parse
+
+
+def _clean(answer: str) -> str:
+    """Normalise what math-verify trips on: surrounding $, trailing punctuation/spacing, \\! in 29,\\!322."""
+    answer = answer.replace("\\!", "").strip()
+    while len(answer) >= 2 and answer.startswith("$") and answer.endswith("$"):
+        answer = answer[1:-1].strip()
+    return _TRAILING_RE.sub("", answer)
+
+
+def _exponent_args(answer: str) -> list[str]:
+    """The argument of every ^ : a balanced {group} or a single token."""
+    args = []
+    for m in re.finditer(r"\^\s*", answer):
+        j = m.end()
+        if j < len(answer) and answer[j] == "{":
+            depth, k = 0, j
+            while k < len(answer):
+                depth += {"{": 1, "}": -1}.get(answer[k], 0)
+                if depth == 0:
+                    break
+                k += 1
+            args.append(answer[j + 1:k])
+        else:
+            args.append(answer[j:j + 1])
+    return args
+
+
+def _is_safe(answer: str) -> bool:
+    """False for inputs no real answer looks like and that can make sympy run for a long time."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return False
+    unescaped = re.sub(r"\\.", "", answer)  # escaped \{ \} are literal braces
+    braces = nesting = 0
+    for ch in unescaped:
+        braces += {"{": 1, "}": -1}.get(ch, 0)
+        # Brackets need not balance ("[1,2)"), but their nesting is bounded like that of braces.
+        nesting += 1 if ch in "{([" else -1 if ch in "})]" else 0
+        if braces < 0 or max(braces, nesting) > MAX_NESTING:
+            return False
+    if braces != 0:
+        return False
+    if any(r.search(answer) for r in _EXPLOSIVE_RES):
+        return False
+    # Numeric towers like 9^{9^{9}}: a number raised to a number inside an exponent. e^{x^2} and
+    # 2^{2^n} stay allowed (sympy keeps them symbolic).
+    return not any(re.search(r"\d\s*\}?\s*\^\s*\{?\s*\(?\s*\d", arg) for arg in _exponent_args(answer))
+
+
+def _plain_number(answer: str) -> Fraction | None:
+    if _PLAIN_NUMBER_RE.fullmatch(answer):
+        return Fraction(answer.replace(",", ""))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# math-verify, in this process
+
+_mv = None  # (parse, verify) once imported
+
+
+def _load_math_verify():
+    """Import math-verify and warm it up outside any alarm: an interrupted import would leave it broken."""
+    global _mv
+    if _mv is None:
+        import math_verify
+        import math_verify.grader
+        import math_verify.parser
+        # We bound the time ourselves; silence its once-per-process "timeout is disabled" warning.
+        math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+        math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+        math_verify.verify(math_verify.parse("\\boxed{1}", parsing_timeout=None),
+                           math_verify.parse("\\boxed{\\frac{2}{2}}", parsing_timeout=None), timeout_seconds=None)
+        _mv = (math_verify.parse, math_verify.verify)
+    return _mv
+
+
+_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(answer: str):
+    """math-verify's parse (a sympy object plus the string) of a bare answer, wrapped as it expects.
+
+    \\boxed{} parses every MATH gold answer; $...$ rescues e.g. '43_5'; thousands commas inside a
+    fraction ('\\frac{1}{29,322}') only parse once removed, which is tried last so that a pair like
+    (1,234) keeps its meaning.
+    """
+    parse, _ = _mv
+    first = parse("\\boxed{" + answer + "}", parsing_timeout=None)
+    retries = ["$" + answer + "$"]
+    if "," in answer:
+        retries.append("\\boxed{" + _THOUSANDS_COMMA_RE.sub("", answer) + "}")
+    parsed = first
+    for wrapped in retries:
+        if any(not isinstance(p, str) for p in parsed):
+            return parsed
+        parsed = parse(wrapped, parsing_timeout=None)
+    return parsed if any(not isinstance(p, str) for p in parsed) else first
+
+
+@functools.lru_cache(maxsize=8192)
+def _math_verify_equal(pred: str, gold: str) -> bool:
+    _, verify = _mv
+    gold_parsed, pred_parsed = _parse(gold), _parse(pred)
+    if not gold_parsed or not pred_parsed:
+        return False
+    # verify(gold, target) is not symmetric: gold first.
+    return bool(verify(gold_parsed, pred_parsed, strict=True, timeout_seconds=None))
+
+
+class _Timeout(BaseException):
+    """BaseException so that math-verify's and sympy's `except Exception` do not swallow it."""
+
+
+def _raise_timeout(signum, frame):
+    raise _Timeout()
+
+
+def _verify_with_alarm(pred: str, gold: str, timeout: float) -> bool | None:
+    """math-verify under SIGALRM, None on timeout; main thread only."""
+    _load_math_verify()
+    old_handler = signal.signal(signal.SIGALRM, _raise_timeout)
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, max(timeout, 0.01), 0.1)  # re-fires until disarmed
+            return _math_verify_equal(pred, gold)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Timeout:  # also catches an alarm that lands inside the inner finally
+        return None
+    except Exception:  # a bug in a parser must cost one reward, not the training run
+        return False
+    finally:
+        signal.signal(signal.SIGALRM, old_handler)
+
+
+# ---------------------------------------------------------------------------------------------------
+# math-verify, in a helper process (for callers off the main thread)
+
+# Load this file by path (the helper must not depend on the caller's sys.path or package name) and
+# drop the current directory from sys.path so a project file cannot shadow a library module.
+_HELPER_CODE = (
+    "import sys, importlib.util\n"
+    "sys.path = [p for p in sys.path if p not in ('', '.')]\n"
+    "spec = importlib.util.spec_from_file_location('_reward_helper', sys.argv[1])\n"
+    "module = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(module)\n"
+    "module._serve()\n"
+)
+
+
+def _serve():
+    """Helper process loop: one JSON [pred, gold, seconds] per line in, '1', '0' or 't' (timeout) out."""
+    _load_math_verify()
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        pred, gold, seconds = json.loads(line)
+        verdict = _verify_with_alarm(pred, gold, seconds)
+        sys.stdout.write("t\n" if verdict is None else "1\n" if verdict else "0\n")
+        sys.stdout.flush()
+
+
+class _Helper:
+    def __init__(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _HELPER_CODE, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        self.poller = select.poll()  # not select.select: that fails on fd numbers above 1024
+        self.poller.register(self.proc.stdout, select.POLLIN)
+        if self._readline(HELPER_STARTUP_SECONDS) != b"ready":
+            self.kill()
+            raise RuntimeError("reward.py: the grading helper process did not start")
+
+    def _readline(self, seconds: float) -> bytes | None:
+        # Unbuffered pipe and one outstanding request: poll() sees exactly the reply we wait for.
+        if not self.poller.poll(seconds * 1000):
+            return None
+        return self.proc.stdout.readline().strip()  # b"" if the helper died (POLLHUP)
+
+    def ask(self, pred: str, gold: str, timeout: float) -> bool | str | None:
+        """The helper's verdict, "timeout" if its own alarm fired, None if it did not answer in time (or died)."""
+        try:
+            # The helper's own alarm fires a little earlier, so that usually it answers and survives.
+            self.proc.stdin.write((json.dumps([pred, gold, 0.85 * timeout]) + "\n").encode())
+            reply = self._readline(timeout)
+        except (OSError, ValueError):
+            return None
+        return {b"1": True, b"0": False, b"t": "timeout"}.get(reply)
+
+    def kill(self):
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except Exception:
+            pass
+
+
+_helpers_lock = threading.Lock()
+_helpers_free = threading.BoundedSemaphore(MAX_HELPERS)
+_idle_helpers: list[_Helper] = []
+
+
+def _verify_in_helper(pred: str, gold: str, timeout: float) -> bool | None:
+    """The verdict of an idle (or new) helper process; None if the helper's own alarm fired."""
+    with _helpers_free:
+        with _helpers_lock:
+            helper = _idle_helpers.pop() if _idle_helpers else None
+        if helper is None or helper.proc.poll() is not None:
+            helper = _Helper()
+        verdict = helper.ask(pred, gold, timeout)
+        if verdict is None:  # no answer in time, or dead: kill it, the next caller starts a fresh one
+            helper.kill()
+            return False  # not remembered as a timeout: a stuck helper says nothing about the answer
+        with _helpers_lock:
+            _idle_helpers.append(helper)
+        return None if verdict == "timeout" else verdict
+
+
+def _forget_helpers_after_fork():
+    # A forked child shares its parent's pipes: never talk to (or kill) the parent's helpers.
+    global _helpers_lock, _helpers_free, _idle_helpers
+    _helpers_lock = threading.Lock()
+    _helpers_free = threading.BoundedSemaphore(MAX_HELPERS)
+    _idle_helpers = []
+
+
+def _close_helpers():
+    for helper in _idle_helpers:
+        helper.kill()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_helpers_after_fork)
+atexit.register(_close_helpers)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+
+# (pred, gold) pairs that ran out of time. A collapsing policy repeats the same degenerate answer
+# across a whole group; paying the timeout once per pair, not once per response, keeps a step bounded.
+_timed_out: set[tuple[str, str]] = set()
+
+
+def _verify_bounded(pred: str, gold: str, timeout: float) -> bool:
+    """math-verify with a hard wall-clock bound, from any thread."""
+    if (pred, gold) in _timed_out:
+        return False
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    # Do not fight another user of SIGALRM (a pending timer of the caller): use a helper then.
+    if on_main_thread and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+        verdict = _verify_with_alarm(pred, gold, timeout)
+    else:
+        verdict = _verify_in_helper(pred, gold, timeout)
+    if verdict is None:
+        if len(_timed_out) > 10000:
+            _timed_out.clear()
+        _timed_out.add((pred, gold))
+        return False
+    return verdict
+
+
+def is_equivalent(pred: str, gold: str) -> bool:
+    """True iff the bare answer `pred` equals the bare answer `gold` (strict math-verify)."""
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        return False
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return False  # checked first: everything below is at least linear in the length
+    pred, gold = _clean(_unmangle(pred)), _clean(_unmangle(gold))
+    if not pred or not gold:
+        return False
+    if pred == gold:
+        return True
+    if not (_is_safe(pred) and _is_safe(gold)):
+        return False
+    pred_number, gold_number = _plain_number(pred), _plain_number(gold)
+    if pred_number is not None and gold_number is not None:
+        return pred_number == gold_number  # exact: 12 != 12.0000001
+    return _verify_bounded(pred, gold, TIMEOUT_SECONDS)
+
+
+def compute_reward(response: str, gold: str, fallback_last_number: bool = False) -> float:
+    """The paper's binary verifiable reward: 1.0 if the final (last boxed) answer is correct, else 0.0."""
+    pred = extract_answer(response, fallback_last_number=fallback_last_number)
+    return 1.0 if pred is not None and is_equivalent(pred, gold) else 0.0

