@@ -160,8 +160,8 @@ PRESETS: dict[str, dict] = {
     ),
     # Tests: tiny random models, a handful of tokens.
     "tiny": dict(
-        model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="tiny-random",
-        n_base=2, k_max=2, b_max=2, max_new_tokens=12, max_prompt_tokens=512, prompts_per_step=2,
+        model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="all-minilm-l6-v2",
+        n_base=2, k_max=2, b_max=2, fork="tok-entropy", max_new_tokens=12, max_prompt_tokens=512, prompts_per_step=2,
         mini_batch_size=8, micro_batch_size=4, gen_batch_size=8, branch_chunk_size=8, ppo_epochs=1,
         lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12, save_every=1,
         precision="fp32", device="cpu", out_dir="runs/tiny",
