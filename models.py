@@ -11,6 +11,7 @@ folder's checkpoint, or one of two offline names:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -27,6 +28,29 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def policy_dtype(precision: str) -> torch.dtype:
+    """Weights' dtype: fp32 master weights unless the pure-bf16 option is chosen (config.precision)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast(device: torch.device | str, precision: str):
+    """bf16 autocast over fp32 weights for `bf16-autocast` (the default; NOTES.md: 3.5x faster forward and
+    backward on this CPU too), nothing otherwise. Rollout, old log-probs and the update all use it."""
+    device = torch.device(device)
+    if precision == "bf16-autocast":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The latest checkpoint of a run folder (RUN/checkpoints/latest, written by train.py), else the path as
+    given (a model folder or an HF name). A run folder's own config.json is the run's Config, not a model's."""
+    latest = Path(path) / "checkpoints" / "latest"
+    if latest.exists():
+        return str(latest.parent / latest.read_text().strip())
+    return path
 
 
 def _package_folder(package: str, pip_name: str) -> Path:
@@ -91,9 +115,11 @@ def tiny_random_model(vocab_size: int, seed: int = 0, **sizes) -> torch.nn.Modul
 
 
 def load_policy(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
-    """(model, tokenizer) for --model. Weights stay in `dtype` (fp32 master weights by default)."""
+    """(model, tokenizer) for --model (a name, a model folder, or a run folder → its latest checkpoint).
+    Weights stay in `dtype` (fp32 master weights by default)."""
     from transformers import AutoModelForCausalLM
 
+    name = resolve_checkpoint(name) if name not in ("smollm2-135m", "tiny-random") else name
     tokenizer = load_tokenizer(name)
     if name == "tiny-random":
         model = tiny_random_model(len(tokenizer), seed=seed).to(dtype)

@@ -1,0 +1,467 @@
+"""evaluate.py — avg@k, pass@k and maj@k of a policy on math benchmarks (paper Sec. 5.1, 5.3, App. A, App. E.1).
+
+Protocol of the paper (App. E.1 "Evaluation"): temperature 1.0, at most 2048 new tokens, k = 8 samples per
+problem for MATH500 and k = 64 for AIME24/25/26 and AMC23; pass@k and maj@k are averaged over three
+independent evaluation runs (`--runs 3`; the default here is 1 because a CPU pays for every sample).
+
+    python evaluate.py --model runs/demo --bench arith-test --k 8
+    python evaluate.py --model Qwen/Qwen2.5-3B --prompt_style plain --bench math500 aime24 --k 8 64 --runs 3
+    python evaluate.py --rescore runs/eval/demo/samples_arith-test.jsonl       # same numbers, no model
+    python evaluate.py --plot_models runs/eval/smollm2-135m runs/eval/demo --out_dir runs/eval/compare
+
+Metrics (App. A notation; r(y) ∈ {0, 1} is the binary verifiable reward of reward.compute_reward):
+  avg@k            mean of r over all samples (= (1/k) Σ_j r(y_j), averaged over problems and runs)
+  pass@k           the paper's empirical pass@k: 1[Σ_j r(y_j) ≥ 1] for the k samples of one run, averaged
+                   over problems, then over runs
+  pass@k_unbiased  Chen et al. (2021): 1 − C(n−c, k)/C(n, k) with all n = runs·k samples of a problem pooled
+  pass_curve       the same estimator for j = 1, 2, 4, …, k (the pass@k curves of App. B, Fig. "pass@k")
+  maj@k            the majority-voted answer of the k samples is correct (Sec. 5.3, Wang et al. 2022),
+                   averaged over problems, then over runs
+Every sample is saved to samples_<bench>.jsonl; `score_records` computes all numbers from those records
+alone, so `--rescore` reproduces results.json exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import config as C
+import data
+import models
+from reward import compute_reward, extract_answer, is_equivalent
+
+PAPER_K = {"math500": 8}   # App. E.1: k = 8 for MATH500 ...
+DEFAULT_K = 64             # ... and 64 for the other benchmarks
+
+
+# --------------------------------------------------------------------------------------------------------
+# Metrics: pure functions
+# --------------------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 − C(n−c, k)/C(n, k) (Chen et al. 2021).
+
+    Product form C(n−c, k)/C(n, k) = Π_{i=n−c+1}^{n} (1 − k/i): no huge binomials, stable for n in the
+    thousands. The paper's pass@k (App. A) is the k = n case of this: 1 if any of the k samples is correct.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got n={n}, k={k}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
+    if n - c < k:  # every draw of k samples contains a correct one
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_vote(answers: list[str | None]) -> str | None:
+    """The most common answer, equivalent spellings counted together (Sec. 5.3, maj@k).
+
+    Answers join the first group whose representative (its first member) `reward.is_equivalent` accepts,
+    so "1/2", "0.5" and "\\frac12" form one group. The largest group wins; on a tie the group whose first
+    member appears earliest in `answers` wins. None (no extractable answer) is never a candidate: all None
+    → None. Returns the representative of the winning group.
+    """
+    counts: dict[str, int] = {}            # identical strings first: one equivalence check per distinct string
+    for answer in answers:
+        if answer is not None:
+            counts[answer] = counts.get(answer, 0) + 1
+    groups: list[list] = []                # [representative, size], in order of first appearance
+    for answer, count in counts.items():
+        for group in groups:
+            if is_equivalent(answer, group[0]):
+                group[1] += count
+                break
+        else:
+            groups.append([answer, count])
+    if not groups:
+        return None
+    return max(groups, key=lambda g: g[1])[0]  # max keeps the first of equal sizes: the earliest group
+
+
+def pass_ladder(k: int) -> list[int]:
+    """1, 2, 4, … below k, then k (the x-axis of the paper's pass@k curves)."""
+    return [2 ** e for e in range(k.bit_length()) if 2 ** e < k] + [k]
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def score_records(records: list[dict], k: int) -> dict:
+    """All metrics from the per-sample records alone (the rows of samples_<bench>.jsonl).
+
+    A record needs "index" (problem), "run", "gold", "answer" (extracted, or None) and "correct"; every
+    (index, run) must hold exactly k records and every problem every run.
+    """
+    if not records:
+        raise ValueError("score_records: no records")
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for position, record in enumerate(records):
+        cells[(record["index"], record["run"])].append((record.get("sample", position), record))
+    problems = sorted({i for i, _ in cells})
+    runs = sorted({r for _, r in cells})
+    for i in problems:
+        for r in runs:
+            size = len(cells.get((i, r), []))
+            if size != k:
+                raise ValueError(f"score_records: problem {i} run {r} has {size} samples, expected k={k}")
+    cell = {key: [rec for _, rec in sorted(rows, key=lambda x: x[0])] for key, rows in cells.items()}
+
+    per_run = {"avg@k": [], "pass@k": [], "maj@k": []}
+    for r in runs:
+        hits = [[bool(rec["correct"]) for rec in cell[(i, r)]] for i in problems]
+        per_run["avg@k"].append(_mean(_mean(h) for h in hits))
+        per_run["pass@k"].append(_mean(float(any(h)) for h in hits))
+        votes = []
+        for i in problems:
+            voted = majority_vote([rec["answer"] for rec in cell[(i, r)]])
+            votes.append(float(voted is not None and is_equivalent(voted, cell[(i, r)][0]["gold"])))
+        per_run["maj@k"].append(_mean(votes))
+
+    n = k * len(runs)  # the unbiased estimator pools every run's samples of a problem
+    correct = [sum(bool(rec["correct"]) for r in runs for rec in cell[(i, r)]) for i in problems]
+    curve = {j: _mean(pass_at_k(n, c, j) for c in correct) for j in pass_ladder(k)}
+    result = {
+        "k": k, "runs": len(runs), "n_problems": len(problems), "n_samples": len(records),
+        "avg@k": _mean(per_run["avg@k"]), "pass@k": _mean(per_run["pass@k"]), "maj@k": _mean(per_run["maj@k"]),
+        "pass@k_unbiased": curve[k], "pass_curve": curve, "per_run": per_run,
+    }
+    levels = defaultdict(list)  # MATH level / arithmetic level, when the problems carry one
+    for record in records:
+        if record.get("level") is not None:
+            levels[record["level"]].append(bool(record["correct"]))
+    if levels:
+        result["avg_by_level"] = {lv: _mean(levels[lv]) for lv in sorted(levels)}
+    if all("tokens" in rec for rec in records):
+        result["mean_tokens"] = _mean(rec["tokens"] for rec in records)
+        result["truncated"] = _mean(float(not rec["stopped"]) for rec in records)  # hit max_new_tokens
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sampling and grading
+# --------------------------------------------------------------------------------------------------------
+def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: int | None = None, runs: int = 1,
+                      progress: bool = True, desc: str = "eval") -> dict:
+    """Sample k responses per problem in each of `runs` runs, grade them, score them (score_records).
+
+    Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
+    and cfg.few_shot); max_new_tokens defaults to cfg.eval_max_new_tokens (App. E.1: 2048). Returns the
+    metrics plus "seconds" and "records" (one dict per sample). The caller seeds torch.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from rollout import Sampler, sample_base
+
+    if not problems:
+        raise ValueError("evaluate_problems: no problems")
+    if k < 1 or runs < 1:
+        raise ValueError(f"evaluate_problems: need k >= 1 and runs >= 1, got k={k}, runs={runs}")
+    max_new_tokens = max_new_tokens or cfg.eval_max_new_tokens
+    sampler = Sampler.from_config(model, tokenizer, cfg)
+    prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
+    prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]  # as rollout.py does
+    # About gen_batch_size rows per generate call: whole problems of k samples, or a problem's k in pieces.
+    n_per_call = min(k, cfg.gen_batch_size)
+    problems_per_call = max(1, cfg.gen_batch_size // k)
+
+    was_training = model.training
+    model.eval()
+    records, start = [], time.perf_counter()
+    bar = tqdm(total=len(problems) * k * runs, desc=desc, unit="sample", disable=not progress, dynamic_ncols=True)
+    try:
+        for run in range(runs):
+            for first in range(0, len(problems), problems_per_call):
+                group = list(range(first, min(first + problems_per_call, len(problems))))
+                for done in range(0, k, n_per_call):
+                    n = min(n_per_call, k - done)
+                    with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
+                        batch = sample_base(sampler, [prompt_ids[i] for i in group], n, max_new_tokens)
+                    texts = tokenizer.batch_decode(batch.tokens, skip_special_tokens=True)
+                    for row, (tokens, text) in enumerate(zip(batch.tokens, texts)):
+                        problem = problems[group[row // n]]  # rows are prompt-major, n per prompt
+                        records.append({
+                            "index": group[row // n], "run": run, "sample": done + row % n,
+                            "problem": problem["problem"], "gold": problem["answer"], "level": problem.get("level"),
+                            "response": text, "answer": extract_answer(text, cfg.answer_fallback),
+                            "correct": compute_reward(text, problem["answer"], cfg.answer_fallback) == 1.0,
+                            "tokens": len(tokens), "stopped": bool(tokens) and tokens[-1] in sampler.stop_ids,
+                        })
+                    bar.update(len(batch.tokens))
+    finally:
+        bar.close()
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    result = score_records(records, k)
+    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------
+# Table and plots
+# --------------------------------------------------------------------------------------------------------
+def format_table(results_by_model: dict[str, dict[str, dict]]) -> str:
+    """The paper's main table (Table "main results"): a row per model, avg@k / pass@k / maj@k per benchmark
+    (in %) and their average over benchmarks."""
+    benches = list(dict.fromkeys(b for res in results_by_model.values() for b in res))
+    metrics = ("avg@k", "pass@k", "maj@k")
+    name_w = max([5] + [len(m) for m in results_by_model])
+    cols = [f"{b} (k={next(r[b]['k'] for r in results_by_model.values() if b in r)})" for b in benches] + ["Average"]
+    col_w = max(22, *(len(c) + 2 for c in cols))
+    lines = [" " * name_w + "  " + "".join(c.ljust(col_w) for c in cols),
+             "model".ljust(name_w) + "  " + "".join(" ".join(m.split("@")[0].rjust(6) for m in metrics).ljust(col_w)
+                                                    for _ in cols)]
+    for name, res in results_by_model.items():
+        cells = []
+        for b in benches:
+            cells.append(" ".join(f"{100 * res[b][m]:6.1f}" for m in metrics) if b in res else "     -" * 3)
+        cells.append(" ".join(f"{100 * _mean(res[b][m] for b in res):6.1f}" for m in metrics))
+        lines.append(name.ljust(name_w) + "  " + "".join(c.ljust(col_w) for c in cells))
+    return "\n".join(lines)
+
+
+def _curve(result: dict) -> tuple[list[int], list[float]]:
+    points = sorted((int(j), v) for j, v in result["pass_curve"].items())  # keys are strings after JSON
+    return [j for j, _ in points], [100 * v for _, v in points]
+
+
+def plot_pass_curves(results_by_model: dict[str, dict[str, dict]], path) -> None:
+    """pass@k against k = 1, 2, 4, …, k (log2 axis), one panel per benchmark, one line per model
+    (App. B, Fig. "pass@k performance on evaluation benchmarks")."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = list(dict.fromkeys(b for res in results_by_model.values() for b in res))
+    cols = min(len(benches), 3)
+    rows = math.ceil(len(benches) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, bench in zip(axes.flat, benches):
+        ax.set_xscale("log", base=2)
+        ticks = set()
+        for name, res in results_by_model.items():
+            if bench in res:
+                xs, ys = _curve(res[bench])
+                ax.plot(xs, ys, marker="o", label=name)
+                ticks.update(xs)
+        ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])  # 1, 2, 4, … rather than 2^0, 2^1, …
+        ax.minorticks_off()
+        ax.set_title(bench)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(benches):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_maj_vs_avg(results_by_model: dict[str, dict[str, dict]], path) -> None:
+    """Grouped bars of avg@k and maj@k per model, averaged over each model's benchmarks, with a green arrow
+    from avg@k to maj@k (Sec. 5.3, Fig. "Test-time scaling performance using majority voting")."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results_by_model)
+    avg = [100 * _mean(r["avg@k"] for r in results_by_model[m].values()) for m in names]
+    maj = [100 * _mean(r["maj@k"] for r in results_by_model[m].values()) for m in names]
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(names) + 1.5), 3.8))
+    ax.bar([i - width / 2 for i in range(len(names))], avg, width, label="avg@k", color="#9bb7d4")
+    ax.bar([i + width / 2 for i in range(len(names))], maj, width, label="maj@k", color="#1f4e79")
+    for i, (a, m) in enumerate(zip(avg, maj)):
+        ax.annotate("", xy=(i + width / 2, m), xytext=(i - width / 2, a),
+                    arrowprops=dict(arrowstyle="->", color="green", lw=1.5))
+        ax.text(i, max(a, m) + 1, f"{m - a:+.1f}", ha="center", va="bottom", color="green", fontsize=9)
+    benches = sorted({b for r in results_by_model.values() for b in r})
+    ax.set_xticks(range(len(names)), names, rotation=15 if len(names) > 3 else 0)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, max(avg + maj + [1.0]) * 1.2 + 2)
+    ax.set_title("avg@k vs maj@k, mean over " + ", ".join(benches), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------------------
+def write_jsonl(path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def rescore_file(path, answer_fallback: bool = False) -> tuple[str, dict]:
+    """(benchmark name, metrics) from a samples jsonl. Records without "answer"/"correct" (e.g. written by
+    hand or by another tool) are graded here with reward.py; k = the samples per (problem, run)."""
+    records = read_jsonl(path)
+    if not records:
+        raise ValueError(f"{path}: no records")
+    for record in records:
+        if "answer" not in record:
+            record["answer"] = extract_answer(record["response"], answer_fallback)
+        if "correct" not in record:
+            record["correct"] = compute_reward(record["response"], record["gold"], answer_fallback) == 1.0
+    sizes = defaultdict(int)
+    for record in records:
+        sizes[(record["index"], record["run"])] += 1
+    k = max(sizes.values())
+    stem = Path(path).stem
+    bench = records[0].get("bench") or (stem[len("samples_"):] if stem.startswith("samples_") else stem)
+    return bench, score_records(records, k)
+
+
+def model_label(model: str) -> str:
+    """A folder-friendly name: Qwen/Qwen2.5-3B → Qwen2.5-3B, runs/demo → demo, runs/demo/checkpoints/step_40 →
+    demo-step_40."""
+    path = Path(model.rstrip("/"))
+    if path.parent.name == "checkpoints":
+        return f"{path.parent.parent.name}-{path.name}"
+    return path.name or model
+
+
+def run_folder_config(model: str) -> dict | None:
+    """The training Config (train.py's config.json) when --model is a run folder (it has checkpoints/latest)."""
+    folder = Path(model)
+    if (folder / "checkpoints" / "latest").exists() and (folder / "config.json").exists():
+        return json.loads((folder / "config.json").read_text())
+    return None
+
+
+def load_results(folder) -> dict[str, dict]:
+    """{bench: metrics} from a folder's results.json."""
+    return json.loads((Path(folder) / "results.json").read_text())["benchmarks"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = C.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
+                            "config field is a flag; --max_new_tokens sets the evaluation length "
+                            "(else --eval_max_new_tokens, paper 2048).")
+    group = parser.add_argument_group("evaluation")
+    group.add_argument("--bench", nargs="+", default=None,
+                       help=f"benchmarks ({', '.join(data.NAMED_SOURCES)}, or a file); default: the preset's eval_data")
+    group.add_argument("--k", nargs="+", type=int, default=None,
+                       help="samples per problem: one for all benchmarks or one per --bench "
+                            "(default: the paper's, 8 for math500 and 64 otherwise)")
+    group.add_argument("--runs", type=int, default=1, help="independent runs pass@k/maj@k average over (paper: 3)")
+    group.add_argument("--limit", type=int, default=None, help="first N problems per benchmark (default: preset's eval_limit, 0 = all)")
+    group.add_argument("--rescore", nargs="+", default=None, metavar="FILE",
+                       help="recompute and print the metrics of samples_<bench>.jsonl files; no model is loaded")
+    group.add_argument("--plot_models", nargs="+", default=None, metavar="DIR",
+                       help="folders holding results.json: print one table and draw both figures for all of them")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the CLI; returns {model label: {bench: metrics}} (records left out)."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    eval_keys = ("bench", "k", "runs", "limit", "rescore", "plot_models")
+    given = {key: value for key, value in vars(args).items() if key not in ("preset", *eval_keys) and value is not None}
+    out_dir_given = "out_dir" in given
+
+    if args.rescore:  # numbers from the jsonl alone
+        by_file = {}
+        for path in args.rescore:
+            try:
+                bench, result = rescore_file(path, bool(given.get("answer_fallback", False)))
+            except (OSError, ValueError, KeyError) as err:
+                parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {err!r}\n")
+            by_file.setdefault(Path(path).resolve().parent.name, {})[bench] = result
+        print(format_table(by_file))
+        return by_file
+
+    if args.plot_models:
+        try:
+            by_model = {Path(d).resolve().name: load_results(d) for d in args.plot_models}
+        except (OSError, ValueError, KeyError) as err:
+            parser.exit(2, f"evaluate.py: error: --plot_models needs folders with results.json: {err}\n")
+        out = Path(given["out_dir"] if out_dir_given else "runs/eval/compare")
+        out.mkdir(parents=True, exist_ok=True)
+        plot_pass_curves(by_model, out / "pass_curves.png")
+        plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
+        print(format_table(by_model))
+        print(f"figures: {out / 'pass_curves.png'}, {out / 'maj_vs_avg.png'}")
+        return by_model
+
+    # A run folder: evaluate with the prompt it was trained with, unless the command line says otherwise.
+    trained = run_folder_config(given.get("model", C.PRESETS[args.preset].get("model", C.Config.model)))
+    for key in ("prompt_style", "few_shot", "answer_fallback"):
+        if trained is not None and key not in given and key in trained:
+            given[key] = trained[key]
+    try:
+        cfg = C.make_config(args.preset, **given)
+    except ValueError as err:
+        parser.error(str(err))
+    benches = args.bench or [cfg.eval_data]
+    ks = args.k or [PAPER_K.get(b, DEFAULT_K) for b in benches]
+    if len(ks) == 1:
+        ks = ks * len(benches)
+    if len(ks) != len(benches) or min(ks) < 1 or args.runs < 1:
+        parser.error(f"--k: give one k >= 1 or one per --bench ({len(benches)}), got {ks}; --runs >= 1")
+    limit = (args.limit if args.limit is not None else cfg.eval_limit) or None  # 0 = all, as in config.py
+    max_new_tokens = given.get("max_new_tokens", cfg.eval_max_new_tokens)
+    label = model_label(cfg.model)
+    out = Path(cfg.out_dir if out_dir_given else Path("runs") / "eval" / label)
+
+    try:  # every benchmark before the model: an unavailable one fails in seconds, not after loading
+        problems = {b: data.load_problems(b, limit) for b in benches}
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"evaluate.py: error: {err}\n")
+
+    import torch
+
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    device = models.pick_device(cfg.device)
+    t0 = time.perf_counter()
+    model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
+                                          seed=cfg.seed)
+    print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; prompt_style={cfg.prompt_style} "
+          f"few_shot={cfg.few_shot} answer_fallback={cfg.answer_fallback} T={cfg.temperature} "
+          f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {key: getattr(cfg, key) for key in ("model", "prompt_style", "few_shot", "answer_fallback",
+                                                   "temperature", "top_p", "top_k", "precision", "seed")}
+    summary = {"model": cfg.model, "settings": {**settings, "max_new_tokens": max_new_tokens, "runs": args.runs},
+               "benchmarks": {}}
+    for bench, k in zip(benches, ks):
+        torch.manual_seed(cfg.seed)  # each benchmark reproducible on its own, whatever else runs
+        result = evaluate_problems(model, tokenizer, problems[bench], cfg, k, max_new_tokens, args.runs, desc=bench)
+        records = result.pop("records")
+        write_jsonl(out / f"samples_{bench}.jsonl", [{"bench": bench, **r} for r in records])
+        summary["benchmarks"][bench] = result
+        (out / "results.json").write_text(json.dumps(summary, indent=2))  # after each benchmark: partial runs keep
+        tokens = result["mean_tokens"] * result["n_samples"]
+        print(f"{bench}: {result['n_problems']} problems x {k} samples x {args.runs} run(s) in "
+              f"{result['seconds']:.0f}s ({tokens / result['seconds']:.0f} tok/s, mean {result['mean_tokens']:.0f} "
+              f"tokens, {100 * result['truncated']:.0f}% hit max_new_tokens)", flush=True)
+    by_model = {label: summary["benchmarks"]}
+    plot_pass_curves(by_model, out / "pass_curves.png")
+    plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
+    print(format_table(by_model))
+    print(f"wrote {out / 'results.json'}, samples_<bench>.jsonl, pass_curves.png, maj_vs_avg.png")
+    return by_model
+
+
+if __name__ == "__main__":
+    main()

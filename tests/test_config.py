@@ -1,0 +1,75 @@
+"""config.py: preset values against the paper, CLI parsing, and errors that name the flag and the choices."""
+import dataclasses
+
+import pytest
+
+import config as C
+
+
+def test_paper_preset_matches_the_paper():
+    cfg = C.make_config("paper")
+    # Sec. 4.1 / App. E.2 "Implementation Details": (N, K_max, B_max) = (4, 3, 4), sent-entropy, adaptive
+    assert (cfg.method, cfg.n_base, cfg.k_max, cfg.b_max, cfg.adaptive) == ("datpo", 4, 3, 4, True)
+    assert cfg.fork == "sent-entropy"
+    # α linearly annealed 0.2 → 0 on positive blocks; gte-large-en-v1.5 embeddings
+    assert (cfg.alpha_start, cfg.alpha_end, cfg.alpha_scope) == (0.2, 0.0, "positive")
+    assert cfg.embed_model == "Alibaba-NLP/gte-large-en-v1.5"
+    # sampling: temperature 1.0, max 1024 new tokens; branch chunks of 384 for Qwen2.5-3B
+    assert (cfg.temperature, cfg.max_new_tokens, cfg.branch_chunk_size) == (1.0, 1024, 384)
+    # "Training Hyperparameters": AdamW (0.9, 0.999), constant lr 5e-6, clip 0.2, no KL,
+    # 16 prompts per step, mini-batch 64, micro-batch 2
+    assert (cfg.lr, cfg.beta1, cfg.beta2) == (5e-6, 0.9, 0.999)
+    assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.2)
+    assert (cfg.prompts_per_step, cfg.mini_batch_size, cfg.micro_batch_size) == (16, 64, 2)
+    assert not any("kl" in f.name for f in dataclasses.fields(C.Config))
+    # GRPO baseline group size (App. E.2) and evaluation (App. E.1: MATH500, 2048 tokens)
+    assert cfg.group_size == 16 and cfg.eval_data == "math500" and cfg.eval_max_new_tokens == 2048
+    assert cfg.model == "Qwen/Qwen2.5-3B" and cfg.train_data == "math-train"
+
+
+def test_demo_and_tiny_presets_are_offline_and_small():
+    demo = C.make_config("demo")
+    assert demo.model == "smollm2-135m" and demo.embed_model == "all-minilm-l6-v2"
+    assert demo.train_data.startswith("arith") and demo.max_new_tokens <= 128
+    tiny = C.make_config("tiny")
+    assert tiny.model == "tiny-random" and tiny.device == "cpu" and tiny.steps == 2
+
+
+def test_cli_sets_fields_and_types():
+    cfg = C.parse_args(["--preset", "demo", "--steps", "10", "--fork", "tok-entropy", "--out_dir", "runs/x",
+                        "--adaptive", "false", "--lr", "2e-5", "--fork_min_dist", "0.05"])
+    assert (cfg.steps, cfg.fork, cfg.out_dir) == (10, "tok-entropy", "runs/x")
+    assert cfg.adaptive is False and cfg.lr == 2e-5 and cfg.fork_min_dist == 0.05
+    assert cfg.model == "smollm2-135m"                       # untouched fields keep the preset's value
+    assert C.parse_args([]).model == "Qwen/Qwen2.5-3B"      # default preset is the paper's
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--bogus", "1"], "unrecognized arguments: --bogus"),
+    (["--fork", "entropy"], "tok-entropy"),                  # lists the valid choices
+    (["--method", "ppo"], "drgrpo"),
+    (["--steps", "ten"], "--steps"),
+    (["--adaptive", "maybe"], "true/false"),
+    (["--preset", "huge"], "paper"),
+    (["--micro_batch_size", "128"], "--micro_batch_size"),
+    (["--top_p", "1.5"], "--top_p"),
+    (["--n_base", "0"], "--n_base"),
+])
+def test_cli_errors_name_the_flag_and_valid_values(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        C.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_make_config_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="unknown config field"):
+        C.make_config("paper", n_bases=4)
+    with pytest.raises(ValueError, match="--alpha_scope"):
+        C.make_config("paper", alpha_scope="negative")
+
+
+def test_every_field_has_a_flag():
+    parser = C.build_parser()
+    flags = {a.dest for a in parser._actions}
+    assert {f.name for f in dataclasses.fields(C.Config)} <= flags

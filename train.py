@@ -1,0 +1,441 @@
+"""train.py — the training loop: Algorithm DATPO (App. F) on one device, and the paper's baselines.
+
+    python train.py --model Qwen/Qwen2.5-3B          # the paper's run on one GPU (preset "paper")
+    python train.py --preset demo                    # 2 CPU cores, offline, SmolLM2-135M on arithmetic
+    python train.py --preset tiny --steps 2          # tests
+
+One step (Algorithm DATPO):
+  sample prompts q ~ Q
+  Phase 1+2  tree rollouts: N base responses, V(root), K̂/B̂, forks, branches        (rollout.py, tree.py)
+  Phase 3    block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b)            (advantage.py)
+  Phase 4    old log-probs (no grad) → PPO epochs over mini-batches of training rows, micro-batches with
+             gradient accumulation → clipped token-level objective (Eq. DATPO, separate clip low/high,
+             no KL) → grad-norm clip → AdamW; then anneal α.
+A training row is the new tokens of one leaf with its prefix as context: a base response (all its base
+blocks, each token carrying its own block's advantage) or a branch (its one block, the shared prefix as
+context only). So every token of the tree is trained exactly once — no prefix is updated twice, unlike the
+root-to-leaf flattening of TreeRL/AttnRL (App. F.4), which the `treerl`/`attnrl` methods reproduce.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import advantage as A
+import config as C
+import data
+import evaluate
+import models
+import rollout as R
+import tree as T
+
+
+# --------------------------------------------------------------------------------------------------------
+# Phase 3: advantages per method
+# --------------------------------------------------------------------------------------------------------
+def embed_blocks(embedder, trees: list[T.Tree], batch_size: int) -> list[np.ndarray | None]:
+    """Block embeddings for the sibling-diversity term, once per step and batched over the whole batch.
+    Only blocks that have a sibling are embedded (Div_sib of a lone block is 0 whatever its embedding)."""
+    wanted = []
+    for t, tr in enumerate(trees):
+        counts: dict = {}
+        for b in tr.blocks:
+            counts[b.parent] = counts.get(b.parent, 0) + 1
+        wanted += [(t, i) for i, b in enumerate(tr.blocks) if counts[b.parent] > 1]
+    out: list[np.ndarray | None] = [None] * len(trees)
+    if not wanted:
+        return out
+    vectors = embedder.encode([trees[t].blocks[i].text for t, i in wanted], batch_size=batch_size,
+                              convert_to_numpy=True, show_progress_bar=False)
+    dim = vectors.shape[1]
+    for t, tr in enumerate(trees):
+        out[t] = np.zeros((len(tr.blocks), dim), dtype=np.float32)
+    for (t, i), v in zip(wanted, vectors):
+        out[t][i] = v
+    return out
+
+
+def tree_advantages(method: str, tr: T.Tree, alpha: float, scope: str, embeddings) -> list[float]:
+    """One advantage per block of the tree, by the method's formula (advantage.py)."""
+    if method == "datpo":
+        return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope)
+    if method == "grpo":
+        return A.grpo_advantages(tr.rewards)
+    if method == "drgrpo":
+        return A.drgrpo_advantages(tr.rewards)
+    if method in ("treerl", "attnrl"):
+        return A.treerl_advantages(tr.parents, tr.rewards)
+    raise ValueError(f"unknown method {method!r}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training rows
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One training sequence: context + targets; each target token has its block's advantage."""
+    ids: list[int]
+    n_context: int
+    advantages: list[float]
+
+    @property
+    def n_targets(self) -> int:
+        return len(self.ids) - self.n_context
+
+
+def tree_rows(tr: T.Tree, adv: list[float], method: str) -> list[Row]:
+    """Rows of one tree. DATPO (and the parallel baselines): base responses + branch blocks, every token once.
+    TreeRL/AttnRL: every root-to-leaf path, shared prefixes repeated (their flattening, App. F.4)."""
+    rows = []
+    if method in ("treerl", "attnrl"):
+        for leaf, block in enumerate(tr.blocks):
+            if block.terminal:
+                path = T.path_to(tr.blocks, leaf)
+                ids = [t for i in path for t in tr.blocks[i].token_ids]
+                rows.append(Row(tr.prompt_ids + ids, len(tr.prompt_ids),
+                                [adv[i] for i in path for _ in tr.blocks[i].token_ids]))
+        return rows
+    for j in sorted({b.base for b in tr.blocks}):
+        chain = [i for i, b in enumerate(tr.blocks) if b.base == j and not b.branch]
+        ids = [t for i in chain for t in tr.blocks[i].token_ids]
+        rows.append(Row(tr.prompt_ids + ids, len(tr.prompt_ids),
+                        [adv[i] for i in chain for _ in tr.blocks[i].token_ids]))
+        base_ids = ids
+        for i, b in enumerate(tr.blocks):
+            if b.base == j and b.branch:
+                context = tr.prompt_ids + base_ids[:b.start]
+                rows.append(Row(context + b.token_ids, len(context), [adv[i]] * len(b.token_ids)))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------
+# Phase 4: log-probs and the clipped token-level objective
+# --------------------------------------------------------------------------------------------------------
+def row_logprobs(model, rows: list[Row], pad_id: int, device) -> list[torch.Tensor]:
+    """log π(target token | context) for each row, one forward over a left-padded micro-batch.
+
+    Rows end at the same column, so only the last max(targets) positions need logits (logits_to_keep), and
+    position ids follow the attention mask so padding does not shift the rotary phases.
+    """
+    ids, mask = R.left_pad([r.ids for r in rows], pad_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    keep = max(r.n_targets for r in rows)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                   logits_to_keep=keep + 1).logits[:, :-1].float()          # predicts the last `keep` tokens
+    targets = ids[:, -keep:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return [logp[i, keep - r.n_targets:] for i, r in enumerate(rows)]
+
+
+def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                      clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) (Eq. DATPO; DAPO's decoupled clip) and a mask of the
+    tokens where the clip is active (their gradient is cut)."""
+    ratio = torch.exp(new_logp - old_logp)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    active = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
+    return torch.minimum(unclipped, clipped), active
+
+
+def loss_normaliser(rows: list[Row], cfg) -> float:
+    """token: the total number of target tokens in the mini-batch (DAPO's token-level loss, Eq. DATPO's
+    1/Σ|b|); constant: rows × max_new_tokens (Dr.GRPO's length-unbiased constant normaliser)."""
+    if cfg.loss_norm == "constant":
+        return float(len(rows) * cfg.max_new_tokens)
+    return float(sum(r.n_targets for r in rows))
+
+
+def ppo_update(model, optimizer, rows: list[Row], cfg, pad_id: int, device, rng: random.Random) -> dict:
+    """PPO epochs over mini-batches of rows with micro-batch gradient accumulation (App. E.2).
+
+    Rows whose advantages are all zero contribute nothing to the objective: they still count in the
+    normaliser (so the loss equals the full computation) but cost no forward or backward pass.
+    Old log-probs: θ_old = θ until the first optimizer step, so the first mini-batch of the first epoch
+    uses its own detached log-probs; every other row gets a no-grad forward with the same numerics first.
+    """
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    minibatches = [order[i:i + cfg.mini_batch_size] for i in range(0, len(order), cfg.mini_batch_size)]
+    live = {i for i, r in enumerate(rows) if any(a != 0 for a in r.advantages)}
+
+    def micro(batch: list[int]) -> list[list[int]]:
+        batch = sorted((i for i in batch if i in live), key=lambda i: len(rows[i].ids))  # less padding
+        return [batch[j:j + cfg.micro_batch_size] for j in range(0, len(batch), cfg.micro_batch_size)]
+
+    old: dict[int, torch.Tensor] = {}
+    needs_old = [i for k, mb in enumerate(minibatches) for i in mb if k > 0 or cfg.ppo_epochs > 1]
+    model.eval()  # no dropout: old and new log-probs must come from the same function
+    with torch.no_grad(), models.autocast(device, cfg.precision):
+        for chunk in micro(needs_old):
+            for i, lp in zip(chunk, row_logprobs(model, [rows[i] for i in chunk], pad_id, device)):
+                old[i] = lp
+
+    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0, "trained_rows": len(live)}
+    clip_tokens = total_tokens = 0
+    for epoch in range(cfg.ppo_epochs):
+        if epoch > 0:
+            rng.shuffle(minibatches)
+        for mb in minibatches:
+            norm = loss_normaliser([rows[i] for i in mb], cfg)
+            chunks = micro(mb)
+            if not chunks:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            mb_loss = 0.0
+            for chunk in chunks:
+                with models.autocast(device, cfg.precision):
+                    new = row_logprobs(model, [rows[i] for i in chunk], pad_id, device)
+                new_cat = torch.cat(new)
+                old_cat = torch.cat([old[i] if i in old else lp.detach() for i, lp in zip(chunk, new)])
+                adv = torch.tensor([a for i in chunk for a in rows[i].advantages], device=new_cat.device)
+                objective, active = clipped_objective(new_cat, old_cat, adv, cfg.clip_low, cfg.clip_high)
+                loss = -objective.sum() / norm
+                loss.backward()
+                mb_loss += loss.item()
+                clip_tokens += int(active.sum())
+                total_tokens += active.numel()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            stats["loss"] += mb_loss
+            stats["grad_norm"] += float(grad_norm)
+            stats["optimizer_steps"] += 1
+    steps = max(stats["optimizer_steps"], 1)
+    stats["loss"] /= steps
+    stats["grad_norm"] /= steps
+    stats["clip_frac"] = clip_tokens / max(total_tokens, 1)
+    optimizer.zero_grad(set_to_none=True)
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bookkeeping: data order, checkpoints, run folder
+# --------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def epoch_order(n_problems: int, seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(n_problems))
+    random.Random(seed + epoch).shuffle(order)
+    return tuple(order)
+
+
+def problem_index(n_problems: int, position: int, seed: int) -> int:
+    """Problem at `position` of an endless stream of shuffled epochs (epoch e shuffled with seed + e); the
+    position (a cursor) is all a checkpoint needs to continue the stream."""
+    epoch, offset = divmod(position, n_problems)
+    return epoch_order(n_problems, seed, epoch)[offset]
+
+
+def rng_state(rng: random.Random) -> dict:
+    state = {"python": rng.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(rng: random.Random, state: dict) -> None:
+    rng.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict) -> Path:
+    """Weights (safetensors, loadable with from_pretrained), tokenizer, optimizer, step and RNG states.
+    Written under a temporary name and renamed, so a crash never leaves half a checkpoint; then the
+    `latest` pointer is replaced atomically."""
+    folder = run_dir / "checkpoints"
+    final = folder / f"step_{step:06d}"
+    tmp = folder / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), **trainer}, tmp / "trainer_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    pointer = folder / ".latest.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, folder / "latest")
+    return final
+
+
+def git_commit() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Log:
+    """metrics.jsonl (one JSON object per line) and console lines that do not break the tqdm bar."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    @staticmethod
+    def say(text: str) -> None:
+        tqdm.write(text, file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------------
+def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step: int) -> dict:
+    model.eval()
+    result = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=cfg.eval_k,
+                                        max_new_tokens=cfg.eval_max_new_tokens, progress=False)
+    record = {"step": step, "eval": label, "data": cfg.eval_data, f"avg@{cfg.eval_k}": result["avg@k"],
+              f"pass@{cfg.eval_k}": result["pass@k"], "n_problems": result["n_problems"],
+              "n_samples": result["n_samples"], "seconds": result["seconds"]}
+    log.write(record)
+    se = math.sqrt(max(result["avg@k"] * (1 - result["avg@k"]), 1e-12) / max(result["n_samples"], 1))
+    log.say(f"[eval {label} @ step {step}] {cfg.eval_data}: avg@{cfg.eval_k} {result['avg@k']:.3f} "
+            f"(± {se:.3f}, {result['n_samples']} samples of {result['n_problems']} problems), "
+            f"pass@{cfg.eval_k} {result['pass@k']:.3f}, {result['seconds']:.0f}s")
+    return record
+
+
+def train(cfg: C.Config) -> Path:
+    """Run (or resume) training; returns the run folder."""
+    device = models.pick_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run_dir = Path(cfg.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = Log(run_dir)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+
+    source = models.resolve_checkpoint(cfg.resume) if cfg.resume else cfg.model
+    model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                  weight_decay=cfg.weight_decay)
+    start_step, cursor, skipped = 0, 0, 0
+    if cfg.resume:
+        state = torch.load(Path(source) / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start_step, cursor, skipped = state["step"], state["cursor"], state.get("skipped_prompts", 0)
+        set_rng_state(rng, state["rng"])
+        log.say(f"resumed from {source} at step {start_step}")
+    else:
+        (run_dir / "config.json").write_text(cfg.to_json())
+        (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
+
+    problems = data.load_problems(cfg.train_data)
+    eval_problems = data.load_problems(cfg.eval_data, limit=cfg.eval_limit or None) if cfg.eval_every else []
+    embedder = None
+    if cfg.method == "datpo" and (cfg.alpha_start != 0 or cfg.alpha_end != 0):
+        embedder = models.load_embedder(cfg.embed_model, device)   # never loaded when α is 0 for the whole run
+    pad_id = tokenizer.pad_token_id
+    grpo_like = cfg.method in ("grpo", "drgrpo")
+
+    if cfg.eval_every and start_step == 0:
+        run_eval(model, tokenizer, eval_problems, cfg, device, "before", log, 0)
+
+    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method, dynamic_ncols=True)
+    for step in bar:
+        t_step = time.perf_counter()
+        # ---- sample prompts q ~ Q (over-long prompts are skipped and counted) ----
+        prompts, answers, levels = [], [], []
+        while len(prompts) < cfg.prompts_per_step:
+            problem = problems[problem_index(len(problems), cursor, cfg.seed)]
+            cursor += 1
+            prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
+            if len(tokenizer(prompt, add_special_tokens=False).input_ids) > cfg.max_prompt_tokens:
+                skipped += 1
+                continue
+            prompts.append(prompt)
+            answers.append(problem["answer"])
+            levels.append(problem.get("level"))
+
+        # ---- Phase 1+2: tree rollouts ----
+        model.eval()
+        with models.autocast(device, cfg.precision):
+            trees, rstats = R.rollout_trees(
+                model, tokenizer, prompts, answers, cfg, rng, levels=levels,
+                n_base=cfg.group_size if grpo_like else cfg.n_base,
+                budget=(lambda v: (0, 0)) if grpo_like else None)
+        t_gen = rstats.seconds_base + rstats.seconds_forks + rstats.seconds_branches
+
+        # ---- Phase 3: block advantages ----
+        t0 = time.perf_counter()
+        alpha = A.alpha_at(step, cfg.steps, cfg.alpha_start, cfg.alpha_end) if cfg.method == "datpo" else 0.0
+        embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size) if (embedder and alpha != 0) else [None] * len(trees)
+        t_embed = time.perf_counter() - t0
+        rows = []
+        for tr, emb in zip(trees, embeddings):
+            rows += tree_rows(tr, tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb), cfg.method)
+
+        # ---- Phase 4: policy update ----
+        t0 = time.perf_counter()
+        model.train()
+        update = ppo_update(model, optimizer, rows, cfg, pad_id, device, rng)
+        t_update = time.perf_counter() - t0
+
+        leaves = [tr.leaves for tr in trees]
+        rewards = [b.reward for tr in trees for b in tr.blocks if b.terminal]
+        record = {
+            "step": step + 1,
+            "reward": float(np.mean(rewards)),
+            "v_root": float(np.mean([tr.v_root for tr in trees])),
+            "pass_rate": float(np.mean([tr.pass_rate for tr in trees])),
+            "leaves_per_prompt": float(np.mean(leaves)),
+            "generated_tokens_per_prompt": float(np.mean([tr.generated_tokens for tr in trees])),
+            "k_hat": float(np.mean([tr.k_hat for tr in trees])),
+            "b_hat": float(np.mean([tr.b_hat for tr in trees])),
+            "rows": len(rows),
+            "alpha": alpha,
+            "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
+            **update,
+            "recomputed_prefix_tokens": rstats.recomputed_prefix_tokens,
+            "skipped_prompts": skipped,
+            "seconds_generation": t_gen,
+            "seconds_embedding": t_embed,
+            "seconds_update": t_update,
+            "seconds_step": time.perf_counter() - t_step,
+        }
+        record["seconds_other"] = record["seconds_step"] - t_gen - t_embed - t_update
+        log.write(record)
+        bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
+                        leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{update['loss']:.3f}")
+
+        done = step + 1
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+            run_eval(model, tokenizer, eval_problems, cfg, device, "after" if done == cfg.steps else "during", log, done)
+        if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+            save_checkpoint(run_dir, done, model, tokenizer, optimizer,
+                            {"step": done, "cursor": cursor, "skipped_prompts": skipped, "rng": rng_state(rng),
+                             "config": json.loads(cfg.to_json())})
+    bar.close()
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> Path:
+    cfg = C.parse_args(argv, description=__doc__.splitlines()[0])
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()
