@@ -102,10 +102,9 @@ class Config:
     seed: int = 0
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
     threads: int = 0                        # torch CPU threads; 0 = torch default
-    out_dir: str = "runs/datpo"
+    out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
     resume: str = ""                        # checkpoint folder to continue from
-    log_every: int = 1
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid; return self for chaining."""
@@ -144,10 +143,14 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Presets: a name -> field overrides on top of the paper defaults above.
+# Presets. Two independent axes:
+#   --scale   how big a run is (model, data, lengths, batch sizes, steps): paper | demo | tiny
+#   --preset  which row of the paper's tables to run (method, tree shape, forks, alpha, clip, ...)
+# `--preset demo` and `--preset tiny` are DATPO at that scale; `--preset treerl --scale demo` is TreeRL on
+# the CPU demo, `--preset treerl` (paper scale) is the paper's TreeRL row. Later flags override both.
 # ---------------------------------------------------------------------------------------------------------
-PRESETS: dict[str, dict] = {
-    # The paper's DATPO run (Qwen2.5-3B-Base, one A100): the dataclass defaults.
+SCALES: dict[str, dict] = {
+    # The paper's runs on one A100: the dataclass defaults.
     "paper": {},
     # Two CPU cores, offline: the embedded SmolLM2-135M-Instruct and MiniLM embedder on synthetic arithmetic
     # it can learn (NOTES.md: one worked example gives it a reward signal; lr 1e-5 was steady, 3e-5 not).
@@ -155,25 +158,71 @@ PRESETS: dict[str, dict] = {
         model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True,
         embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
         max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
-        gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=40, eval_every=0,
-        eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=20, out_dir="runs/demo", threads=2,
+        gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
+        eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2,
+        precision="fp32",   # this CPU has no AMX: bf16 matmuls run slower than fp32 here (measured)
     ),
-    # Tests: tiny random models, a handful of tokens.
+    # Tests: a tiny random model, a handful of tokens. Token-entropy forks: a random model's text has no
+    # sentences to speak of.
     "tiny": dict(
         model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="all-minilm-l6-v2",
-        n_base=2, k_max=2, b_max=2, fork="tok-entropy", max_new_tokens=12, max_prompt_tokens=512, prompts_per_step=2,
-        mini_batch_size=8, micro_batch_size=4, gen_batch_size=8, branch_chunk_size=8, ppo_epochs=1,
-        lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12, save_every=1,
-        precision="fp32", device="cpu", out_dir="runs/tiny",
+        n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12, max_prompt_tokens=512,
+        prompts_per_step=2, mini_batch_size=8, micro_batch_size=4, gen_batch_size=8, branch_chunk_size=8,
+        ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12,
+        save_every=1, precision="fp32", device="cpu",
     ),
 }
 
+# Rows of the paper's tables: algorithm settings only (the scale comes from SCALES).
+_GRPO = dict(method="grpo", clip_high=0.28)                                   # App. E.2: clip-higher 0.2/0.28
+_TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                             # App. E.2: original papers' (6,2,2)
+ROWS: dict[str, dict] = {
+    # Table "main results" (Sec. 5.2)
+    "paper": {},                                                              # DATPO (4,3,4), sent-entropy, α 0.2→0
+    "grpo": _GRPO,
+    "drgrpo": dict(method="drgrpo", loss_norm="constant"),                    # r − mean, constant normaliser
+    "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),
+    "attnrl": dict(method="attnrl", fork="atb", **_TREE_BASELINE),
+    # Table "forking strategies" (Sec. 5.4) and App. D.4 (distance-forced token entropy)
+    "datpo-fork-random": dict(fork="random"),
+    "datpo-fork-fixed-seg": dict(fork="fixed-seg"),
+    "datpo-fork-atb": dict(fork="atb"),
+    "datpo-fork-tok-entropy": dict(fork="tok-entropy"),
+    "datpo-fork-tok-entropy-dist05": dict(fork="tok-entropy", fork_min_dist=0.05),
+    "datpo-fork-tok-entropy-dist10": dict(fork="tok-entropy", fork_min_dist=0.10),
+    # Table "alpha" (Sec. 5.4)
+    "datpo-alpha-0-0": dict(alpha_start=0.0, alpha_end=0.0),
+    "datpo-alpha-0.4-0": dict(alpha_start=0.4, alpha_end=0.0),
+    "datpo-alpha-0.2-0-all": dict(alpha_scope="all"),
+    "datpo-alpha-0.2-0.2": dict(alpha_start=0.2, alpha_end=0.2),
+    "datpo-alpha-0.2-neg0.2": dict(alpha_start=0.2, alpha_end=-0.2),
+    # Table "difficulty-adaptive" (App. E.5): fixed (N, K, B) = (6, 2, 2)
+    "datpo-nonadaptive": dict(adaptive=False, **_TREE_BASELINE),
+    # Table "wider topology" (App. E.6): the baselines with DATPO's (4, 3, 4)
+    "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
+    "attnrl-434": dict(method="attnrl", fork="atb", n_base=4, k_max=3, b_max=4),
+    # Table "embedding models" (App. E.5)
+    "datpo-embed-mpnet": dict(embed_model="sentence-transformers/all-mpnet-base-v2"),
+    "datpo-embed-bge-m3": dict(embed_model="BAAI/bge-m3"),
+    "datpo-embed-gte-base": dict(embed_model="Alibaba-NLP/gte-base-en-v1.5"),
+}
 
-def make_config(preset: str = "paper", **overrides) -> Config:
-    """A validated Config from a preset name plus field overrides (for Python callers and tests)."""
+# --preset NAME → (scale, row). The scale names are also presets: DATPO at that scale.
+PRESETS: dict[str, tuple[str, str]] = {name: ("paper", name) for name in ROWS}
+PRESETS.update({"demo": ("demo", "paper"), "tiny": ("tiny", "paper")})
+
+
+def make_config(preset: str = "paper", scale: str | None = None, **overrides) -> Config:
+    """A validated Config: the scale's settings, then the preset's row, then field overrides."""
     if preset not in PRESETS:
         raise ValueError(f"--preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
-    values = {**PRESETS[preset], **overrides}
+    default_scale, row = PRESETS[preset]
+    scale = scale or default_scale
+    if scale not in SCALES:
+        raise ValueError(f"--scale: got {scale!r}, expected one of {', '.join(SCALES)}")
+    values = {**SCALES[scale], **ROWS[row], **overrides}
+    if not values.get("out_dir"):
+        values["out_dir"] = f"runs/{preset}" + ("" if scale == default_scale else f"-{scale}")
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ValueError(f"unknown config field(s) {unknown}; valid fields: "
@@ -197,7 +246,9 @@ def build_parser(description: str = "DATPO training") -> argparse.ArgumentParser
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="paper", choices=list(PRESETS),
-                        help="named settings; other flags override them")
+                        help="a row of the paper's tables (method and its settings); demo/tiny = DATPO at that scale")
+    parser.add_argument("--scale", default=None, choices=list(SCALES),
+                        help="run size (model, data, lengths, batches, steps); default: the preset's own")
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         kind = hints[f.name]
@@ -214,8 +265,8 @@ def parse_args(argv: list[str] | None = None, description: str = "DATPO training
     """Parse the command line into a validated Config; argparse exits with a message on bad input."""
     parser = build_parser(description)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "preset" and v is not None}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("preset", "scale") and v is not None}
     try:
-        return make_config(args.preset, **overrides)
+        return make_config(args.preset, args.scale, **overrides)
     except ValueError as err:
         parser.error(str(err))

@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     eval_keys = ("bench", "k", "runs", "limit", "rescore", "plot_models")
-    given = {key: value for key, value in vars(args).items() if key not in ("preset", *eval_keys) and value is not None}
+    given = {key: value for key, value in vars(args).items()
+             if key not in ("preset", "scale", *eval_keys) and value is not None}
     out_dir_given = "out_dir" in given
 
     if args.rescore:  # numbers from the jsonl alone
@@ -404,12 +405,12 @@ def main(argv: list[str] | None = None) -> dict:
         return by_model
 
     # A run folder: evaluate with the prompt it was trained with, unless the command line says otherwise.
-    trained = run_folder_config(given.get("model", C.PRESETS[args.preset].get("model", C.Config.model)))
+    trained = run_folder_config(given.get("model") or C.make_config(args.preset, args.scale).model)
     for key in ("prompt_style", "few_shot", "answer_fallback"):
         if trained is not None and key not in given and key in trained:
             given[key] = trained[key]
     try:
-        cfg = C.make_config(args.preset, **given)
+        cfg = C.make_config(args.preset, args.scale, **given)
     except ValueError as err:
         parser.error(str(err))
     benches = args.bench or [cfg.eval_data]

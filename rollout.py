@@ -365,12 +365,14 @@ def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entr
 
 
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
-                  budget=None, n_base: int | None = None, levels: list | None = None,
+                  budget=None, n_base: int | None = None, levels: list | None = None, expand=None,
                   progress=None) -> tuple[list[T.Tree], RolloutStats]:
     """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
 
     budget: v_root -> (K, B); default is DATPO's adaptive_budget(v, k_max, b_max), or fixed (k_max, b_max)
     when cfg.adaptive is False. n_base overrides cfg.n_base (GRPO samples G parallel responses, no branches).
+    expand: (rewards of a prompt's N base responses, rng) -> indices of the responses that get forks;
+    default all of them (AttnRL passes tree.attnrl_expansion).
     """
     n = n_base or cfg.n_base
     if budget is None:
@@ -398,8 +400,10 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
             rows = range(g * n, (g + 1) * n)
             v_root = sum(rewards[r] for r in rows) / n
             k_hat, b_hat = budget(v_root)
+            chosen = set(range(n)) if expand is None else set(expand([rewards[r] for r in rows], rng))
             forks = [choose_forks(cfg.fork, k_hat, tokenizer, model, base.prompt_ids[r], base.tokens[r],
-                                  base.entropies[r], rng, cfg) if b_hat > 0 else [] for r in rows]
+                                  base.entropies[r], rng, cfg) if b_hat > 0 and j in chosen else []
+                     for j, r in enumerate(rows)]
             requests += [BranchRequest(r, f, b_hat) for r, fs in zip(rows, forks) for f in fs]
             plans.append((prompt_index, rows, v_root, k_hat, b_hat, forks))
         stats.seconds_forks += time.perf_counter() - t0

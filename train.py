@@ -104,6 +104,8 @@ def tree_rows(tr: T.Tree, adv: list[float], method: str) -> list[Row]:
         for leaf, block in enumerate(tr.blocks):
             if block.terminal:
                 path = T.path_to(tr.blocks, leaf)
+                if method == "attnrl" and len(path) == 1:
+                    continue        # AttnRL trains on branched paths only; the rest still count in V(root)
                 ids = [t for i in path for t in tr.blocks[i].token_ids]
                 rows.append(Row(tr.prompt_ids + ids, len(tr.prompt_ids),
                                 [adv[i] for i in path for _ in tr.blocks[i].token_ids]))
@@ -119,6 +121,23 @@ def tree_rows(tr: T.Tree, adv: list[float], method: str) -> list[Row]:
                 context = tr.prompt_ids + base_ids[:b.start]
                 rows.append(Row(context + b.token_ids, len(context), [adv[i]] * len(b.token_ids)))
     return rows
+
+
+def trainable(tr: T.Tree, method: str) -> bool:
+    """AttnRL drops trees whose leaves all have the same reward (no signal: all-correct or all-wrong
+    prompts) before the update, so they do not count in the loss normaliser or the batch. The other methods
+    keep every tree: a zero-advantage row costs no compute but counts in Eq. DATPO's normaliser."""
+    if method != "attnrl":
+        return True
+    return len({b.reward for b in tr.blocks if b.terminal}) > 1
+
+
+def attnrl_batch_size(batch: int, kept_leaves: int, target_leaves: int, lam: float, cap: int) -> int:
+    """AttnRL's dynamic batch size: aim the number of leaves that survive filtering at the target
+    (initial prompts × N × (1 + K·B)) with an EMA, B_t = ⌈(1−λ)·B_{t−1}·target/kept + λ·B_{t−1}⌉.
+    Clamped to [1, cap] (our guard: with nothing kept the raw target is unbounded)."""
+    wanted = batch * target_leaves / max(kept_leaves, 1)
+    return int(min(cap, max(1, math.ceil((1 - lam) * wanted + lam * batch))))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -284,6 +303,41 @@ def git_commit() -> str:
         return "unknown"
 
 
+def plot_run(run_dir: Path) -> Path:
+    """training.png: reward, V(root) and held-out avg@k per step; leaves and generated tokens per prompt."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "eval" not in r]
+    evals = [r for r in records if "eval" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot([r["step"] for r in steps], [r["reward"] for r in steps], label="reward (all leaves)", alpha=0.7)
+    left.plot([r["step"] for r in steps], [r["v_root"] for r in steps], label="V(root) (base responses)", alpha=0.7)
+    if evals:
+        key = next(k for k in evals[0] if k.startswith("avg@"))
+        left.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", color="black",
+                  label=f"held-out {key} ({evals[0]['data']})")
+    left.set_xlabel("step")
+    left.set_ylim(0, 1)
+    left.legend()
+    right.plot([r["step"] for r in steps], [r["leaves_per_prompt"] for r in steps], label="leaves / prompt")
+    right.set_xlabel("step")
+    right.set_ylabel("leaves / prompt")
+    twin = right.twinx()
+    twin.plot([r["step"] for r in steps], [r["generated_tokens_per_prompt"] for r in steps], color="tab:red",
+              label="generated tokens / prompt")
+    twin.set_ylabel("generated tokens / prompt", color="tab:red")
+    right.legend(loc="upper left")
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    path = run_dir / "training.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 class Log:
     """metrics.jsonl (one JSON object per line) and console lines that do not break the tqdm bar."""
 
@@ -305,7 +359,7 @@ class Log:
 def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step: int) -> dict:
     model.eval()
     result = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=cfg.eval_k,
-                                        max_new_tokens=cfg.eval_max_new_tokens, progress=False)
+                                        max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}")
     record = {"step": step, "eval": label, "data": cfg.eval_data, f"avg@{cfg.eval_k}": result["avg@k"],
               f"pass@{cfg.eval_k}": result["pass@k"], "n_problems": result["n_problems"],
               "n_samples": result["n_samples"], "seconds": result["seconds"]}
@@ -319,6 +373,7 @@ def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step
 
 def train(cfg: C.Config) -> Path:
     """Run (or resume) training; returns the run folder."""
+    t_run = time.perf_counter()
     device = models.pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -332,11 +387,12 @@ def train(cfg: C.Config) -> Path:
     model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
-    start_step, cursor, skipped = 0, 0, 0
+    start_step, cursor, skipped, batch_size = 0, 0, 0, cfg.prompts_per_step
     if cfg.resume:
         state = torch.load(Path(source) / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         start_step, cursor, skipped = state["step"], state["cursor"], state.get("skipped_prompts", 0)
+        batch_size = state.get("batch_size", batch_size)
         set_rng_state(rng, state["rng"])
         log.say(f"resumed from {source} at step {start_step}")
     else:
@@ -359,7 +415,7 @@ def train(cfg: C.Config) -> Path:
         t_step = time.perf_counter()
         # ---- sample prompts q ~ Q (over-long prompts are skipped and counted) ----
         prompts, answers, levels = [], [], []
-        while len(prompts) < cfg.prompts_per_step:
+        while len(prompts) < batch_size:
             problem = problems[problem_index(len(problems), cursor, cfg.seed)]
             cursor += 1
             prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
@@ -372,11 +428,14 @@ def train(cfg: C.Config) -> Path:
 
         # ---- Phase 1+2: tree rollouts ----
         model.eval()
+        if grpo_like:      # parallel sampling: G responses, no branches
+            shape = dict(n_base=cfg.group_size, budget=lambda v: (0, 0))
+        elif cfg.method == "attnrl":   # fixed (K, B) on the responses AttnRL's adaptive sampling picks
+            shape = dict(budget=lambda v: (cfg.k_max, cfg.b_max), expand=T.attnrl_expansion)
+        else:              # DATPO / TreeRL: adaptive_budget, or fixed (K, B) when cfg.adaptive is False
+            shape = {}
         with models.autocast(device, cfg.precision):
-            trees, rstats = R.rollout_trees(
-                model, tokenizer, prompts, answers, cfg, rng, levels=levels,
-                n_base=cfg.group_size if grpo_like else cfg.n_base,
-                budget=(lambda v: (0, 0)) if grpo_like else None)
+            trees, rstats = R.rollout_trees(model, tokenizer, prompts, answers, cfg, rng, levels=levels, **shape)
         t_gen = rstats.seconds_base + rstats.seconds_forks + rstats.seconds_branches
 
         # ---- Phase 3: block advantages ----
@@ -384,9 +443,11 @@ def train(cfg: C.Config) -> Path:
         alpha = A.alpha_at(step, cfg.steps, cfg.alpha_start, cfg.alpha_end) if cfg.method == "datpo" else 0.0
         embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size) if (embedder and alpha != 0) else [None] * len(trees)
         t_embed = time.perf_counter() - t0
-        rows = []
+        rows, kept_leaves = [], 0
         for tr, emb in zip(trees, embeddings):
-            rows += tree_rows(tr, tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb), cfg.method)
+            if trainable(tr, cfg.method):
+                rows += tree_rows(tr, tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb), cfg.method)
+                kept_leaves += tr.leaves
 
         # ---- Phase 4: policy update ----
         t0 = time.perf_counter()
@@ -395,6 +456,10 @@ def train(cfg: C.Config) -> Path:
         t_update = time.perf_counter() - t0
 
         leaves = [tr.leaves for tr in trees]
+        if cfg.method == "attnrl":
+            target = cfg.prompts_per_step * cfg.n_base * (1 + cfg.k_max * cfg.b_max)
+            batch_size = attnrl_batch_size(batch_size, kept_leaves, target, cfg.attnrl_lambda,
+                                           cap=4 * cfg.prompts_per_step)
         rewards = [b.reward for tr in trees for b in tr.blocks if b.terminal]
         record = {
             "step": step + 1,
@@ -405,6 +470,7 @@ def train(cfg: C.Config) -> Path:
             "generated_tokens_per_prompt": float(np.mean([tr.generated_tokens for tr in trees])),
             "k_hat": float(np.mean([tr.k_hat for tr in trees])),
             "b_hat": float(np.mean([tr.b_hat for tr in trees])),
+            "prompts": len(trees),
             "rows": len(rows),
             "alpha": alpha,
             "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
@@ -426,9 +492,18 @@ def train(cfg: C.Config) -> Path:
             run_eval(model, tokenizer, eval_problems, cfg, device, "after" if done == cfg.steps else "during", log, done)
         if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
             save_checkpoint(run_dir, done, model, tokenizer, optimizer,
-                            {"step": done, "cursor": cursor, "skipped_prompts": skipped, "rng": rng_state(rng),
+                            {"step": done, "cursor": cursor, "skipped_prompts": skipped, "batch_size": batch_size,
+                             "rng": rng_state(rng),
                              "config": json.loads(cfg.to_json())})
     bar.close()
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if r.get("eval") in ("before", "after")]
+    if len(evals) >= 2:
+        key = f"avg@{cfg.eval_k}"
+        log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after {evals[-1][key]:.3f} "
+                f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
+    if start_step < cfg.steps:
+        log.say(f"curves: {plot_run(run_dir)}")
     return run_dir
 
 

@@ -2,6 +2,7 @@
 
 Paper map:
   adaptive_budget      Sec. 4.1, Eq. (1)-(2): K̂ = ⌈K_max(1−V(root))⌉, B̂ = ⌈B_max(1−V(root))⌉
+  attnrl_expansion     the AttnRL baseline's adaptive sampling (which base responses get branches)
   select_forks         App. D, Algorithm "Forking Points Selection" (random, fixed-seg, ATB, tok-entropy,
                        sent-entropy) and App. D.4 (distance-forced tok-entropy)
   sentence_spans       App. D.1: PySBD sentences aligned to tokens through the offset mapping
@@ -46,6 +47,25 @@ def adaptive_budget(v_root: float, k_max: int, b_max: int) -> tuple[int, int]:
     k_hat = math.ceil(round(k_max * (1.0 - v_root), 9))
     b_hat = math.ceil(round(b_max * (1.0 - v_root), 9))
     return int(k_hat), int(b_hat)
+
+
+def attnrl_expansion(rewards: list[float], rng) -> list[int]:
+    """AttnRL's difficulty-adaptive sampling (Liu et al. 2025, used by the `attnrl` baseline, App. E.2):
+    of the N base responses, ⌈N·exp(−acc)⌉ are expanded (acc = mean reward) — responses of the minority
+    class (correct or wrong, correct on a tie) first, then random ones of the other class. An all-correct
+    prompt expands nothing (AttnRL filters it out; the rare exception its code makes for prompts with high
+    attention scores is not reproduced). Returns the indices of the responses to expand, sorted."""
+    n = len(rewards)
+    acc = sum(rewards) / n
+    if acc >= 1.0:
+        return []
+    count = min(n, math.ceil(round(n * math.exp(-acc), 9)))
+    correct = [i for i, r in enumerate(rewards) if r > 0]
+    wrong = [i for i, r in enumerate(rewards) if r <= 0]
+    minority, majority = (correct, wrong) if len(correct) <= len(wrong) else (wrong, correct)
+    chosen = minority[:count]
+    chosen += rng.sample(majority, count - len(chosen)) if count > len(chosen) else []
+    return sorted(chosen)
 
 
 # --------------------------------------------------------------------------------------------------------

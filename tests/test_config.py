@@ -62,6 +62,22 @@ def test_cli_errors_name_the_flag_and_valid_values(argv, expected, capsys):
     assert expected in capsys.readouterr().err
 
 
+def test_scales_and_rows_compose():
+    cfg = C.parse_args(["--preset", "treerl", "--scale", "tiny"])
+    assert (cfg.method, cfg.n_base, cfg.k_max, cfg.b_max, cfg.adaptive, cfg.fork) == \
+        ("treerl", 6, 2, 2, False, "tok-entropy")                    # the row: TreeRL's (6, 2, 2)
+    assert cfg.model == "tiny-random" and cfg.max_new_tokens == 12   # the scale
+    assert cfg.out_dir == "runs/treerl-tiny"
+    assert C.make_config("demo").out_dir == "runs/demo" and C.make_config("grpo").out_dir == "runs/grpo"
+    grpo = C.make_config("grpo")
+    assert (grpo.group_size, grpo.clip_low, grpo.clip_high) == (16, 0.2, 0.28)   # clip-higher, App. E.2
+    assert C.make_config("drgrpo").loss_norm == "constant"
+    assert C.make_config("datpo-alpha-0.2-neg0.2").alpha_end == -0.2
+    assert C.make_config("datpo-nonadaptive").adaptive is False
+    with pytest.raises(SystemExit):
+        C.parse_args(["--scale", "huge"])
+
+
 def test_make_config_rejects_unknown_fields():
     with pytest.raises(ValueError, match="unknown config field"):
         C.make_config("paper", n_bases=4)

@@ -1,0 +1,55 @@
+"""models.py: the embedded models load offline, tiny models build from a config, run folders resolve."""
+import pytest
+import torch
+
+import models
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_loads_offline_and_generates_text(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tok = models.load_policy("smollm2-135m")
+    assert model.config.model_type == "llama"
+    assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
+    assert tok.eos_token == "<|im_end|>" and tok.padding_side == "left"
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert any(c.isalpha() or c.isdigit() for c in text)      # a real model answers with words or digits
+
+
+def test_embedded_embedder_loads_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    embedder = models.load_embedder("all-minilm-l6-v2")
+    vecs = embedder.encode(["We add 3 and 4.", "Adding three and four.", "The cat sat on the mat."])
+    assert vecs.shape == (3, 384)
+    sim = vecs @ vecs.T / (abs(vecs) ** 2).sum(1) ** 0.5 / ((abs(vecs) ** 2).sum(1) ** 0.5)[:, None]
+    assert sim[0, 1] > sim[0, 2]                                # paraphrases are closer than unrelated text
+
+
+def test_tiny_random_model_is_built_from_a_config_and_seeded(smollm_tokenizer):
+    a = models.tiny_random_model(len(smollm_tokenizer), seed=0)
+    b = models.tiny_random_model(len(smollm_tokenizer), seed=0)
+    c = models.tiny_random_model(len(smollm_tokenizer), seed=1)
+    assert a.config.num_hidden_layers == 2 and a.config.vocab_size == len(smollm_tokenizer)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_resolve_checkpoint_follows_latest(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "config.json").write_text("{}")                    # the run's Config, not a model config
+    (run / "checkpoints" / "latest").write_text("step_000003")
+    assert models.resolve_checkpoint(str(run)) == str(run / "checkpoints" / "step_000003")
+    assert models.resolve_checkpoint("Qwen/Qwen2.5-3B") == "Qwen/Qwen2.5-3B"
+
+
+def test_precision_helpers():
+    assert models.policy_dtype("bf16") == torch.bfloat16 and models.policy_dtype("bf16-autocast") == torch.float32
+    with models.autocast("cpu", "bf16-autocast"):
+        assert torch.is_autocast_enabled("cpu")
+    with models.autocast("cpu", "fp32"):
+        assert not torch.is_autocast_enabled("cpu")
