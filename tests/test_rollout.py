@@ -150,3 +150,13 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy):
             assert ent_c == pytest.approx(ent_n, abs=1e-4)
     # branches of one fork are different samples, not copies
     assert len({tuple(t) for t, _ in cached[2]}) > 1
+
+
+def test_trim_keeps_the_stop_token_and_cuts_at_the_budget():
+    # pad = EOS = 2 (as in SmolLM2): generate pads a finished row with EOS; only the first one is the response's
+    sampler = R.Sampler(model=None, stop_ids=[2, 7], pad_id=2)
+    new = torch.tensor([[5, 6, 2, 2, 2], [5, 7, 9, 9, 9], [5, 6, 8, 9, 4]])
+    ents = torch.arange(15, dtype=torch.float).reshape(3, 5)
+    tokens, entropies = sampler.trim(new, ents, limits=[5, 5, 3])
+    assert tokens == [[5, 6, 2], [5, 7], [5, 6, 8]]          # EOS kept (it is trained); budget of 3 respected
+    assert entropies == [[0.0, 1.0, 2.0], [5.0, 6.0], [10.0, 11.0, 12.0]]
