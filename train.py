@@ -348,6 +348,17 @@ class Log:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def truncate_after(self, step: int) -> int:
+        """Drop records of steps after `step` (a resumed run repeats them); returns how many were dropped."""
+        if not self.path.exists():
+            return 0
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        return len(lines) - len(kept)
+
     @staticmethod
     def say(text: str) -> None:
         tqdm.write(text, file=sys.stderr)
@@ -394,8 +405,9 @@ def train(cfg: C.Config) -> Path:
         start_step, cursor, skipped = state["step"], state["cursor"], state.get("skipped_prompts", 0)
         batch_size = state.get("batch_size", batch_size)
         set_rng_state(rng, state["rng"])
-        log.say(f"resumed from {source} at step {start_step}")
-    else:
+        dropped = log.truncate_after(start_step)   # steps logged after the checkpoint are about to be redone
+        log.say(f"resumed from {source} at step {start_step}" + (f"; dropped {dropped} later log lines" if dropped else ""))
+    if not cfg.resume or not (run_dir / "config.json").exists():
         (run_dir / "config.json").write_text(cfg.to_json())
         (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
 

@@ -171,6 +171,12 @@ def test_tiny_run_writes_metrics_and_a_loadable_checkpoint_and_resumes_exactly(t
     assert again["step"] == 2
     for key in ("loss", "reward", "generated_tokens_per_prompt", "grad_norm"):
         assert again[key] == records[1][key], key
+    assert json.loads((resumed / "config.json").read_text())["resume"].endswith("step_000001")
+
+    # resuming in the run's own folder after a crash past the checkpoint: the redone step replaces its line
+    train.main(["--preset", "tiny", "--out_dir", str(run), "--resume", str(run / "checkpoints" / "step_000001")])
+    redone = _read(run / "metrics.jsonl")
+    assert [r["step"] for r in redone] == [1, 2] and redone[1]["loss"] == records[1]["loss"]
 
 
 def test_same_seed_same_first_step_and_no_embedder_without_alpha(tmp_path, monkeypatch):
