@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
@@ -267,6 +267,7 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
     branch continuation (from token f on). counters['recomputed_prefix_tokens'] counts prefix tokens whose
     keys/values were computed again (0 on the cached path)."""
     counters = counters if counters is not None else {}
+    counters.setdefault("recomputed_prefix_tokens", 0)
     jobs = [(i, req) for i, req in enumerate(requests) for _ in range(req.count)]
     results: list[list] = [[] for _ in requests]
     for begin in range(0, len(jobs), chunk_size):
@@ -278,7 +279,7 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
         if naive_prefill:
             ids, mask = left_pad(prefixes, sampler.pad_id, sampler.device)
             tokens, ents, _, _ = sampler.generate(ids, mask, limits)
-            counters["recomputed_prefix_tokens"] = counters.get("recomputed_prefix_tokens", 0) + sum(map(len, prefixes))
+            counters["recomputed_prefix_tokens"] += sum(map(len, prefixes))
         else:
             hidden = torch.stack([base.hidden[f][r] for r, f in zip(rows, forks)])
             first, first_ent = sampler.sample_first(hidden)
@@ -291,7 +292,6 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
             rest, rest_ents, _, _ = sampler.generate(ids, mask, rest_limits, cache=cache)
             tokens = [[t] + ([] if e else r) for t, e, r in zip(first.tolist(), ended, rest)]
             ents = [[h] + ([] if e else r) for h, e, r in zip(first_ent.tolist(), ended, rest_ents)]
-            counters["recomputed_prefix_tokens"] = counters.get("recomputed_prefix_tokens", 0)
             del cache
         for (i, _), tok, ent in zip(chunk, tokens, ents):
             results[i].append((tok, ent))
@@ -345,7 +345,6 @@ class RolloutStats:
     seconds_base: float = 0.0
     seconds_forks: float = 0.0
     seconds_branches: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entropies, rng, cfg) -> list[int]:
