@@ -82,8 +82,9 @@ def last_boxed(text):
     """Content of the last brace-balanced \\boxed{...} (or \\fbox{...}, or "\\boxed 2" without braces) in
     text, stripped; None if there is none. MATH solutions mark the final answer this way (Appendix E.1 trains
     on MATH). The gold answers are read with the grader's own extractor, so gold and prediction agree on what
-    a box is (identical on all 12,500 MATH solutions to the extractor this file had before)."""
-    answer = extract_answer(text)
+    a box is (identical on all 12,500 MATH solutions to the extractor this file had before). Only the last
+    box: a solution's "\\boxed{x+11} or \\boxed{11+x}" offers two spellings of one answer."""
+    answer = extract_answer(text, join_boxes=False)
     return None if answer is None else answer.strip()
 
 

@@ -4,16 +4,28 @@ The paper trains with a binary verifiable reward: 1 if the final answer is corre
 (DATPO, Section 5.1 and Appendix E.1 "Training Hyperparameters"; the same r(b) in {0, 1} scores the
 terminal blocks of a tree, Section 4). This module turns a model response into that number:
 
-    extract_answer(text)         -> content of the last brace-balanced \\boxed{...} (or \\fbox{...}), or None
+    extract_answer(text)         -> the final answer: the last brace-balanced \\boxed{...} (or \\fbox{...})
+                                    with the boxes chained to it in the final phrase, joined; or None
     is_equivalent(pred, gold)    -> math-verify equivalence of two bare answer strings, strict
     compute_reward(text, gold)   -> 1.0 / 0.0
 
 Grading is math-verify (the grader of TRL, open-r1 and lm-eval) with strict=True: \\frac12 = 0.5,
 \\sqrt2/2 = 1/\\sqrt2, 1,000 = 1000, "x = 5" = 5, 30^\\circ = 30, "5 \\text{ cm}" = 5, sets are unordered,
-tuples and interval endpoints are not. There is no numeric fallback that strips letters (the public
-reference code graded \\sqrt{2} as 2; here it is wrong). LaTeX mangled by a non-raw Python string
-("\\boxed" typed as "\\x08oxed") is repaired. Answers never make these functions raise; the one error
-is a RuntimeError when a helper process (below) cannot start at all, which is a broken environment.
+tuples and interval endpoints are not. Thousands are also written 11,\\! 111 (MATH), 1{,}000 and 1 000; a
+group never starts a number with 0 ("0,111" is 0.111, as math-verify reads it); any other comma between
+digits separates a list ("1,22" is 1 and 22: MATH writes lists of answers so, never decimal commas).
+
+Several boxes (the multi-box policy; README "The grader's multi-box policy"). An answer split over
+boxes of one final phrase ("x = \\boxed{1} or x = \\boxed{-2}", "\\boxed{(1,2)}, \\boxed{(2,1)}") is read
+whole, joined "1, -2", as math-verify does; only connectors may stand between the boxes (spacing, math
+delimiters, "," ";" "and" "or", a label "x ="), so a boxed intermediate value earlier in the text is
+never pulled in. The joined answer is compared as a whole: boxing several candidates gives a list that a
+single gold answer never equals, so a response cannot win by boxing many candidates.
+
+There is no numeric fallback that strips letters (the public reference code graded \\sqrt{2} as 2;
+here it is wrong). LaTeX mangled by a non-raw Python string ("\\boxed" typed as "\\x08oxed") is repaired.
+Answers never make these functions raise; the one error is a RuntimeError when a helper process (below)
+cannot start at all, which is a broken environment.
 
 Bounding the time. A model can write anything inside a box (9^{9^{9^{9}}}, 10,000 characters, garbage
 LaTeX) and sympy may then work for minutes; a training step grades hundreds of responses, so every
@@ -100,15 +112,31 @@ def _match_braces(text: str) -> dict[int, int]:
     return pairs
 
 
-def extract_answer(text: str, fallback_last_number: bool = False) -> str | None:
-    """Content of the last brace-balanced \\boxed{...} / \\fbox{...} (or \\boxed TOKEN), else None.
+# What may stand between two boxes of one answer split over several boxes ("\boxed{1}, \boxed{2}",
+# "x = \boxed{1} or x = \boxed{-2}", "\boxed{-2} \quad \text{and} \quad \boxed{1}"): spacing, math
+# delimiters, "," ";" "and" "or", and a label "x =" / "y_2 =" before the next box. Nothing else: no
+# prose ("then", "so a + b ="), no full stop, so an intermediate boxed value is never pulled in.
+MAX_CONNECTOR_CHARS = 80
+_TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textrm|textnormal|textit|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
+_CONNECTOR_RE = re.compile(
+    r"(?:\s|[,;~$]|\\[()\[\],;: ]|\\q?quad(?![A-Za-z])|\b(?:and|or)\b"
+    r"|(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?[A-Za-z0-9]+\}?)?'*\s*=)*")
+_SEPARATOR_RE = re.compile(r"[,;]|\b(?:and|or)\b|\\q?quad(?![A-Za-z])")
 
-    An unbalanced box is skipped. With fallback_last_number=True and no usable box, the last number in
-    the text is returned instead (a switch for easy demo data; off for MATH-style training).
+
+def _joins_boxes(between: str) -> bool:
+    """True if `between` (the text from the end of one box to the next \\boxed) only links two parts of one answer."""
+    if len(between) > MAX_CONNECTOR_CHARS:
+        return False
+    between = _TEXT_WRAPPER_RE.sub(r" \1 ", between)
+    return bool(_SEPARATOR_RE.search(between)) and _CONNECTOR_RE.fullmatch(between) is not None
+
+
+def _boxes_last_first(text: str):
+    """(start, end, content) of every usable \\boxed{...} / \\fbox{...} / \\boxed TOKEN, the last one first.
+
+    An unbalanced box is skipped; `end` is the index just after the closing brace (or token).
     """
-    if not isinstance(text, str):
-        return None
-    text = _unmangle(text)
     pairs = None  # computed lazily: most texts have one box
     for m in reversed(list(_BOX_RE.finditer(text))):
         j = m.end()
@@ -118,11 +146,36 @@ def extract_answer(text: str, fallback_last_number: bool = False) -> str | None:
             if pairs is None:
                 pairs = _match_braces(text)
             if j in pairs:
-                return text[j + 1:pairs[j]].strip()
-            continue  # unbalanced: try an earlier box
+                yield m.start(), pairs[j] + 1, text[j + 1:pairs[j]].strip()
+            continue
         bare = _BARE_BOX_TOKEN_RE.match(text, m.end())
         if bare and bare.group(1).rstrip(".,;:"):
-            return bare.group(1).rstrip(".,;:")
+            yield m.start(), bare.end(), bare.group(1).rstrip(".,;:")
+
+
+def extract_answer(text: str, fallback_last_number: bool = False, join_boxes: bool = True) -> str | None:
+    """The final answer of a response: the content of its last usable \\boxed{...} / \\fbox{...} (or \\boxed TOKEN).
+
+    An answer split over several boxes of one final phrase ("x = \\boxed{1} or x = \\boxed{-2}",
+    "\\boxed{(1,2)}, \\boxed{(2,1)}") is returned joined, "1, -2": the boxes chained to the last one by
+    connectors only (see _joins_boxes; math-verify also joins such boxes), identical parts once. The joined
+    answer is then compared as a whole, so boxing several candidates makes a list that a single gold
+    answer never equals: a response cannot win by boxing many candidates. An unbalanced box is skipped.
+    join_boxes=False returns the last box alone (how MATH reference solutions mark their gold answer: their
+    "\\boxed{x+11} or \\boxed{11+x}" offers two spellings of one answer, and MATH500's curated answers are
+    the last box). With fallback_last_number=True and no usable box, the last number in the text is
+    returned instead (a switch for easy demo data; off for MATH-style training).
+    """
+    if not isinstance(text, str):
+        return None
+    text = _unmangle(text)
+    chain = []  # (start, end, content) of the final answer's boxes, last first
+    for start, end, content in _boxes_last_first(text):
+        if chain and not (join_boxes and end <= chain[-1][0] and _joins_boxes(text[end:chain[-1][0]])):
+            break  # an outer box around the chain (\boxed{\boxed{4}}) or real text in between
+        chain.append((start, end, content))
+    if chain:
+        return _join_parts([content for _, _, content in reversed(chain)])
     if fallback_last_number:
         numbers = _NUMBER_RE.findall(text)
         if numbers:
@@ -130,10 +183,28 @@ def extract_answer(text: str, fallback_last_number: bool = False) -> str | None:
     return None
 
 
+def _join_parts(parts: list[str]) -> str:
+    """One answer from the contents of several boxes: "1, -2". A single box is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    distinct = {}  # insertion-ordered set
+    for part in parts:
+        part = _clean(part)
+        if _plain_number(part) is not None:
+            part = part.replace(",", "")  # "1,000" must not become two items of the list
+        if part:
+            distinct[part] = None
+    distinct = list(distinct)
+    if len(distinct) <= 1:
+        return distinct[0] if distinct else parts[-1]
+    return ", ".join(distinct)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Cheap checks that need no sympy
 
-_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+# 1,234.5 / 12 / .5; thousands grouping starts with 1-9: "0,111" is not 111.
+_PLAIN_NUMBER_RE = re.compile(r"-?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 _DIGITS = r"\d(?:,?\d){5,}"  # 6+ digits (thousands commas allowed)
 _EXPLOSIVE_RES = [
     re.compile(r"\^\s*\{?\s*\(?\s*-?" + _DIGITS),                  # 2^{1000000}
@@ -146,12 +217,26 @@ _EXPLOSIVE_RES = [
 _TRAILING_RE = re.compile(r"(?:\\[,;:]|\\q?quad|[\s.,;:])+$")  # "30^\circ." does not parse
 
 
+# Thousands separators that are never list commas: MATH's "11,\! 111,\! 100" (a space may follow the
+# \!) and LaTeX's "1{,}000", before a group of exactly 3 digits.
+_MARKED_THOUSANDS_RE = re.compile(r"(?<=\d)(?:,\s*\\!|\{,\})\s*(?=\d{3}(?!\d))")
+# A whole answer grouped by (thin) spaces, "1 000" or "1\,000\,000" (only a whole answer: inside an
+# expression a space is no separator).
+_SPACE_SEPARATOR = r"(?:\s|\\,|\\ |~)"
+_SPACED_NUMBER_RE = re.compile(r"-?[1-9]\d{0,2}(?:" + _SPACE_SEPARATOR + r"\d{3})+(?:\.\d+)?")
+
+
 def _clean(answer: str) -> str:
-    """Normalise what math-verify trips on: surrounding $, trailing punctuation/spacing, \\! in 29,\\!322."""
+    """Normalise what math-verify trips on: surrounding $, trailing punctuation/spacing, thousands written
+    29,\\!322 / 11,\\! 111 / 1{,}000 / 1 000, other \\! spacing."""
+    answer = _MARKED_THOUSANDS_RE.sub("", answer)
     answer = answer.replace("\\!", "").strip()
     while len(answer) >= 2 and answer.startswith("$") and answer.endswith("$"):
         answer = answer[1:-1].strip()
-    return _TRAILING_RE.sub("", answer)
+    answer = _TRAILING_RE.sub("", answer)
+    if _SPACED_NUMBER_RE.fullmatch(answer):
+        answer = re.sub(_SPACE_SEPARATOR, "", answer)
+    return answer
 
 
 def _exponent_args(answer: str) -> list[str]:
@@ -221,7 +306,8 @@ def _load_math_verify():
     return _mv
 
 
-_THOUSANDS_COMMA_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# A comma-grouped integer inside an expression ("\frac{1}{29,322}"); a group never starts with 0.
+_THOUSANDS_GROUPED_RE = re.compile(r"(?<![\d.,])[1-9]\d{0,2}(?:,\d{3})+(?!\d|,\d)")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -236,7 +322,7 @@ def _parse(answer: str):
     first = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     retries = ["$" + answer + "$"]
     if "," in answer:
-        retries.append("\\boxed{" + _THOUSANDS_COMMA_RE.sub("", answer) + "}")
+        retries.append("\\boxed{" + _THOUSANDS_GROUPED_RE.sub(lambda m: m.group().replace(",", ""), answer) + "}")
     parsed = first
     for wrapped in retries:
         if any(not isinstance(p, str) for p in parsed):

@@ -64,6 +64,14 @@ GRADING_CASES = [
     ("\\dfrac{1}{29,\\!322,\\!216}", "\\frac{1}{29322216}", True, "thin-space thousands in a fraction"),
     ("x \\in [1,2]", "[1,2]", True, "membership vs interval"),
     ("x+y", "y+x", True, "commutativity"),
+    ("11,\\! 111,\\! 111,\\! 100", "11111111100", True, "thin-space thousands followed by spaces"),
+    ("11111111100", "11,\\! 111,\\! 111,\\! 100", True, "thin-space thousands gold"),
+    ("32,\\! 349", "32,349", True, "thin-space vs plain thousands"),
+    ("1 000", "1000", True, "space thousands"),
+    ("-1\\,000\\,000", "-10^6", True, "thin-space thousands, negative"),
+    ("1{,}000", "1000", True, "braced comma thousands"),
+    ("0,111", "0.111", True, "a leading 0 group is a decimal comma"),
+    ("1, -2", "1,-2", True, "list of roots"),
     # rejected
     ("\\sqrt{2}", "2", False, "radical is not its radicand"),
     ("2\\pi", "2", False, "2pi is not 2"),
@@ -96,6 +104,12 @@ GRADING_CASES = [
     ("\\text{}", "5", False, "empty text"),
     ("4", "", False, "empty gold"),
     ("\\frac{1}{2", "\\frac{1}{2}", False, "unbalanced pred"),
+    ("0,111", "111", False, "a leading 0 group is never thousands grouping"),
+    ("111", "0,111", False, "a leading 0 group is never thousands grouping (gold)"),
+    ("1,22", "1.22", False, "policy: a comma that is not thousands grouping separates a list"),
+    ("1 000", "1", False, "space thousands is not its first group"),
+    ("1, 2", "1, 2, 3", False, "missing list element"),
+    ("1, 2, 3", "1, 2", False, "extra list element"),
 ]
 
 # Inputs a policy can emit that make a naive grader hang, crash or eat memory.
@@ -184,12 +198,32 @@ EXTRACT_CASES = [
     ("\\boxed{}", "", "empty box"),
     ("\\boxedx{3}", None, "not a box command"),
     ("\x08oxed{\x0crac{1}{2}}", "\\frac{1}{2}", "non-raw Python string mangling"),
+    # Several boxes: the final phrase's boxes form one answer; anything but a connector ends it.
+    ("so $x = \\boxed{-2}$ or $x = \\boxed{1}$.", "-2, 1", "boxes joined by or, labelled"),
+    ("\\[ \\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}. \\]", "-2, 1", "boxes joined by text and"),
+    ("\\boxed{(1, 2)}, \\boxed{(2, 1)}", "(1, 2), (2, 1)", "boxed pairs joined by a comma"),
+    ("\\(y_1 = \\boxed{x+1}\\) and \\(y_{2} = \\boxed{x-1}\\)", "x+1, x-1", "subscripted labels"),
+    ("\\boxed{1}; \\boxed 2", "1, 2", "semicolon and a bare token box"),
+    ("\\boxed{1,\\!000} and \\boxed{2}", "1000, 2", "a thousands box stays one item"),
+    ("\\boxed{5} or \\boxed{5}.", "5", "identical boxes count once"),
+    ("a = \\boxed{3}, so a + b = \\boxed{7}", "7", "prose between boxes: last box only"),
+    ("so \\boxed{3}. Hence \\boxed{5}", "5", "a full stop between boxes: last box only"),
+    ("\\boxed{3} \\boxed{5}", "5", "no separator between boxes: last box only"),
+    ("\\boxed{1}, \\boxed{2 and then \\boxed{3}", "3", "an unbalanced box between: last box only"),
+    ("\\boxed{1}, \\boxed{\\boxed{4}}", "4", "nested box: the innermost"),
+    ("\\boxed{1}, " + "\\quad " * 20 + "\\boxed{2}", "2", "a connector longer than MAX_CONNECTOR_CHARS"),
 ]
 
 
 @pytest.mark.parametrize("text,expected", [c[:2] for c in EXTRACT_CASES], ids=[c[2] for c in EXTRACT_CASES])
 def test_extract_answer(text, expected):
     assert reward.extract_answer(text) == expected
+
+
+def test_join_boxes_false_reads_the_last_box_only():
+    # How data.py reads MATH reference solutions: "\\boxed{x+11} or \\boxed{11+x}" offers two spellings.
+    assert reward.extract_answer("This yields $\\boxed{x+11}$ or $\\boxed{11+x}$.", join_boxes=False) == "11+x"
+    assert reward.extract_answer("x = \\boxed{-2} or x = \\boxed{1}", join_boxes=False) == "1"
 
 
 FALLBACK_CASES = [
@@ -218,6 +252,14 @@ def test_extract_is_linear_on_many_unbalanced_boxes():
     assert time.perf_counter() - start < 1.0
 
 
+def test_many_chained_boxes_are_linear_and_wrong():
+    text = "".join(f"\\boxed{{{i}}}, " for i in range(20000))  # 20,000 candidates in one phrase
+    start = time.perf_counter()
+    assert reward.extract_answer(text).startswith("0, 1, 2, ")
+    assert reward.compute_reward(text, "19999") == 0.0
+    assert time.perf_counter() - start < 2.0
+
+
 # ------------------------------------------------------------------------------------------------
 # Reward
 
@@ -231,6 +273,31 @@ def test_compute_reward():
     assert reward.compute_reward("\\boxed{\\boxed{4}}", "4") == 1.0
     assert reward.compute_reward("#### 1,000", "1000", fallback_last_number=True) == 1.0
     assert reward.compute_reward(None, "5") == 0.0
+
+
+# (response, gold, reward): the multi-box policy. A split answer counts whole; boxing several candidates never wins.
+MULTI_BOX_CASES = [
+    ("so $x = \\boxed{-2}$ or $x = \\boxed{1}$.", "1, -2", 1.0),
+    ("so $x = \\boxed{-2}$ or $x = \\boxed{1}$.", "\\{-2, 1\\}", 1.0),
+    ("the points are $\\boxed{(-2,18)}$ and $\\boxed{(8,38)}$.", "(8,38), (-2,18)", 1.0),
+    ("This yields $\\boxed{x+11}$ or $\\boxed{11+x}$.", "11+x", 1.0),  # two spellings of one answer
+    ("$\\boxed{0.5}$ or $\\boxed{\\frac12}$", "\\frac{1}{2}", 1.0),
+    # Rejections: every candidate boxed is part of the answer, so extra or missing ones make it wrong.
+    ("\\boxed{1} or \\boxed{2} or \\boxed{3}", "2", 0.0),
+    ("\\boxed{1} or \\boxed{2} or \\boxed{3}", "3", 0.0),
+    ("\\boxed{1}, \\boxed{-2}, \\boxed{3}", "1, -2", 0.0),
+    ("$x = \\boxed{1}$", "1, -2", 0.0),
+    ("\\boxed{2}, \\boxed{\\sqrt{2}}", "2", 0.0),
+    ("first \\boxed{1}, then \\boxed{2}", "1, 2", 0.0),  # prose between: only the last box is the answer
+    ("first \\boxed{1}, then \\boxed{2}", "2", 1.0),
+]
+
+
+@pytest.mark.parametrize("response,gold,expected", MULTI_BOX_CASES)
+def test_multi_box_policy(response, gold, expected):
+    assert reward.compute_reward(response, gold) == expected
+    # One reading of a response everywhere: the extracted answer is what gets graded (evaluate.py's maj@k).
+    assert float(reward.is_equivalent(reward.extract_answer(response), gold)) == expected
 
 
 def test_math500_reference_solutions_get_full_reward():
