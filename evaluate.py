@@ -32,6 +32,7 @@ from pathlib import Path
 
 import config as C
 import data
+import distributed as D
 import models
 from reward import compute_reward, extract_answer, is_equivalent
 
@@ -171,14 +172,16 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     n_per_call = min(k, cfg.gen_batch_size)
     problems_per_call = max(1, cfg.gen_batch_size // k)
 
+    lo, hi = D.shard_range(len(problems))   # under torchrun this rank's problems; in one process all of them
     was_training = model.training
     model.eval()
     records, start = [], time.perf_counter()
-    bar = tqdm(total=len(problems) * k * runs, desc=desc, unit="sample", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=(hi - lo) * k * runs, desc=desc, unit="sample", disable=not progress or not D.is_main(),
+               dynamic_ncols=True)
     try:
         for run in range(runs):
-            for first in range(0, len(problems), problems_per_call):
-                group = list(range(first, min(first + problems_per_call, len(problems))))
+            for first in range(lo, hi, problems_per_call):
+                group = list(range(first, min(first + problems_per_call, hi)))
                 for done in range(0, k, n_per_call):
                     n = min(n_per_call, k - done)
                     with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
@@ -197,6 +200,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     finally:
         bar.close()
         model.train(was_training)
+    records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))  # 1-process order
     seconds = time.perf_counter() - start
     result = score_records(records, k)
     result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records)
@@ -433,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
+    D.init(cfg.device)   # torchrun: problems are sharded over ranks and gathered (evaluate_problems)
     device = models.pick_device(cfg.device)
     t0 = time.perf_counter()
     model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
@@ -446,8 +451,10 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"model": cfg.model, "settings": {**settings, "max_new_tokens": max_new_tokens, "runs": args.runs},
                "benchmarks": {}}
     for bench, k in zip(benches, ks):
-        torch.manual_seed(cfg.seed)  # each benchmark reproducible on its own, whatever else runs
+        torch.manual_seed(cfg.seed + D.rank())  # each benchmark reproducible on its own, whatever else runs
         result = evaluate_problems(model, tokenizer, problems[bench], cfg, k, max_new_tokens, args.runs, desc=bench)
+        if not D.is_main():   # every rank holds the gathered result; rank 0 writes it
+            continue
         records = result.pop("records")
         write_jsonl(out / f"samples_{bench}.jsonl", [{"bench": bench, **r} for r in records])
         summary["benchmarks"][bench] = result
@@ -456,6 +463,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{bench}: {result['n_problems']} problems x {k} samples x {args.runs} run(s) in "
               f"{result['seconds']:.0f}s ({tokens / result['seconds']:.0f} tok/s, mean {result['mean_tokens']:.0f} "
               f"tokens, {100 * result['truncated']:.0f}% hit max_new_tokens)", flush=True)
+    writer = D.is_main()
+    D.shutdown()
+    if not writer:
+        return {}
     by_model = {label: summary["benchmarks"]}
     plot_pass_curves(by_model, out / "pass_curves.png")
     plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")

@@ -174,7 +174,8 @@ class Sampler:
         try:
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                                       generation_config=self.generation_config(max(limits)),
-                                      logits_processor=processors, stopping_criteria=stopping)
+                                      logits_processor=processors, stopping_criteria=stopping,
+                                      synced_gpus=False)  # ranks generate alone (distributed.full_params)
         finally:
             if hidden:
                 hidden.__exit__()
