@@ -6,7 +6,9 @@ starts at the prompt) and `rewards[i]` is the 0/1 reward of a terminal block (No
 DATPO (Sec. 4.2, App. F):
   mc_values          V_MC(s) = mean reward of all terminal blocks descending from s (Eq. "Monte Carlo State
                      Value"); V(after a terminal block) = 0; V(root) = mean over every terminal block.
-  base_advantages    Â_base(b) = r(b) + V_MC(s_end) − V_MC(s_start)                          (Eq. 3)
+  release_values     the authors' release's estimates (an ablation, --value_estimate release): a fork's value
+                     averages only its B̂ branches, V(root) = mean of the N base responses
+  base_advantages    Â_base(b) = r(b) + V(s_end) − V(s_start), V = V_MC or the release's      (Eq. 3)
   sibling_diversity  Div_sib(b) = 1 − mean cos(e_b, e_b') over b' with the same start state  (Eq. 10)
   datpo_advantages   Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
   alpha_at           α linearly annealed from start to end over the run (Table "alpha")
@@ -74,9 +76,60 @@ def mc_values(parents: list[int | None], rewards: list[float | None]) -> tuple[l
     return v_start, v_end
 
 
-def base_advantages(parents: list[int | None], rewards: list[float | None]) -> list[float]:
-    """Â_base(b) = r(b) + V_MC(s_end) − V_MC(s_start), r(b) = 0 for inner blocks (Sec. 4.2, Eq. 3)."""
-    v_start, v_end = mc_values(parents, rewards)
+def release_values(parents: list[int | None], rewards: list[float | None],
+                   branch: list[bool]) -> tuple[list[float], list[float]]:
+    """(V(s_start), V(s_end)) of every block as the authors' release estimates them (an ablation; the paper's
+    V_MC is mc_values). Release: datpo_zero.search_batch sets a fork node's value to the mean reward of the
+    B̂ branch rollouts generated there, and tree_search._assign_advantages uses the mean of the N base
+    responses as V(root). So, unlike V_MC(s):
+      * V(fork) ignores the base response's own continuation below the fork (and every deeper fork's
+        branches): it is not counted as a sibling of the branches;
+      * V(root) averages the N base responses only, not every leaf of the tree;
+      * with B̂ = 1 a fork's value is its one branch's reward, so that branch's advantage is always 0.
+    branch[i] marks the blocks that are branch rollouts (tree.Block.branch); the other terminal blocks end
+    base responses. V after a terminal block is 0, as in mc_values.
+    """
+    if not len(parents) == len(rewards) == len(branch):
+        raise ValueError(f"parents ({len(parents)}), rewards ({len(rewards)}) and branch ({len(branch)}) "
+                         f"differ in length")
+    _children(parents)                                           # validates the parent indices
+    base_rewards = [float(r) for r, b in zip(rewards, branch) if r is not None and not b]
+    v_root = float(np.mean(base_rewards)) if base_rewards else 0.0
+    at_fork: dict[int, list[float]] = {}
+    for i, p in enumerate(parents):
+        if branch[i]:
+            if p is None or rewards[i] is None:
+                raise ValueError(f"block {i} is a branch, so it must be terminal and start at a fork")
+            at_fork.setdefault(p, []).append(float(rewards[i]))
+    v_end = []
+    for i, r in enumerate(rewards):
+        if r is not None:
+            v_end.append(0.0)
+        elif i in at_fork:
+            v_end.append(float(np.mean(at_fork[i])))
+        else:
+            raise ValueError(f"block {i} ends at a fork with no branch: the release's V(fork) is undefined")
+    v_start = [v_root if p is None else v_end[p] for p in parents]
+    return v_start, v_end
+
+
+VALUE_ESTIMATES = ("paper", "release")
+
+
+def base_advantages(parents: list[int | None], rewards: list[float | None], value_estimate: str = "paper",
+                    branch: list[bool] | None = None) -> list[float]:
+    """Â_base(b) = r(b) + V(s_end) − V(s_start), r(b) = 0 for inner blocks (Sec. 4.2, Eq. 3).
+
+    value_estimate "paper": V = V_MC (mc_values, App. F.1); "release": the authors' code's estimates
+    (release_values, needs the branch flags)."""
+    if value_estimate == "paper":
+        v_start, v_end = mc_values(parents, rewards)
+    elif value_estimate == "release":
+        if branch is None:
+            raise ValueError("value_estimate 'release' needs the branch flags of the blocks")
+        v_start, v_end = release_values(parents, rewards, branch)
+    else:
+        raise ValueError(f"value_estimate must be one of {', '.join(VALUE_ESTIMATES)}, got {value_estimate!r}")
     return [(r or 0.0) + e - s for r, s, e in zip(rewards, v_start, v_end)]
 
 
@@ -103,16 +156,17 @@ def sibling_diversity(parents: list[int | None], embeddings) -> list[float]:
 
 
 def datpo_advantages(parents: list[int | None], rewards: list[float | None], embeddings, alpha: float,
-                     scope: str = "positive") -> list[float]:
+                     scope: str = "positive", value_estimate: str = "paper",
+                     branch: list[bool] | None = None) -> list[float]:
     """Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b) (Sec. 4.2, Eq. 4).
 
     scope "positive" rewards diversity only on blocks that are better than their start state (the paper's
     choice: never encourage exploring wrong paths); "all" drops the indicator (Table "alpha", ablation).
-    With α = 0 the embeddings are not needed (pass None).
+    With α = 0 the embeddings are not needed (pass None). value_estimate/branch: see base_advantages.
     """
     if scope not in ("positive", "all"):
         raise ValueError(f"scope must be 'positive' or 'all', got {scope!r}")
-    base = base_advantages(parents, rewards)
+    base = base_advantages(parents, rewards, value_estimate, branch)
     if alpha == 0:
         return base
     div = sibling_diversity(parents, embeddings)

@@ -22,8 +22,10 @@ METHODS = ("datpo", "grpo", "drgrpo", "treerl", "attnrl")
 FORKS = ("random", "fixed-seg", "atb", "tok-entropy", "sent-entropy")
 ALPHA_SCOPES = ("positive", "all")
 PRECISIONS = ("bf16-autocast", "bf16", "fp32")
-PROMPT_STYLES = ("chat", "plain")
+PROMPT_STYLES = ("release", "chat", "plain")
 LOSS_NORMS = ("token", "constant")
+BRANCH_BUDGETS = ("full", "remaining")
+VALUE_ESTIMATES = ("paper", "release")
 
 # Field name -> allowed values, checked by Config.validate() and shown by the CLI.
 CHOICES = {
@@ -33,6 +35,8 @@ CHOICES = {
     "precision": PRECISIONS,
     "prompt_style": PROMPT_STYLES,
     "loss_norm": LOSS_NORMS,
+    "branch_budget": BRANCH_BUDGETS,
+    "value_estimate": VALUE_ESTIMATES,
 }
 
 
@@ -42,7 +46,9 @@ class Config:
     method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines")
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
     train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. E.1)
-    prompt_style: str = "chat"              # chat template + system prompt, as the authors' release does
+    prompt_style: str = "release"           # release: the authors' plain-text prompt (system text, Problem:,
+                                            # instruction, Reasoning:), what their runs used (their chat-template
+                                            # path is never taken); chat: tokenizer chat template; plain: Q/A
     few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
     answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
 
@@ -52,6 +58,8 @@ class Config:
     b_max: int = 4                          # B_max branches per forking point
     adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉; False: fixed (K_max, B_max)
     fork: str = "sent-entropy"              # forking strategy (App. D, Alg. "Forking Points Selection")
+    fork_keeps_token: bool = True           # x_f = [q; τ_{1:f}]: the chosen token stays in the prefix, the branch
+                                            # samples the next one (App. C); False: the chosen token is resampled
     fork_min_dist: float = 0.0              # tok-entropy distance forcing, fraction of length (App. D.4: .05, .10)
     atb_quantile: float = 0.8               # ATB candidates: steps with FCI at or above this quantile (App. D.1)
     atb_gap: int = 4                        # FCI counts attention from steps ≥ this many steps later (AttnRL Δ)
@@ -62,8 +70,11 @@ class Config:
     temperature: float = 1.0
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
-    max_new_tokens: int = 1024              # per response, base or branch (App. E.2)
-    max_prompt_tokens: int = 256            # longer prompts are skipped and counted (authors' release)
+    max_new_tokens: int = 1024              # per generation, base or branch (App. E.2)
+    branch_budget: str = "full"             # full: a branch may add max_new_tokens (App. E.2, the release), so a
+                                            # root-to-leaf path can reach f + max_new_tokens; remaining: max − f
+    max_prompt_tokens: int = 0              # >0: longer prompts are skipped and counted; 0 = keep all (the
+                                            # release defines max_prompt_len 256 but never reads it)
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. E.2: 384 for 3B)
     naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
@@ -72,6 +83,8 @@ class Config:
     alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
     alpha_end: float = 0.0                  # ... to this value over the run (Table "alpha")
     alpha_scope: str = "positive"           # bonus only where A_base > 0 ("all" = the ablation)
+    value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. F.1);
+                                            # release: a fork's B̂ branches only, V(root) = mean of N base
     embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline)
     embed_batch_size: int = 64
 
@@ -88,7 +101,8 @@ class Config:
     prompts_per_step: int = 16
     mini_batch_size: int = 64               # training rows per optimizer step (a row = a leaf's new tokens)
     micro_batch_size: int = 2               # rows per forward/backward (gradient accumulation)
-    precision: str = "bf16-autocast"        # fp32 master weights + bf16 autocast | pure bf16 | fp32
+    precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
+                                            # meant there) | bf16-autocast (fp32 master weights) | fp32
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
     # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
@@ -113,11 +127,12 @@ class Config:
                 raise ValueError(f"--{name}: got {getattr(self, name)!r}, expected one of {', '.join(allowed)}")
         positive = ["n_base", "group_size", "max_new_tokens", "gen_batch_size", "branch_chunk_size",
                     "prompts_per_step", "mini_batch_size", "micro_batch_size", "ppo_epochs", "steps",
-                    "eval_k", "eval_max_new_tokens", "embed_batch_size", "max_prompt_tokens"]
+                    "eval_k", "eval_max_new_tokens", "embed_batch_size"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 1")
-        for name in ["k_max", "b_max", "atb_gap", "eval_every", "eval_limit", "save_every", "top_k", "threads"]:
+        for name in ["k_max", "b_max", "atb_gap", "eval_every", "eval_limit", "save_every", "top_k", "threads",
+                     "max_prompt_tokens"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0")
         if not self.temperature > 0:
@@ -155,7 +170,7 @@ SCALES: dict[str, dict] = {
     # Two CPU cores, offline: the embedded SmolLM2-135M-Instruct and MiniLM embedder on synthetic arithmetic
     # it can learn (NOTES.md: one worked example gives it a reward signal; lr 1e-5 was steady, 3e-5 not).
     "demo": dict(
-        model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True,
+        model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True, prompt_style="chat",
         embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
         max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
@@ -166,6 +181,7 @@ SCALES: dict[str, dict] = {
     # sentences to speak of.
     "tiny": dict(
         model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="all-minilm-l6-v2",
+        prompt_style="chat",
         n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12, max_prompt_tokens=512,
         prompts_per_step=2, mini_batch_size=8, micro_batch_size=4, gen_batch_size=8, branch_chunk_size=8,
         ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12,
@@ -179,6 +195,9 @@ _TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                             # 
 ROWS: dict[str, dict] = {
     # Table "main results" (Sec. 5.2)
     "paper": {},                                                              # DATPO (4,3,4), sent-entropy, α 0.2→0
+    # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug (README
+    # "Decisions"). Where the paper is silent the defaults already follow the release (prompt, bf16, budget).
+    "release": dict(value_estimate="release"),
     "grpo": _GRPO,
     "drgrpo": dict(method="drgrpo", loss_norm="constant"),                    # r − mean, constant normaliser
     "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),

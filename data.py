@@ -34,6 +34,21 @@ from reward import extract_answer
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 SYSTEM_PROMPT = "You are a helpful assistant. Solve the math problem step by step and put your final answer within \\boxed{}."
 
+# The authors' release (colin31472/DATPO, math_dataset.py): its format_math_prompt builds a chat template only
+# when the tokenizer has `apply_chat_template`, and its tokenizer wrapper never has one, so every run of the
+# paper used this plain-text prompt. Their wording, verbatim (a prompt is data the model sees, not code).
+RELEASE_SYSTEM = (
+    "You are an expert competition mathematician who explains solutions clearly and rigorously. "
+    "Your response must follow a strict structure: first provide the step-by-step reasoning, "
+    "and then provide the final answer in a LaTeX \\boxed{} block. "
+    "Once you have provided the \\boxed{} answer, stop immediately. "
+    "Do NOT add any summaries, repetitions, or further explanations after the boxed answer."
+)
+RELEASE_INSTRUCTION = (
+    "Solve the problem step by step, show your reasoning, and conclude with the final answer "
+    "enclosed in LaTeX \\boxed{} notation. After the answer is provided, do not repeat your reasoning."
+)
+
 # One worked example: it is what gives the embedded 135M model any reward signal (NOTES.md). Measured with
 # exactly this chat prompt (SmolLM2-135M, T=1, 48 tokens, 20 test problems x 2 samples per level): boxed 68%,
 # accuracy L1 0.15, L2 0.15, L4 0.38; without the example boxed 8% and accuracy 0. Kept short: few tokens.
@@ -44,6 +59,11 @@ FEW_SHOT_ANSWER = "We add the numbers: 23 + 4 = 27. The answer is \\boxed{27}."
 def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
     """Turn a problem text into the model's input string.
 
+    style "release" (the paper's runs: the authors' plain-text prompt, see RELEASE_SYSTEM):
+        <system text>\n\nProblem:\n<problem>\n\n<instruction>\n\nReasoning:\n
+      the problem stripped of surrounding whitespace, as theirs; with few_shot=True one solved
+      Problem/Reasoning block comes first (not in the release; for small models).
+
     style "plain" (base models such as Qwen2.5-3B-Base, Appendix E.1):
         Question: <problem>
         Please reason step by step, and put your final answer within \\boxed{}.
@@ -53,6 +73,11 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
       over [system, user] with add_generation_prompt=True; few_shot=True inserts the worked example as a
       prior user/assistant turn.
     """
+    if style == "release":
+        def block(question, reasoning=""):
+            return f"Problem:\n{question.strip()}\n\n{RELEASE_INSTRUCTION}\n\nReasoning:\n{reasoning}"
+        shot = block(FEW_SHOT_QUESTION, FEW_SHOT_ANSWER) + "\n\n" if few_shot else ""
+        return f"{RELEASE_SYSTEM}\n\n{shot}{block(problem)}"
     if style == "plain":
         text = f"Question: {problem}\n{INSTRUCTION}\nAnswer:"
         if few_shot:
@@ -71,7 +96,7 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
             ]
         messages.append({"role": "user", "content": f"{problem}\n{INSTRUCTION}"})
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    raise ValueError(f"format_prompt: unknown style {style!r}; use 'chat' or 'plain'")
+    raise ValueError(f"format_prompt: unknown style {style!r}; use 'release', 'chat' or 'plain'")
 
 
 # -----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ problem for MATH500 and k = 64 for AIME24/25/26 and AMC23; pass@k and maj@k are 
 independent evaluation runs (`--runs 3`; the default here is 1 because a CPU pays for every sample).
 
     python evaluate.py --model runs/demo --bench arith-test --k 8
-    python evaluate.py --model Qwen/Qwen2.5-3B --prompt_style plain --bench math500 aime24 --k 8 64 --runs 3
+    python evaluate.py --model Qwen/Qwen2.5-3B --bench math500 aime24 --k 8 64 --runs 3   # release prompt
     python evaluate.py --rescore runs/eval/demo/samples_arith-test.jsonl       # same numbers, no model
     python evaluate.py --plot_models runs/eval/smollm2-135m runs/eval/demo --out_dir runs/eval/compare
 

@@ -70,7 +70,7 @@ class EntropyRecorder(LogitsProcessor):
 
 
 class RowLimits(StoppingCriteria):
-    """Per-row budget of new tokens (a branch at fork f may only add max_new_tokens − f)."""
+    """Per-row budget of new tokens (with --branch_budget remaining a branch at fork f adds max_new_tokens − f)."""
 
     def __init__(self, start: int, limits: torch.Tensor):
         self.start, self.limits = start, limits
@@ -98,14 +98,19 @@ class LastHidden:
         self.handle.remove()
 
 
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|end|>", "<|eot_id|>", "<|eot|>")
+
+
 def stop_token_ids(tokenizer, model) -> list[int]:
-    """Every id that ends a response: the tokenizer's EOS, the model's generation EOS ids, and the chat
-    end-of-turn token (a base model prompted with a chat template may stop with <|im_end|>)."""
-    ids = {tokenizer.eos_token_id}
+    """Every id that ends a response: the tokenizer's EOS and pad, the model's generation EOS ids, and the
+    end-of-document / end-of-turn tokens the authors' release also stops on (STOP_TOKENS; the release has no
+    stop strings). A base model given the release's plain-text prompt ends its answer with its document end
+    (<|endoftext|> for Qwen2.5), an instruct model with <|im_end|>; both are stop ids whatever the prompt."""
+    ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     gen_eos = model.generation_config.eos_token_id
     ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
     vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>") if t in vocab)
+    ids.update(vocab[t] for t in STOP_TOKENS if t in vocab)
     return sorted(i for i in ids if i is not None)
 
 
@@ -263,9 +268,10 @@ def slice_prefix_cache(model, base: BaseBatch, rows: list[int], forks: list[int]
 
 @torch.no_grad()
 def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequest], max_new_tokens: int,
-                    chunk_size: int, naive_prefill: bool = False, counters: dict | None = None):
+                    chunk_size: int, naive_prefill: bool = False, counters: dict | None = None,
+                    budget: str = "full"):
     """All branches of all requests, in chunks. Returns, per request, `count` (tokens, entropies) pairs of the
-    branch continuation (from token f on). counters['recomputed_prefix_tokens'] counts prefix tokens whose
+    branch continuation (from token f on), each at most tree.branch_limit(max_new_tokens, f, budget) long. counters['recomputed_prefix_tokens'] counts prefix tokens whose
     keys/values were computed again (0 on the cached path)."""
     counters = counters if counters is not None else {}
     counters.setdefault("recomputed_prefix_tokens", 0)
@@ -275,7 +281,7 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
         chunk = jobs[begin:begin + chunk_size]
         rows = [req.row for _, req in chunk]
         forks = [req.fork for _, req in chunk]
-        limits = [max_new_tokens - f for f in forks]
+        limits = [T.branch_limit(max_new_tokens, f, budget) for f in forks]
         prefixes = [base.prompt_ids[r] + base.tokens[r][:f] for r, f in zip(rows, forks)]
         if naive_prefill:
             ids, mask = left_pad(prefixes, sampler.pad_id, sampler.device)
@@ -361,7 +367,7 @@ def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entr
             spans = T.step_spans(text, offsets)
             scores = atb_step_scores(model, prompt_ids, tokens, spans, gap=cfg.atb_gap)
     return T.select_forks(method, k, entropies, spans=spans, rng=rng, min_dist=cfg.fork_min_dist,
-                          step_scores=scores, quantile=cfg.atb_quantile)
+                          step_scores=scores, quantile=cfg.atb_quantile, keep_token=cfg.fork_keeps_token)
 
 
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
@@ -411,7 +417,7 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
         t0 = time.perf_counter()
         counters: dict = {}
         branches = sample_branches(sampler, base, requests, cfg.max_new_tokens, cfg.branch_chunk_size,
-                                   cfg.naive_prefill, counters) if requests else []
+                                   cfg.naive_prefill, counters, cfg.branch_budget) if requests else []
         stats.recomputed_prefix_tokens += counters.get("recomputed_prefix_tokens", 0)
         stats.branch_tokens += sum(len(tok) for per in branches for tok, _ in per)
         base.cache = base.hidden = None  # free the KV cache before the next group

@@ -68,10 +68,12 @@ def embed_blocks(embedder, trees: list[T.Tree], batch_size: int) -> list[np.ndar
     return out
 
 
-def tree_advantages(method: str, tr: T.Tree, alpha: float, scope: str, embeddings) -> list[float]:
+def tree_advantages(method: str, tr: T.Tree, alpha: float, scope: str, embeddings,
+                    value_estimate: str = "paper") -> list[float]:
     """One advantage per block of the tree, by the method's formula (advantage.py)."""
     if method == "datpo":
-        return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope)
+        return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope, value_estimate,
+                                  tr.branch_flags)
     if method == "grpo":
         return A.grpo_advantages(tr.rewards)
     if method == "drgrpo":
@@ -123,6 +125,18 @@ def tree_rows(tr: T.Tree, adv: list[float], method: str) -> list[Row]:
     return rows
 
 
+def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
+    """A prompt is never skipped by default (the release defines max_prompt_len but never applies it), but
+    one whose longest root-to-leaf sequence cannot fit the model's context is an error naming it."""
+    generated = cfg.max_new_tokens if cfg.method in ("grpo", "drgrpo") else \
+        T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
+    if context and n_prompt + generated > context:
+        raise ValueError(f"{where}: a prompt of {n_prompt} tokens + up to {generated} generated tokens "
+                         f"(--max_new_tokens {cfg.max_new_tokens}, --branch_budget {cfg.branch_budget}) exceeds "
+                         f"the model's context of {context} tokens; skip long prompts with --max_prompt_tokens N, "
+                         f"or lower --max_new_tokens / use --branch_budget remaining")
+
+
 def trainable(tr: T.Tree, method: str) -> bool:
     """AttnRL drops trees whose leaves all have the same reward (no signal: all-correct or all-wrong
     prompts) before the update, so they do not count in the loss normaliser or the batch. The other methods
@@ -170,11 +184,21 @@ def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
     return torch.minimum(unclipped, clipped), active
 
 
+def max_row_targets(cfg) -> int:
+    """The most target tokens a training row can hold: a base response or a branch (≤ max_new_tokens each,
+    tree.branch_limit), or for TreeRL/AttnRL a whole root-to-leaf path, which with --branch_budget full can
+    reach tree.max_path_tokens = 2·max_new_tokens − 1."""
+    if cfg.method in ("treerl", "attnrl"):
+        return T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
+    return cfg.max_new_tokens
+
+
 def loss_normaliser(rows: list[Row], cfg) -> float:
     """token: the total number of target tokens in the mini-batch (DAPO's token-level loss, Eq. DATPO's
-    1/Σ|b|); constant: rows × max_new_tokens (Dr.GRPO's length-unbiased constant normaliser)."""
+    1/Σ|b|); constant: rows × the longest a row can be (Dr.GRPO's length-unbiased constant normaliser,
+    max_new_tokens for its parallel samples; max_row_targets)."""
     if cfg.loss_norm == "constant":
-        return float(len(rows) * cfg.max_new_tokens)
+        return float(len(rows) * max_row_targets(cfg))
     return float(sum(r.n_targets for r in rows))
 
 
@@ -418,6 +442,7 @@ def train(cfg: C.Config) -> Path:
         embedder = models.load_embedder(cfg.embed_model, device)   # never loaded when α is 0 for the whole run
     pad_id = tokenizer.pad_token_id
     grpo_like = cfg.method in ("grpo", "drgrpo")
+    context = getattr(model.config, "max_position_embeddings", None)
 
     if cfg.eval_every and start_step == 0:
         run_eval(model, tokenizer, eval_problems, cfg, device, "before", log, 0)
@@ -425,15 +450,18 @@ def train(cfg: C.Config) -> Path:
     bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method, dynamic_ncols=True)
     for step in bar:
         t_step = time.perf_counter()
-        # ---- sample prompts q ~ Q (over-long prompts are skipped and counted) ----
+        # ---- sample prompts q ~ Q (with --max_prompt_tokens > 0, longer ones are skipped and counted) ----
         prompts, answers, levels = [], [], []
         while len(prompts) < batch_size:
-            problem = problems[problem_index(len(problems), cursor, cfg.seed)]
+            index = problem_index(len(problems), cursor, cfg.seed)
+            problem = problems[index]
             cursor += 1
             prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
-            if len(tokenizer(prompt, add_special_tokens=False).input_ids) > cfg.max_prompt_tokens:
+            n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+            if cfg.max_prompt_tokens and n_prompt > cfg.max_prompt_tokens:
                 skipped += 1
                 continue
+            check_fits(n_prompt, cfg, context, f"{cfg.train_data} problem #{index}")
             prompts.append(prompt)
             answers.append(problem["answer"])
             levels.append(problem.get("level"))
@@ -458,7 +486,8 @@ def train(cfg: C.Config) -> Path:
         rows, kept_leaves = [], 0
         for tr, emb in zip(trees, embeddings):
             if trainable(tr, cfg.method):
-                rows += tree_rows(tr, tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb), cfg.method)
+                adv = tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb, cfg.value_estimate)
+                rows += tree_rows(tr, adv, cfg.method)
                 kept_leaves += tr.leaves
 
         # ---- Phase 4: policy update ----

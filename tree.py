@@ -9,6 +9,8 @@ Paper map:
   step_spans           App. D.1 (ATB): steps delimited by blank lines
   step_attention, fci_step_scores
                        App. D.1 (ATB): Forward Context Influence of each step (AttnRL)
+  branch_limit, max_path_tokens
+                       App. E.2: how many new tokens a branch may add (the 1024-token limit per generation)
   split_at_forks, Block, Tree
                        Sec. 4.2 and App. C.2: contiguous blocks bounded by forking points or the end of a
                        trajectory; every generated token is in exactly one block
@@ -16,9 +18,11 @@ Paper map:
 
 Conventions (used by rollout.py and advantage.py):
   * A response is a list of generated token ids (EOS included when the model stopped).
-  * A fork at position f (1 ≤ f ≤ n−1) keeps response[:f] and regenerates from token f on, so the chosen
-    token — or the first token of the chosen sentence — is itself resampled. Position 0 is never a fork:
-    regenerating from the prompt is just another base response, which is what N already samples.
+  * A fork at position f (1 ≤ f ≤ n−1) is the prefix length a branch keeps: it continues [q; response[:f]]
+    and samples token f on (0-indexed). By default (the paper's x_f = [q; τ_{1:f}]) the chosen token — the
+    high-entropy token, the first token of the chosen sentence or step — is response[f−1] and stays in the
+    prefix; select_forks(keep_token=False) resamples it instead (f = its index). f = 0 would only be another
+    base response, and f = n would leave nothing of the base response after the fork: neither is a fork.
   * A tree is a flat list of Blocks; `parent` is the index of the block whose end state this block starts
     from (None = the prompt). Blocks with a reward are terminal (they end a root-to-leaf path).
 """
@@ -185,26 +189,40 @@ def _top_positions(scores: list[float], positions: list[int], k: int) -> list[in
 
 
 def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist: float = 0.0,
-                 step_scores=None, quantile: float = 0.8) -> list[int]:
+                 step_scores=None, quantile: float = 0.8, keep_token: bool = True) -> list[int]:
     """K forking positions f (sorted, distinct, 1 ≤ f ≤ n−1) in a response of n = len(entropies) tokens.
 
-    random        K positions uniformly without replacement (rng: a random.Random).
-    fixed-seg     ⌊i·n/(K+1)⌋ for i = 1..K.
-    tok-entropy   the K highest token entropies H_t; with min_dist > 0 (App. D.4: 0.05, 0.10) candidates are
-                  taken greedily in entropy order and one closer than min_dist·n tokens to an already
-                  chosen fork is skipped.
-    sent-entropy  `spans` are sentences (token spans); H^S_m = mean token entropy of sentence m; fork at the
-                  first token of each of the K highest sentences. The first sentence starts at token 0, the
-                  prompt boundary, where a fork would only repeat a base response: it is not a candidate.
+    f is always the prefix length a branch keeps: it continues [q; response[:f]] and samples token f on
+    (0-indexed). The token-choosing strategies pick a token t — the high-entropy token, the first token of a
+    sentence or of a step — and with keep_token=True (the paper: Alg. "Tree Rollout" x_f = [q; τ_{1:f}] with
+    1-indexed f = that token; the release's `+ 1`) return f = t + 1, so t stays in the prefix and the branch
+    resamples from the token after it. keep_token=False returns f = t: the chosen token itself is resampled
+    (this code's earlier placement, kept as an option).
+    Every fork must leave at least one token of the base response after it (its continuation block is not
+    empty, and a branch never starts after the final stop token), so the candidate tokens are
+    0 ≤ t ≤ n−2 when kept and 1 ≤ t ≤ n−1 when resampled (t = 0 resampled would only be another base
+    response, which N already samples).
+
+    random        K prefix lengths uniformly from 1..n−1, without replacement (rng: a random.Random).
+    fixed-seg     prefix lengths ⌊i·n/(K+1)⌋ for i = 1..K.
+    tok-entropy   the K candidate tokens with the highest entropy H_t; with min_dist > 0 (App. D.4: 0.05,
+                  0.10) candidates are taken greedily in entropy order and one closer than min_dist·n tokens
+                  to an already chosen token is skipped.
+    sent-entropy  `spans` are sentences (token spans); H^S_m = mean token entropy of sentence m; the chosen
+                  token is the first token of each of the K highest sentences (with keep_token the first
+                  sentence is a candidate too: keeping its first token is not a new base response).
     atb           `spans` are steps and `step_scores` their FCI; candidates are steps scoring at or above the
-                  `quantile` (0.8) quantile of all steps, and the K earliest candidates give the forks (a step
-                  starting at token 0 is excluded, as above); too few candidates → earliest other steps.
+                  `quantile` (0.8) quantile of all steps, and the K earliest candidates give the chosen tokens
+                  (each step's first token); too few candidates → earliest other steps.
+    random and fixed-seg choose prefix lengths directly, so keep_token does not change them.
     Fewer than K positions come back when the response is too short or has too few sentences/steps.
     """
     n = len(entropies)
     if k <= 0 or n < 2:
         return []
     k = min(k, n - 1)
+    shift = 1 if keep_token else 0                   # f = t + shift
+    lo, hi = 1 - shift, n - 1 - shift                # candidate tokens t: lo ≤ t ≤ hi  ⇔  1 ≤ f ≤ n−1
     if method == "random":
         if rng is None:
             raise ValueError("select_forks('random') needs rng (a random.Random)")
@@ -212,22 +230,22 @@ def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist:
     if method == "fixed-seg":
         return sorted({max(1, (i * n) // (k + 1)) for i in range(1, k + 1)})
     if method == "tok-entropy":
-        positions = list(range(1, n))
-        ranked = _top_positions([float(entropies[p]) for p in positions], positions, len(positions))
+        tokens = list(range(lo, hi + 1))
+        ranked = _top_positions([float(entropies[t]) for t in tokens], tokens, len(tokens))
         chosen: list[int] = []
-        for p in ranked:
-            if min_dist > 0 and any(abs(p - q) < min_dist * n for q in chosen):
+        for t in ranked:
+            if min_dist > 0 and any(abs(t - q) < min_dist * n for q in chosen):
                 continue
-            chosen.append(p)
+            chosen.append(t)
             if len(chosen) == k:
                 break
-        return sorted(chosen)
+        return sorted(t + shift for t in chosen)
     if method == "sent-entropy":
         if spans is None:
             raise ValueError("select_forks('sent-entropy') needs spans (sentence token spans)")
-        usable = [(a, b) for a, b in spans if 1 <= a < n and b > a]
+        usable = [(a, b) for a, b in spans if lo <= a <= hi and b > a]
         scores = [float(np.mean([float(entropies[t]) for t in range(a, b)])) for a, b in usable]
-        return sorted(_top_positions(scores, [a for a, _ in usable], k))
+        return sorted(a + shift for a in _top_positions(scores, [a for a, _ in usable], k))
     if method == "atb":
         if spans is None or step_scores is None or len(spans) != len(step_scores):
             raise ValueError("select_forks('atb') needs spans (steps) and one step_scores value per step")
@@ -237,14 +255,38 @@ def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist:
         threshold = float(np.quantile(scores, quantile))
         if threshold <= 0 and (scores > 0).any():   # AttnRL: a zero quantile falls back to the least positive
             threshold = float(scores[scores > 0].min())
-        starts = [a for a, _ in spans if 1 <= a < n]
-        candidates = [a for (a, _), s in zip(spans, scores) if s >= threshold and 1 <= a < n]
+        starts = [a for a, _ in spans if lo <= a <= hi]
+        candidates = [a for (a, _), s in zip(spans, scores) if s >= threshold and lo <= a <= hi]
         # Fewer than K candidates: the earliest remaining steps fill the gap (AttnRL's code does the same), so
         # ATB spends the same budget as the other strategies.
         chosen = sorted(candidates)[:k]
         chosen += [a for a in starts if a not in chosen][: k - len(chosen)]
-        return sorted(chosen)
+        return sorted(a + shift for a in chosen)
     raise ValueError(f"unknown fork method {method!r}; expected one of {', '.join(FORK_METHODS)}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Branch budget (App. E.2 "maximum generation length of 1024 tokens")
+# --------------------------------------------------------------------------------------------------------
+BRANCH_BUDGETS = ("full", "remaining")
+
+
+def branch_limit(max_new_tokens: int, fork: int, budget: str = "full") -> int:
+    """New tokens a branch at fork f may generate. "full": max_new_tokens — App. E.2's limit applies to every
+    generation, and the release generates each branch with max_gen_len new tokens; "remaining":
+    max_new_tokens − f, so that every root-to-leaf response stays within max_new_tokens."""
+    if budget == "full":
+        return max_new_tokens
+    if budget == "remaining":
+        return max_new_tokens - fork
+    raise ValueError(f"branch budget must be one of {', '.join(BRANCH_BUDGETS)}, got {budget!r}")
+
+
+def max_path_tokens(max_new_tokens: int, budget: str = "full") -> int:
+    """The longest root-to-leaf response a tree can hold: a base response has ≤ max_new_tokens tokens and a
+    fork keeps f ≤ max_new_tokens − 1 of them (select_forks), so a "full" branch path reaches
+    2·max_new_tokens − 1; with "remaining" every path stays within max_new_tokens."""
+    return max_new_tokens - 1 + branch_limit(max_new_tokens, max_new_tokens - 1, budget)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -300,6 +342,10 @@ class Tree:
     @property
     def rewards(self) -> list[float | None]:
         return [b.reward for b in self.blocks]
+
+    @property
+    def branch_flags(self) -> list[bool]:
+        return [b.branch for b in self.blocks]
 
 
 def split_at_forks(n: int, forks: list[int]) -> list[tuple[int, int]]:

@@ -52,6 +52,59 @@ def test_single_branch_fork_is_not_forced_to_zero():
     assert adv[2] != 0
 
 
+# ---- the release's value estimates (--value_estimate release, an ablation) ---------------------------------
+TWO_FORKS_BRANCH = [False, False, False, True, True, True, True]
+
+
+def test_release_values_two_forks_by_hand():
+    # V(root) = mean of the N = 1 base responses = 0; V(p1) = branches 3, 4 only = 0.5; V(p2) = branches
+    # 5, 6 only = 1 (the base tail, r = 0, is not counted: it is not a sibling of the branches)
+    v_start, v_end = A.release_values(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, TWO_FORKS_BRANCH)
+    assert v_start == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.5, 1.0, 1.0])
+    assert v_end == pytest.approx([0.5, 1.0, 0, 0, 0, 0, 0])
+    adv = A.base_advantages(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, "release", TWO_FORKS_BRANCH)
+    assert adv == pytest.approx([0.5 - 0, 1 - 0.5, 0 - 1, 1 - 0.5, 0 - 0.5, 1 - 1, 1 - 1])
+    # the paper's V_MC on the same tree gives other numbers (test_base_advantages_two_forks_by_hand)
+    assert adv != pytest.approx(A.base_advantages(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, "paper"))
+
+
+def test_release_values_single_branch_fork_gives_the_branch_zero():
+    parents, rewards, branch = [None, 0, 0], [None, 0.0, 1.0], [False, False, True]
+    # release: V(fork) = the one branch's reward (1), V(root) = the base response's (0)
+    assert A.base_advantages(parents, rewards, "release", branch) == pytest.approx([1 - 0, 0 - 1, 1 - 1])
+    # paper: V(fork) = mean(base tail 0, branch 1) = 0.5, V(root) = mean of both leaves = 0.5
+    assert A.base_advantages(parents, rewards, "paper") == pytest.approx([0.5 - 0.5, 0 - 0.5, 1 - 0.5])
+
+
+def test_release_and_paper_values_two_bases_by_hand():
+    #   0: base 0 [0, p1)   1: base 0 [p1, p2)   2: base 0 tail r=1   3, 4: branches at p1 r=0, 1
+    #   5: one branch at p2 r=0                  6: base 1, unforked, r=0
+    parents = [None, 0, 1, 0, 0, 1, None]
+    rewards = [None, None, 1.0, 0.0, 1.0, 0.0, 0.0]
+    branch = [False, False, False, True, True, True, False]
+    # paper: V(root) = 2/5 (every leaf), V(p1) = (1+0+1+0)/4, V(p2) = (1+0)/2
+    assert A.base_advantages(parents, rewards, "paper") == pytest.approx(
+        [0.5 - 0.4, 0.5 - 0.5, 1 - 0.5, 0 - 0.5, 1 - 0.5, 0 - 0.5, 0 - 0.4])
+    # release: V(root) = mean(base 0: 1, base 1: 0) = 0.5, V(p1) = (0+1)/2, V(p2) = 0 (one branch)
+    assert A.base_advantages(parents, rewards, "release", branch) == pytest.approx(
+        [0.5 - 0.5, 0 - 0.5, 1 - 0, 0 - 0.5, 1 - 0.5, 0 - 0, 0 - 0.5])
+    # the diversity bonus composes the same way: only blocks with A_base > 0 get α·Div
+    emb = np.eye(7)
+    emb[3] = emb[4]                             # branches 3, 4 identical: Div = 0 between them
+    got = A.datpo_advantages(parents, rewards, emb, 0.2, value_estimate="release", branch=branch)
+    div = A.sibling_diversity(parents, emb)
+    assert got == pytest.approx([0.0, -0.5, 1 + 0.2 * div[2], -0.5, 0.5 + 0.2 * div[4], 0.0, -0.5])
+
+
+def test_release_values_bad_input():
+    with pytest.raises(ValueError, match="branch flags"):
+        A.base_advantages([None], [1.0], "release")
+    with pytest.raises(ValueError, match="no branch"):
+        A.release_values([None, 0], [None, 1.0], [False, False])
+    with pytest.raises(ValueError, match="paper"):
+        A.base_advantages([None], [1.0], "mine")
+
+
 def test_v_root_one_gives_all_zero():
     parents = [None, None, None, None]          # V = 1: no expansion, 4 correct base responses
     assert A.base_advantages(parents, [1.0] * 4) == [0.0] * 4

@@ -27,6 +27,22 @@ def test_paper_preset_matches_the_paper():
     assert cfg.model == "Qwen/Qwen2.5-3B" and cfg.train_data == "math-train"
 
 
+def test_paper_preset_runs_what_the_release_ran_where_the_paper_is_silent():
+    cfg = C.make_config("paper")
+    assert cfg.fork_keeps_token is True                    # App. C: x_f = [q; τ_{1:f}]
+    assert cfg.branch_budget == "full"                     # App. E.2: 1024 tokens per generation
+    assert cfg.prompt_style == "release" and cfg.precision == "bf16"
+    assert cfg.max_prompt_tokens == 0 and cfg.value_estimate == "paper"
+    # the demo and tiny scales keep the prompt and precision their measured numbers were taken with
+    # --preset release: the paper plus the release's non-bug behaviours
+    release = C.make_config("release")
+    assert release.value_estimate == "release"
+    assert dataclasses.replace(release, value_estimate="paper", out_dir=cfg.out_dir) == cfg
+    for scale in ("demo", "tiny"):
+        small = C.make_config("paper", scale)
+        assert (small.prompt_style, small.precision) == ("chat", "fp32")
+
+
 def test_demo_and_tiny_presets_are_offline_and_small():
     demo = C.make_config("demo")
     assert demo.model == "smollm2-135m" and demo.embed_model == "all-minilm-l6-v2"

@@ -1,11 +1,13 @@
 """rollout.py on a tiny random model: entropies, tree shape, block/path invariants, and the KV-cache reuse
 path checked against an independent re-prefilled path."""
 import random
+import types
 
 import pytest
 import torch
 
 import config
+import data
 import rollout as R
 import tree as T
 
@@ -124,7 +126,8 @@ def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
             assert (fresh - cached[j]).abs().max().item() < 1e-4
 
 
-def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy):
+@pytest.mark.parametrize("budget", ["full", "remaining"])
+def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
     model, tok = tiny_policy
     sampler = R.Sampler.from_config(model, tok, _cfg())
     prompts = [tok("What is 3 + 4?", add_special_tokens=False).input_ids,
@@ -137,19 +140,52 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy):
         counters = {}
         torch.manual_seed(123)
         outcomes[naive] = (R.sample_branches(sampler, base, requests, max_new_tokens=10, chunk_size=4,
-                                             naive_prefill=naive, counters=counters), counters)
+                                             naive_prefill=naive, counters=counters, budget=budget), counters)
     (cached, c_count), (naive, n_count) = outcomes[False], outcomes[True]
     assert c_count["recomputed_prefix_tokens"] == 0
     assert n_count["recomputed_prefix_tokens"] == sum(
         (len(base.prompt_ids[q.row]) + q.fork) * q.count for q in requests)
+    path_lengths = []
     for per_c, per_n, q in zip(cached, naive, requests):
         assert len(per_c) == len(per_n) == q.count
         for (tok_c, ent_c), (tok_n, ent_n) in zip(per_c, per_n):
             assert tok_c == tok_n
-            assert len(tok_c) <= 10 - q.fork                  # total response length stays within the budget
+            # full: every branch may add 10 new tokens (App. E.2); remaining: the path stays within 10
+            assert len(tok_c) <= (10 if budget == "full" else 10 - q.fork)
             assert ent_c == pytest.approx(ent_n, abs=1e-4)
+            path_lengths.append(q.fork + len(tok_c))
+    # the random model rarely stops, so with the full budget some root-to-leaf path outgrows max_new_tokens
+    # (the cached path then extends the sliced cache past the base response's length)
+    assert max(path_lengths) <= T.max_path_tokens(10, budget)
+    assert (max(path_lengths) > 10) == (budget == "full")
     # branches of one fork are different samples, not copies
     assert len({tuple(t) for t, _ in cached[2]}) > 1
+
+
+def test_branch_limits_and_longest_path():
+    assert [T.branch_limit(1024, f, "full") for f in (1, 500, 1023)] == [1024, 1024, 1024]
+    assert [T.branch_limit(1024, f, "remaining") for f in (1, 500, 1023)] == [1023, 524, 1]
+    assert T.max_path_tokens(1024, "full") == 2047 and T.max_path_tokens(1024, "remaining") == 1024
+    with pytest.raises(ValueError, match="remaining"):
+        T.branch_limit(10, 1, "half")
+
+
+def test_stop_ids_end_a_base_model_prompted_with_the_release_prompt(smollm_tokenizer):
+    # The release stops on EOS, pad and <|im_end|> <|endoftext|> <|end|> <|eot_id|> <|eot|> (no stop strings).
+    # A base model given its plain-text prompt ends with its end-of-document token: SmolLM2's is
+    # <|endoftext|> (id 0), which is neither its EOS nor its pad (<|im_end|>, id 2) — it must still stop.
+    model = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=2))
+    stops = R.stop_token_ids(smollm_tokenizer, model)
+    vocab = smollm_tokenizer.get_vocab()
+    assert vocab["<|endoftext|>"] in stops and vocab["<|im_end|>"] in stops
+    prompt = data.format_prompt("What is 2 + 3?", style="release")
+    assert "Problem:\nWhat is 2 + 3?" in prompt and prompt.endswith("Reasoning:\n")
+    answer = smollm_tokenizer(" 2 + 3 = 5, so \\boxed{5}.", add_special_tokens=False).input_ids
+    rambling = smollm_tokenizer("\n\nProblem:\nWhat is", add_special_tokens=False).input_ids
+    row = answer + [vocab["<|endoftext|>"]] + rambling
+    sampler = R.Sampler(model=None, stop_ids=stops, pad_id=smollm_tokenizer.pad_token_id)
+    tokens, _ = sampler.trim(torch.tensor([row]), torch.zeros(1, len(row)), limits=[len(row)])
+    assert tokens == [answer + [vocab["<|endoftext|>"]]]
 
 
 def test_trim_keeps_the_stop_token_and_cuts_at_the_budget():

@@ -52,6 +52,39 @@ def test_treerl_rows_are_root_to_leaf_paths_with_repeated_prefixes():
     assert sum(r.n_targets for r in rows) > tr.generated_tokens          # shared prefixes counted again
 
 
+def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
+    # max_new_tokens = 4: base [10, 11, 12, 13] forked at f = 3 (keeps 10, 11, 12) and, with the full branch
+    # budget, a branch of 4 new tokens: its root-to-leaf path has 7 > 4 tokens (tree.max_path_tokens = 7)
+    blocks = [T.Block(None, [10, 11, 12], [0] * 3, base=0, start=0),
+              T.Block(0, [13], [0], reward=0.0, base=0, start=3),
+              T.Block(0, [20, 21, 22, 23], [0] * 4, reward=1.0, base=0, start=3, branch=True)]
+    tr = T.Tree("p", [1, 2], "a", blocks, v_root=0.0, k_hat=1, b_hat=1, forks=[[3]])
+    rows = train.tree_rows(tr, [0.1, 0.2, 0.3], "datpo")
+    assert [(r.ids, r.n_context) for r in rows] == [([1, 2, 10, 11, 12, 13], 2), ([1, 2, 10, 11, 12, 20, 21, 22, 23], 5)]
+    paths = train.tree_rows(tr, [0.1, 0.2, 0.3], "treerl")
+    assert max(r.n_targets for r in paths) == 7 and paths[1].advantages == [0.1] * 3 + [0.3] * 4
+    cfg = C.make_config("tiny", max_new_tokens=4, loss_norm="constant")
+    assert cfg.branch_budget == "full"
+    assert train.loss_normaliser(rows, cfg) == 2 * 4                    # DATPO rows: ≤ max_new_tokens each
+    cfg.method = "treerl"
+    assert train.loss_normaliser(paths, cfg) == 2 * 7                   # paths: up to 2·4 − 1 tokens
+    assert all(r.n_targets <= train.max_row_targets(cfg) for r in paths)
+    cfg.branch_budget = "remaining"
+    assert train.max_row_targets(cfg) == 4
+
+
+def test_prompts_are_kept_unless_they_cannot_fit_the_context():
+    cfg = C.make_config("tiny", max_new_tokens=100)
+    assert cfg.max_prompt_tokens == 512                                  # the tiny scale's filter, unchanged
+    assert C.make_config("paper").max_prompt_tokens == 0                 # paper scale: nothing skipped
+    train.check_fits(1849, cfg, 2048, "x")                               # 1849 + (2·100 − 1) = 2048 fits
+    with pytest.raises(ValueError, match=r"arith problem #7: a prompt of 1850 tokens \+ up to 199"):
+        train.check_fits(1850, cfg, 2048, "arith problem #7")
+    cfg.branch_budget = "remaining"
+    train.check_fits(1948, cfg, 2048, "x")                               # paths stay within 100
+    train.check_fits(10 ** 6, cfg, None, "x")                            # no known context: no check
+
+
 def test_clipped_objective_by_hand():
     old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5, 0.5]))
     ratio = torch.tensor([1.1, 1.5, 0.7, 0.5, 1.5])

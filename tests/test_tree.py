@@ -39,42 +39,114 @@ def test_random_positions_distinct_in_range_and_seeded():
     assert T.select_forks("random", 9, [0.0] * 4, rng=random.Random(0)) == [1, 2, 3]
 
 
-def test_tok_entropy_top_k_excludes_position_zero():
+# Fork placement (App. C Alg. "Tree Rollout": x_f = [q; τ_{1:f}], 1-indexed f = the chosen token). A hand-built
+# response of n = 10 tokens, three sentences, the last token a stop token. A fork f keeps RESPONSE[:f] and
+# the branch resamples RESPONSE[f] onward, so "kept" = RESPONSE[f-1], "resampled" = RESPONSE[f].
+RESPONSE = ["A", "b", "c", ".", " D", "e", ".", " F", "g", "<eos>"]
+ENT = [0.1, 0.2, 0.3, 0.1, 9.0, 0.2, 0.1, 0.5, 0.4, 8.0]   # " D" highest; the stop token second
+SENTS = [(0, 4), (4, 7), (7, 10)]                          # means: 0.175, 3.1, 2.967
+STEPS = [(0, 4), (4, 7), (7, 10)]
+
+
+def kept_and_resampled(forks):
+    return [(RESPONSE[f - 1], RESPONSE[f]) for f in forks]
+
+
+@pytest.mark.parametrize("method, k, kwargs, keep, expected", [
+    # tok-entropy: the highest-entropy token " D" stays in the prefix; the branch resamples "e" ...
+    ("tok-entropy", 1, {}, True, [(" D", "e")]),
+    # ... and the stop token (2nd highest) is never kept: nothing would be left to generate → next best " F"
+    ("tok-entropy", 2, {}, True, [(" D", "e"), (" F", "g")]),
+    # resampling placement (keep_token=False): " D" itself is resampled; the stop token is resampled too
+    ("tok-entropy", 1, {}, False, [(".", " D")]),
+    ("tok-entropy", 2, {}, False, [(".", " D"), ("g", "<eos>")]),
+    # sent-entropy: the sentence " De." has the highest mean; its first token " D" is kept ...
+    ("sent-entropy", 1, dict(spans=SENTS), True, [(" D", "e")]),
+    # ... and the first sentence is a candidate: keeping "A" is not a new base response
+    ("sent-entropy", 3, dict(spans=SENTS), True, [("A", "b"), (" D", "e"), (" F", "g")]),
+    ("sent-entropy", 1, dict(spans=SENTS), False, [(".", " D")]),
+    ("sent-entropy", 3, dict(spans=SENTS), False, [(".", " D"), (".", " F")]),     # first sentence excluded
+    # ATB: the chosen step's first token is kept (f = ν_l, 1-indexed), like sentences
+    ("atb", 1, dict(spans=STEPS, step_scores=[0.1, 5.0, 0.2]), True, [(" D", "e")]),
+    ("atb", 3, dict(spans=STEPS, step_scores=[0.1, 5.0, 0.2]), True, [("A", "b"), (" D", "e"), (" F", "g")]),
+    ("atb", 1, dict(spans=STEPS, step_scores=[0.1, 5.0, 0.2]), False, [(".", " D")]),
+    # fixed-seg: prefix lengths ⌊10/3⌋ = 3 and ⌊20/3⌋ = 6 whatever the placement
+    ("fixed-seg", 2, {}, True, [("c", "."), ("e", ".")]),
+    ("fixed-seg", 2, {}, False, [("c", "."), ("e", ".")]),
+])
+def test_fork_keeps_and_resamples(method, k, kwargs, keep, expected):
+    forks = T.select_forks(method, k, ENT, keep_token=keep, **kwargs)
+    assert kept_and_resampled(forks) == expected
+
+
+def test_fork_never_after_the_final_token():
+    # a sentence that is only the stop token, the most uncertain one: keeping its first token would leave
+    # nothing to generate, so it is not a candidate; resampling it is allowed (a branch from before EOS)
+    spans = [(0, 4), (4, 9), (9, 10)]
+    ent = [0.1] * 9 + [9.0]
+    assert T.select_forks("sent-entropy", 3, ent, spans=spans, keep_token=True) == [1, 5]
+    assert T.select_forks("sent-entropy", 3, ent, spans=spans, keep_token=False) == [4, 9]
+    # tok-entropy at the edge: two tokens → the only fork keeps token 0 and resamples token 1
+    assert T.select_forks("tok-entropy", 3, [5.0, 9.0], keep_token=True) == [1]
+    assert T.select_forks("tok-entropy", 3, [5.0, 9.0], keep_token=False) == [1]
+    for keep in (True, False):
+        for method, kw in [("tok-entropy", {}), ("sent-entropy", dict(spans=SENTS)), ("fixed-seg", {}),
+                           ("random", dict(rng=random.Random(3))),
+                           ("atb", dict(spans=STEPS, step_scores=[1.0, 1.0, 1.0]))]:
+            forks = T.select_forks(method, 9, ENT, keep_token=keep, **kw)
+            assert forks and all(1 <= f <= len(ENT) - 1 for f in forks), (method, keep, forks)
+
+
+def test_random_is_a_prefix_length_whatever_the_placement():
+    a = T.select_forks("random", 4, [0.0] * 30, rng=random.Random(7), keep_token=True)
+    b = T.select_forks("random", 4, [0.0] * 30, rng=random.Random(7), keep_token=False)
+    assert a == b
+
+
+def test_tok_entropy_resampling_placement_excludes_position_zero():
     ent = [9.0, 0.1, 5.0, 0.2, 7.0, 0.3, 6.0]
-    # position 0 has the highest entropy but a fork there would only repeat a base response
-    assert T.select_forks("tok-entropy", 3, ent) == [2, 4, 6]
+    # resampled placement: position 0 has the highest entropy but a fork there would repeat a base response
+    assert T.select_forks("tok-entropy", 3, ent, keep_token=False) == [2, 4, 6]
+    # kept placement: token 0 is a candidate (kept, token 1 resampled); token 6 is last, never kept
+    assert T.select_forks("tok-entropy", 3, ent, keep_token=True) == [1, 3, 5]
 
 
 def test_tok_entropy_min_dist_spreads_clustered_forks():
     ent = np.zeros(100)
     ent[[40, 41, 42, 43]] = [9.0, 8.0, 7.0, 6.0]    # the top tokens cluster (localization, App. D.2)
     ent[[10, 80]] = [5.0, 4.0]
-    assert T.select_forks("tok-entropy", 3, ent) == [40, 41, 42]
+    assert T.select_forks("tok-entropy", 3, ent, keep_token=False) == [40, 41, 42]
     # min_dist 0.05 → candidates closer than 5 tokens to a chosen fork are skipped
-    assert T.select_forks("tok-entropy", 3, ent, min_dist=0.05) == [10, 40, 80]
+    assert T.select_forks("tok-entropy", 3, ent, min_dist=0.05, keep_token=False) == [10, 40, 80]
+    assert T.select_forks("tok-entropy", 3, ent, min_dist=0.05, keep_token=True) == [11, 41, 81]
 
 
 def test_sent_entropy_uses_mean_and_sentence_starts():
     ent = [1.0, 1.0, 1.0,  5.0, 0.0,  2.0, 2.0, 2.0,  0.5, 0.5]
     spans = [(0, 3), (3, 5), (5, 8), (8, 10)]
     # sentence means: 1.0, 2.5, 2.0, 0.5 → a token-level max (5.0) does not decide alone
-    assert T.select_forks("sent-entropy", 1, ent, spans=spans) == [3]
-    assert T.select_forks("sent-entropy", 2, ent, spans=spans) == [3, 5]
-    # the first sentence starts at token 0 and is never a candidate, even when it is the most uncertain
+    assert T.select_forks("sent-entropy", 1, ent, spans=spans, keep_token=False) == [3]
+    assert T.select_forks("sent-entropy", 2, ent, spans=spans, keep_token=False) == [3, 5]
+    assert T.select_forks("sent-entropy", 2, ent, spans=spans) == [4, 6]          # default: first token kept
+    # resampled placement: the first sentence starts at token 0 and is never a candidate
     ent0 = [9.0, 9.0, 9.0, 1.0, 1.0, 2.0, 2.0, 2.0, 0.5, 0.5]
-    assert T.select_forks("sent-entropy", 4, ent0, spans=spans) == [3, 5, 8]
+    assert T.select_forks("sent-entropy", 4, ent0, spans=spans, keep_token=False) == [3, 5, 8]
+    assert T.select_forks("sent-entropy", 1, ent0, spans=spans, keep_token=True) == [1]
 
 
 def test_atb_quantile_then_earliest():
     spans = [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]
     scores = [9.0, 1.0, 8.0, 0.5, 7.0, 6.0]
-    # 0.8 quantile (linear, sorted 0.5 1 6 7 8 9 → index 4) = 8.0 → candidates: steps scoring 9.0 (start 0,
-    # excluded) and 8.0 (start 4); too few for K = 2, so the earliest other step (start 2) fills in
+    # 0.8 quantile (linear, sorted 0.5 1 6 7 8 9 → index 4) = 8.0 → candidates: steps scoring 9.0 (start 0)
+    # and 8.0 (start 4). Resampled placement: start 0 is excluded, too few for K = 2, so the earliest other
+    # step (start 2) fills in. Kept placement: step 0 is a candidate (its first token kept).
     assert np.quantile(scores, 0.8) == pytest.approx(8.0)
-    assert T.select_forks("atb", 1, [0.0] * 12, spans=spans, step_scores=scores) == [4]
-    assert T.select_forks("atb", 2, [0.0] * 12, spans=spans, step_scores=scores) == [2, 4]
+    kw = dict(spans=spans, step_scores=scores, keep_token=False)
+    assert T.select_forks("atb", 1, [0.0] * 12, **kw) == [4]
+    assert T.select_forks("atb", 2, [0.0] * 12, **kw) == [2, 4]
     # with quantile 0.5 (threshold 6.5): candidates start 4 and 8 → the 2 earliest
-    assert T.select_forks("atb", 2, [0.0] * 12, spans=spans, step_scores=scores, quantile=0.5) == [4, 8]
+    assert T.select_forks("atb", 2, [0.0] * 12, quantile=0.5, **kw) == [4, 8]
+    assert T.select_forks("atb", 2, [0.0] * 12, spans=spans, step_scores=scores) == [1, 5]
 
 
 def test_unknown_method_and_missing_inputs_are_errors():
