@@ -332,6 +332,19 @@ def test_plain_prompt():
     assert shot.endswith(text) and shot.index(data.FEW_SHOT_QUESTION) < shot.index("What is 2 + 2?")
 
 
+def test_release_prompt_is_the_authors_plain_text_format():
+    # the release's math_dataset.format_math_prompt fallback: system text, "Problem:", the stripped problem,
+    # its instruction, "Reasoning:" — blocks separated by blank lines, the prompt ending in a newline
+    text = data.format_prompt("  What is 2 + 2?\n", style="release")
+    assert text == (data.RELEASE_SYSTEM + "\n\nProblem:\nWhat is 2 + 2?\n\n" + data.RELEASE_INSTRUCTION
+                    + "\n\nReasoning:\n")
+    assert text.startswith("You are an expert competition mathematician") and not WORKED.search(text)
+    assert "stop immediately" in data.RELEASE_SYSTEM and "\\boxed{}" in data.RELEASE_INSTRUCTION
+    shot = data.format_prompt("What is 2 + 2?", style="release", few_shot=True)
+    assert len(WORKED.findall(shot)) == 1 and shot.count("Problem:") == 2 and shot.count(data.RELEASE_SYSTEM) == 1
+    assert shot.endswith(text[len(data.RELEASE_SYSTEM):])
+
+
 def test_chat_prompt_and_one_worked_example():
     tok = tiny_chat_tokenizer()
     text = data.format_prompt("What is 2 + 2?", tok)
