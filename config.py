@@ -118,7 +118,8 @@ class Config:
     threads: int = 0                        # torch CPU threads; 0 = torch default
     out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
-    resume: str = ""                        # checkpoint folder to continue from
+    resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0) or checkpoint
+    max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid; return self for chaining."""
@@ -127,7 +128,7 @@ class Config:
                 raise ValueError(f"--{name}: got {getattr(self, name)!r}, expected one of {', '.join(allowed)}")
         positive = ["n_base", "group_size", "max_new_tokens", "gen_batch_size", "branch_chunk_size",
                     "prompts_per_step", "mini_batch_size", "micro_batch_size", "ppo_epochs", "steps",
-                    "eval_k", "eval_max_new_tokens", "embed_batch_size"]
+                    "eval_k", "eval_max_new_tokens", "embed_batch_size", "max_bad_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 1")
@@ -261,9 +262,18 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line (`prog: error: ...; see --help`), not the usage of ~70 flags and then the line."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(description: str = "DATPO training") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(description=description, allow_abbrev=False,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--debug", action="store_true", default=None,
+                        help="show the Python traceback of an error (faults.main_guard removes this flag first)")
     parser.add_argument("--preset", default="paper", choices=list(PRESETS),
                         help="a row of the paper's tables (method and its settings); demo/tiny = DATPO at that scale")
     parser.add_argument("--scale", default=None, choices=list(SCALES),
@@ -284,7 +294,7 @@ def parse_args(argv: list[str] | None = None, description: str = "DATPO training
     """Parse the command line into a validated Config; argparse exits with a message on bad input."""
     parser = build_parser(description)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("preset", "scale") and v is not None}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("preset", "scale", "debug") and v is not None}
     try:
         return make_config(args.preset, args.scale, **overrides)
     except ValueError as err:

@@ -23,6 +23,7 @@ alone, so `--rescore` reproduces results.json exactly.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -33,6 +34,7 @@ from pathlib import Path
 import config as C
 import data
 import distributed as D
+import faults
 import models
 from reward import compute_reward, extract_answer, is_equivalent
 
@@ -148,12 +150,16 @@ def score_records(records: list[dict], k: int) -> dict:
 # Sampling and grading
 # --------------------------------------------------------------------------------------------------------
 def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: int | None = None, runs: int = 1,
-                      progress: bool = True, desc: str = "eval") -> dict:
+                      progress: bool = True, desc: str = "eval", journal: faults.Journal | None = None,
+                      stop: faults.GracefulStop | None = None) -> dict:
     """Sample k responses per problem in each of `runs` runs, grade them, score them (score_records).
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
     and cfg.few_shot); max_new_tokens defaults to cfg.eval_max_new_tokens (App. E.1: 2048). Returns the
     metrics plus "seconds" and "records" (one dict per sample). The caller seeds torch.
+    journal: samples are appended to it as each generate call finishes, and the calls it already holds are
+    skipped (its RNG state restored), so an interrupted evaluation rerun ends with an uninterrupted one's
+    records. stop: after a signal, faults.Stopped is raised once the current call's samples are saved.
     """
     import torch
     from tqdm import tqdm
@@ -168,6 +174,9 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     sampler = Sampler.from_config(model, tokenizer, cfg)
     prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]  # as rollout.py does
+    context = faults.model_context(model)
+    for i, ids in enumerate(prompt_ids):
+        faults.check_prompt_fits(len(ids), max_new_tokens, context, f"{desc} problem {i + 1}")
     # About gen_batch_size rows per generate call: whole problems of k samples, or a problem's k in pieces.
     n_per_call = min(k, cfg.gen_batch_size)
     problems_per_call = max(1, cfg.gen_batch_size // k)
@@ -175,28 +184,39 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     lo, hi = D.shard_range(len(problems))   # under torchrun this rank's problems; in one process all of them
     was_training = model.training
     model.eval()
-    records, start = [], time.perf_counter()
+    records, start = (journal.resume() if journal else []), time.perf_counter()
     bar = tqdm(total=(hi - lo) * k * runs, desc=desc, unit="sample", disable=not progress or not D.is_main(),
                dynamic_ncols=True)
+    bar.update(len(records))
+    unit, saved_units = 0, (journal.units if journal else 0)
     try:
         for run in range(runs):
             for first in range(lo, hi, problems_per_call):
                 group = list(range(first, min(first + problems_per_call, hi)))
                 for done in range(0, k, n_per_call):
+                    unit += 1
+                    if unit <= saved_units:
+                        continue   # saved by an earlier, interrupted run
                     n = min(n_per_call, k - done)
                     with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
                         batch = sample_base(sampler, [prompt_ids[i] for i in group], n, max_new_tokens)
                     texts = tokenizer.batch_decode(batch.tokens, skip_special_tokens=True)
+                    new = []
                     for row, (tokens, text) in enumerate(zip(batch.tokens, texts)):
                         problem = problems[group[row // n]]  # rows are prompt-major, n per prompt
-                        records.append({
+                        new.append({
                             "index": group[row // n], "run": run, "sample": done + row % n,
                             "problem": problem["problem"], "gold": problem["answer"], "level": problem.get("level"),
                             "response": text, "answer": extract_answer(text, cfg.answer_fallback),
                             "correct": compute_reward(text, problem["answer"], cfg.answer_fallback) == 1.0,
                             "tokens": len(tokens), "stopped": bool(tokens) and tokens[-1] in sampler.stop_ids,
                         })
+                    records += new
+                    if journal:
+                        journal.append(new)
                     bar.update(len(batch.tokens))
+                    if stop is not None and stop.requested:
+                        raise faults.Stopped(f"{len(records)} of {len(problems) * k * runs} samples saved")
     finally:
         bar.close()
         model.train(was_training)
@@ -381,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     eval_keys = ("bench", "k", "runs", "limit", "rescore", "plot_models")
     given = {key: value for key, value in vars(args).items()
-             if key not in ("preset", "scale", *eval_keys) and value is not None}
+             if key not in ("preset", "scale", "debug", *eval_keys) and value is not None}
     out_dir_given = "out_dir" in given
 
     if args.rescore:  # numbers from the jsonl alone
@@ -427,11 +447,16 @@ def main(argv: list[str] | None = None) -> dict:
     max_new_tokens = given.get("max_new_tokens", cfg.eval_max_new_tokens)
     label = model_label(cfg.model)
     out = Path(cfg.out_dir if out_dir_given else Path("runs") / "eval" / label)
+    if cfg.resume:   # the same as rerunning the command that wrote that folder: what is saved is skipped
+        if not Path(cfg.resume).is_dir():
+            raise faults.UserError(f"--resume {cfg.resume}: no such folder; expected the output folder of an "
+                                   f"earlier evaluation (it holds samples_<bench>.jsonl)")
+        out = Path(cfg.resume)
 
-    try:  # every benchmark before the model: an unavailable one fails in seconds, not after loading
-        problems = {b: data.load_problems(b, limit) for b in benches}
-    except (FileNotFoundError, ValueError) as err:
-        parser.exit(2, f"evaluate.py: error: {err}\n")
+    # every benchmark, the model name and the output folder before the model: mistakes fail in seconds
+    problems = {b: faults.load_data(b, "--bench", limit) for b in benches}
+    faults.check_model(cfg.model)
+    faults.check_writable(out, "--out_dir")
 
     import torch
 
@@ -440,8 +465,11 @@ def main(argv: list[str] | None = None) -> dict:
     D.init(cfg.device)   # torchrun: problems are sharded over ranks and gathered (evaluate_problems)
     device = models.pick_device(cfg.device)
     t0 = time.perf_counter()
-    model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
-                                          seed=cfg.seed)
+    try:
+        model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
+                                              seed=cfg.seed)
+    except OSError as err:
+        raise faults.UserError(f"--model {cfg.model}: cannot load it ({str(err).splitlines()[0]})") from err
     print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; prompt_style={cfg.prompt_style} "
           f"few_shot={cfg.few_shot} answer_fallback={cfg.answer_fallback} T={cfg.temperature} "
           f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)
@@ -452,11 +480,27 @@ def main(argv: list[str] | None = None) -> dict:
                "benchmarks": {}}
     for bench, k in zip(benches, ks):
         torch.manual_seed(cfg.seed + D.rank())  # each benchmark reproducible on its own, whatever else runs
-        result = evaluate_problems(model, tokenizer, problems[bench], cfg, k, max_new_tokens, args.runs, desc=bench)
+        # One process: samples are appended as they come; a rerun of the same command (or --resume) skips
+        # what is saved. Under torchrun every rank samples its shard and rank 0 writes them all at the end.
+        journal = None if D.active() else faults.Journal(out / f"samples_{bench}.jsonl", extra={"bench": bench},
+                                                         settings={
+            **summary["settings"], "bench": bench, "k": k, "gen_batch_size": cfg.gen_batch_size,
+            "problems": hashlib.sha256(json.dumps(problems[bench], sort_keys=True).encode()).hexdigest()})
+        try:
+            with faults.GracefulStop("after the current batch of samples") as stop:
+                result = evaluate_problems(model, tokenizer, problems[bench], cfg, k, max_new_tokens, args.runs,
+                                           desc=bench, journal=journal, stop=stop if journal else None)
+        except faults.Stopped as saved:
+            print(f"stopped by {stop.requested} in {bench}: {saved}; rerun the same command to continue",
+                  flush=True)
+            return {label: summary["benchmarks"]}
         if not D.is_main():   # every rank holds the gathered result; rank 0 writes it
             continue
         records = result.pop("records")
-        write_jsonl(out / f"samples_{bench}.jsonl", [{"bench": bench, **r} for r in records])
+        if journal is None:
+            write_jsonl(out / f"samples_{bench}.jsonl", [{"bench": bench, **r} for r in records])
+        elif journal.resumed:
+            print(f"{bench}: reused the samples of an earlier run saved in {journal.path}", flush=True)
         summary["benchmarks"][bench] = result
         (out / "results.json").write_text(json.dumps(summary, indent=2))  # after each benchmark: partial runs keep
         tokens = result["mean_tokens"] * result["n_samples"]
@@ -476,4 +520,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    faults.main_guard(main)

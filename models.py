@@ -48,9 +48,16 @@ def autocast(device: torch.device | str, precision: str):
 def resolve_checkpoint(path: str) -> str:
     """The latest checkpoint of a run folder (RUN/checkpoints/latest, written by train.py), else the path as
     given (a model folder or an HF name). A run folder's own config.json is the run's Config, not a model's."""
-    latest = Path(path) / "checkpoints" / "latest"
-    if latest.exists():
-        return str(latest.parent / latest.read_text().strip())
+    folder = Path(path) / "checkpoints"
+    # Complete checkpoints only (a step_* folder appears by an atomic rename once everything is written); the
+    # newest wins even if a crash came between that rename and the update of the `latest` pointer.
+    complete = sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists()) \
+        if folder.is_dir() else []
+    if complete:
+        return str(complete[-1])
+    latest = folder / "latest"
+    if latest.exists() and (folder / latest.read_text().strip()).is_dir():
+        return str(folder / latest.read_text().strip())
     return path
 
 

@@ -30,6 +30,7 @@ import torch
 from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+import faults
 import tree as T
 from reward import compute_reward
 
@@ -277,8 +278,8 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
     counters.setdefault("recomputed_prefix_tokens", 0)
     jobs = [(i, req) for i, req in enumerate(requests) for _ in range(req.count)]
     results: list[list] = [[] for _ in requests]
-    for begin in range(0, len(jobs), chunk_size):
-        chunk = jobs[begin:begin + chunk_size]
+
+    def run(chunk):
         rows = [req.row for _, req in chunk]
         forks = [req.fork for _, req in chunk]
         limits = [T.branch_limit(max_new_tokens, f, budget) for f in forks]
@@ -300,8 +301,12 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
             tokens = [[t] + ([] if e else r) for t, e, r in zip(first.tolist(), ended, rest)]
             ents = [[h] + ([] if e else r) for h, e, r in zip(first_ent.tolist(), ended, rest_ents)]
             del cache
-        for (i, _), tok, ent in zip(chunk, tokens, ents):
-            results[i].append((tok, ent))
+        return list(zip(tokens, ents))
+
+    # A chunk that runs out of GPU memory is retried at half the size, down to one branch (faults.py).
+    outputs = faults.halving_chunks(jobs, chunk_size, run, what="branches", counters=counters)
+    for (i, _), out in zip(jobs, outputs):
+        results[i].append(out)
     return results
 
 
@@ -349,6 +354,7 @@ class RolloutStats:
     base_tokens: int = 0
     branch_tokens: int = 0
     recomputed_prefix_tokens: int = 0
+    oom_retries: int = 0                 # branch chunks retried at half size after running out of memory
     seconds_base: float = 0.0
     seconds_forks: float = 0.0
     seconds_branches: float = 0.0
@@ -419,6 +425,7 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
         branches = sample_branches(sampler, base, requests, cfg.max_new_tokens, cfg.branch_chunk_size,
                                    cfg.naive_prefill, counters, cfg.branch_budget) if requests else []
         stats.recomputed_prefix_tokens += counters.get("recomputed_prefix_tokens", 0)
+        stats.oom_retries += counters.get("oom_retries", 0)
         stats.branch_tokens += sum(len(tok) for per in branches for tok, _ in per)
         base.cache = base.hidden = None  # free the KV cache before the next group
         by_request = {(req.row, req.fork): out for req, out in zip(requests, branches)}

@@ -38,6 +38,7 @@ import advantage as A
 import config as C
 import data
 import evaluate
+import faults
 import models
 import rollout as R
 import tree as T
@@ -131,7 +132,7 @@ def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
     generated = cfg.max_new_tokens if cfg.method in ("grpo", "drgrpo") else \
         T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
     if context and n_prompt + generated > context:
-        raise ValueError(f"{where}: a prompt of {n_prompt} tokens + up to {generated} generated tokens "
+        raise faults.UserError(f"{where}: a prompt of {n_prompt} tokens + up to {generated} generated tokens "
                          f"(--max_new_tokens {cfg.max_new_tokens}, --branch_budget {cfg.branch_budget}) exceeds "
                          f"the model's context of {context} tokens; skip long prompts with --max_prompt_tokens N, "
                          f"or lower --max_new_tokens / use --branch_budget remaining")
@@ -227,7 +228,8 @@ def ppo_update(model, optimizer, rows: list[Row], cfg, pad_id: int, device, rng:
             for i, lp in zip(chunk, row_logprobs(model, [rows[i] for i in chunk], pad_id, device)):
                 old[i] = lp
 
-    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0, "trained_rows": len(live)}
+    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0, "trained_rows": len(live),
+             "nonfinite_minibatches": 0}
     clip_tokens = total_tokens = 0
     for epoch in range(cfg.ppo_epochs):
         if epoch > 0:
@@ -252,6 +254,9 @@ def ppo_update(model, optimizer, rows: list[Row], cfg, pad_id: int, device, rng:
                 clip_tokens += int(active.sum())
                 total_tokens += active.numel()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
+                stats["nonfinite_minibatches"] += 1
+                continue
             optimizer.step()
             stats["loss"] += mb_loss
             stats["grad_norm"] += float(grad_norm)
@@ -305,6 +310,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, train
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    faults.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
     tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), **trainer}, tmp / "trainer_state.pt")
     if final.exists():
@@ -362,6 +368,14 @@ def plot_run(run_dir: Path) -> Path:
     return path
 
 
+def _record_step(line: str) -> float:
+    """A metrics line's step; a line torn by a kill mid-write counts as after every step (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 class Log:
     """metrics.jsonl (one JSON object per line) and console lines that do not break the tqdm bar."""
 
@@ -377,7 +391,7 @@ class Log:
         if not self.path.exists():
             return 0
         lines = self.path.read_text().splitlines()
-        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        kept = [line for line in lines if _record_step(line) <= step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
@@ -407,38 +421,59 @@ def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step
 
 
 def train(cfg: C.Config) -> Path:
-    """Run (or resume) training; returns the run folder."""
+    """Run (or resume) training; returns the run folder. The first SIGTERM/SIGINT stops it at the end of the
+    step with a checkpoint (faults.GracefulStop); --resume then continues exactly."""
+    with faults.GracefulStop() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     t_run = time.perf_counter()
     device = models.pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run_dir = Path(cfg.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # ---- pre-flight: every user mistake is one line (faults.UserError) before anything slow runs ----
+    run_dir = faults.check_writable(cfg.out_dir)
     log = Log(run_dir)
+    checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
+    if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
+        log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
+    if checkpoint is None:
+        faults.check_model(cfg.model)
+    wants_embedder = cfg.method == "datpo" and (cfg.alpha_start != 0 or cfg.alpha_end != 0)
+    if wants_embedder:
+        faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
+    problems = faults.load_data(cfg.train_data, "--train_data")
+    eval_problems = faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None) if cfg.eval_every else []
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
 
-    source = models.resolve_checkpoint(cfg.resume) if cfg.resume else cfg.model
-    model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
+    source = checkpoint or cfg.model
+    try:
+        model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
+    except OSError as err:
+        raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
-    start_step, cursor, skipped, batch_size = 0, 0, 0, cfg.prompts_per_step
-    if cfg.resume:
-        state = torch.load(Path(source) / "trainer_state.pt", weights_only=False)
+    start_step, cursor, skipped, batch_size, bad_in_a_row = 0, 0, 0, cfg.prompts_per_step, 0
+    if checkpoint:
+        state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         start_step, cursor, skipped = state["step"], state["cursor"], state.get("skipped_prompts", 0)
         batch_size = state.get("batch_size", batch_size)
+        bad_in_a_row = state.get("bad_steps_in_a_row", 0)
         set_rng_state(rng, state["rng"])
-        dropped = log.truncate_after(start_step)   # steps logged after the checkpoint are about to be redone
-        log.say(f"resumed from {source} at step {start_step}" + (f"; dropped {dropped} later log lines" if dropped else ""))
-    if not cfg.resume or not (run_dir / "config.json").exists():
+        log.say(f"resumed from {checkpoint} at step {start_step}")
+    # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
+    dropped = log.truncate_after(start_step if start_step else -1) if cfg.resume else 0
+    if dropped:
+        log.say(f"dropped {dropped} log lines of steps after {start_step} (they are redone)")
+    if not checkpoint or not (run_dir / "config.json").exists():
         (run_dir / "config.json").write_text(cfg.to_json())
         (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
 
-    problems = data.load_problems(cfg.train_data)
-    eval_problems = data.load_problems(cfg.eval_data, limit=cfg.eval_limit or None) if cfg.eval_every else []
     embedder = None
-    if cfg.method == "datpo" and (cfg.alpha_start != 0 or cfg.alpha_end != 0):
+    if wants_embedder:
         embedder = models.load_embedder(cfg.embed_model, device)   # never loaded when α is 0 for the whole run
     pad_id = tokenizer.pad_token_id
     grpo_like = cfg.method in ("grpo", "drgrpo")
@@ -450,8 +485,13 @@ def train(cfg: C.Config) -> Path:
     bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method, dynamic_ncols=True)
     for step in bar:
         t_step = time.perf_counter()
+        if stop.requested:   # the signal came before any step ran: nothing new to save
+            log.say(f"stopped by {stop.requested} before step {step + 1}")
+            return run_dir
+        faults.crash_point("step")
         # ---- sample prompts q ~ Q (with --max_prompt_tokens > 0, longer ones are skipped and counted) ----
         prompts, answers, levels = [], [], []
+        misses = 0
         while len(prompts) < batch_size:
             index = problem_index(len(problems), cursor, cfg.seed)
             problem = problems[index]
@@ -460,6 +500,11 @@ def train(cfg: C.Config) -> Path:
             n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
             if cfg.max_prompt_tokens and n_prompt > cfg.max_prompt_tokens:
                 skipped += 1
+                misses += 1
+                if misses > len(problems):
+                    raise faults.UserError(
+                        f"--train_data {cfg.train_data}: every prompt is longer than --max_prompt_tokens "
+                        f"{cfg.max_prompt_tokens}; expected problems that fit, or a larger --max_prompt_tokens")
                 continue
             check_fits(n_prompt, cfg, context, f"{cfg.train_data} problem #{index}")
             prompts.append(prompt)
@@ -517,6 +562,7 @@ def train(cfg: C.Config) -> Path:
             "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
             **update,
             "recomputed_prefix_tokens": rstats.recomputed_prefix_tokens,
+            "oom_retries": rstats.oom_retries,
             "skipped_prompts": skipped,
             "seconds_generation": t_gen,
             "seconds_embedding": t_embed,
@@ -524,18 +570,34 @@ def train(cfg: C.Config) -> Path:
             "seconds_step": time.perf_counter() - t_step,
         }
         record["seconds_other"] = record["seconds_step"] - t_gen - t_embed - t_update
+        bad_in_a_row = bad_in_a_row + 1 if update["nonfinite_minibatches"] else 0
+        record["bad_steps_in_a_row"] = bad_in_a_row
         log.write(record)
+        if update["nonfinite_minibatches"]:
+            log.say(f"step {step + 1}: {update['nonfinite_minibatches']} mini-batch(es) with a non-finite loss or "
+                    f"gradient norm not applied ({bad_in_a_row} step(s) in a row)")
+        if bad_in_a_row >= cfg.max_bad_steps:
+            last = models.resolve_checkpoint(str(run_dir))
+            raise faults.NonFiniteStop(
+                f"stopped at step {step + 1}: {bad_in_a_row} steps in a row had non-finite losses or gradient "
+                f"norms (--max_bad_steps {cfg.max_bad_steps}); last good checkpoint: "
+                f"{last if last != str(run_dir) else 'none'}; expected a lower --lr or a check of the data")
         bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
                         leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{update['loss']:.3f}")
 
         done = step + 1
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
             run_eval(model, tokenizer, eval_problems, cfg, device, "after" if done == cfg.steps else "during", log, done)
-        if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-            save_checkpoint(run_dir, done, model, tokenizer, optimizer,
-                            {"step": done, "cursor": cursor, "skipped_prompts": skipped, "batch_size": batch_size,
-                             "rng": rng_state(rng),
-                             "config": json.loads(cfg.to_json())})
+        if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stop.requested:
+            saved = save_checkpoint(run_dir, done, model, tokenizer, optimizer,
+                                    {"step": done, "cursor": cursor, "skipped_prompts": skipped,
+                                     "batch_size": batch_size, "bad_steps_in_a_row": bad_in_a_row,
+                                     "rng": rng_state(rng), "config": json.loads(cfg.to_json())})
+        if stop.requested and done < cfg.steps:
+            bar.close()
+            log.say(f"stopped by {stop.requested} after step {done}: checkpoint {saved}; continue with the same "
+                    f"command plus --resume {run_dir}")
+            return run_dir
     bar.close()
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if r.get("eval") in ("before", "after")]
@@ -554,4 +616,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    faults.main_guard(main)

@@ -13,6 +13,7 @@ import torch
 import config
 import data
 import evaluate as E
+import faults
 import models
 import rollout
 
@@ -245,8 +246,8 @@ def test_cli_unavailable_benchmark_is_a_clean_error(tmp_path, monkeypatch, capsy
     loaded = []
     monkeypatch.setattr(models, "load_policy", lambda *a, **k: loaded.append(a))
     with pytest.raises(SystemExit) as exit_info:
-        E.main(["--preset", "tiny", "--bench", "arith-test", "aime25", "--k", "2"])
-    assert exit_info.value.code != 0
+        faults.main_guard(E.main, ["--preset", "tiny", "--bench", "arith-test", "aime25", "--k", "2"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "aime25.jsonl" in err and "Traceback" not in err
     assert loaded == []   # benchmarks are checked before the model is loaded

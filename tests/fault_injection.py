@@ -1,0 +1,164 @@
+"""Fault injection for train.py: real processes killed at chosen moments and resumed until they finish.
+
+    python tests/fault_injection.py                        # tiny random model (what CI runs, via test_faults.py)
+    python tests/fault_injection.py --model smollm2-135m   # the embedded model with the real grader
+
+Three chains of the same short run (same seed, a checkpoint every step) run side by side:
+  clean    uninterrupted
+  killed   SIGKILLed (faults.crash_point, DATPO_CRASH_AT) at several moments — while writing its first
+           checkpoint (before any checkpoint exists), while writing a later one, at the start of a step — and
+           restarted each time with the same command, which always carries `--resume RUN` as a job script does
+  stopped  sent SIGTERM during a step: must finish the step, checkpoint, exit 0; then resumed
+Each must end with the clean run's metrics.jsonl rows (wall-clock fields excluded) and bit-identical weights.
+
+The tiny random model never writes a right answer, so for it the children grade with a deterministic
+stand-in (a hash of the text, as tests/test_train.py does) purely so that advantages are non-zero and the
+weights move; with --model smollm2-135m the real grader runs on arithmetic.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Moments each restart of the "killed" chain dies at (None: runs to the end). Steps: 3, checkpoint every step.
+KILLS = ["checkpoint-write:1",   # half-written first checkpoint: nothing to resume from, starts at 0
+         "checkpoint-write:2",   # resumed at 0; dies writing step 2's checkpoint: resumes at 1
+         "step:2",               # resumed at 1; does step 2, dies as step 3 starts: resumes at 2
+         "checkpoint-write:1",   # resumed at 2; does step 3 and the final eval, dies writing its checkpoint
+         None]
+STOPS = ["step:2:SIGTERM", None]  # SIGTERM as step 2 starts: finish it, checkpoint, exit 0; then resume
+
+TINY_ARGS = ["--preset", "tiny", "--steps", "3", "--save_every", "1", "--eval_every", "2", "--eval_limit", "2",
+             "--threads", "1", "--seed", "3"]
+SMOLLM_ARGS = ["--preset", "tiny", "--model", "smollm2-135m", "--steps", "3", "--save_every", "1", "--n_base", "4",
+               "--k_max", "1", "--b_max", "2", "--max_new_tokens", "16", "--prompts_per_step", "2",
+               "--few_shot", "true", "--answer_fallback", "true", "--lr", "1e-5", "--eval_every", "2",
+               "--eval_limit", "1", "--eval_k", "2", "--eval_max_new_tokens", "8", "--threads", "1",
+               "--mini_batch_size", "16", "--micro_batch_size", "8"]
+
+
+def stand_in_reward(text, answer, fallback=False):
+    """Half of all texts score 1, by a hash of the text (the tiny random model's text is noise)."""
+    return float(hashlib.sha256(text.encode()).digest()[0] % 2)
+
+
+def child(argv: list[str]) -> None:
+    """The process that is killed: train.py's command line, optionally with the stand-in grader."""
+    sys.path.insert(0, str(ROOT))
+    import faults
+    import rollout
+    import train
+
+    if argv and argv[0] == "--stand-in-reward":
+        rollout.compute_reward = stand_in_reward
+        argv = argv[1:]
+    faults.main_guard(train.main, argv)
+
+
+def run_once(args: list[str], crash: str | None, stand_in: bool, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "DATPO_CRASH_AT"}
+    if crash:
+        env["DATPO_CRASH_AT"] = crash
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + (["--stand-in-reward"] if stand_in else [])
+    return subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def run_chain(args: list[str], run_dir: Path, crashes: list, stand_in: bool) -> list[dict]:
+    """The same command (with --out_dir RUN --resume RUN) restarted after each fault; one dict per process."""
+    history = []
+    for crash in crashes:
+        t0 = time.perf_counter()
+        proc = run_once(args + ["--out_dir", str(run_dir), "--resume", str(run_dir)], crash, stand_in)
+        metrics = run_dir / "metrics.jsonl"
+        logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else [0]
+        history.append({"crash": crash, "returncode": proc.returncode, "seconds": time.perf_counter() - t0,
+                        "resumed_at": _resumed_at(proc.stderr), "logged_to": max(logged, default=0),
+                        "stderr": proc.stderr[-3000:]})
+    return history
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without wall-clock fields."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in rows]
+
+
+def final_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    import models
+
+    return load_file(str(Path(models.resolve_checkpoint(str(run_dir))) / "model.safetensors"))
+
+
+def identical_weights(a: Path, b: Path) -> bool:
+    import torch
+
+    wa, wb = final_weights(a), final_weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def scenario(out: Path, args: list[str], stand_in: bool) -> dict:
+    """Run the three chains side by side; return what the README reports."""
+    sys.path.insert(0, str(ROOT))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(3) as pool:
+        clean = pool.submit(run_chain, args, out / "clean", [None], stand_in)
+        killed = pool.submit(run_chain, args, out / "killed", KILLS, stand_in)
+        stopped = pool.submit(run_chain, args, out / "stopped", STOPS, stand_in)
+        chains = {"clean": clean.result(), "killed": killed.result(), "stopped": stopped.result()}
+    report = {"seconds": time.perf_counter() - t0, "chains": chains}
+    reference = metric_rows(out / "clean")
+    for name in ("killed", "stopped"):
+        report[name] = {
+            "returncodes": [h["returncode"] for h in chains[name]],
+            "same_metrics": metric_rows(out / name) == reference,
+            "identical_weights": identical_weights(out / "clean", out / name),
+            "resumed_at": [h["resumed_at"] for h in chains[name]],
+            "steps_computed": sum(h["logged_to"] - (h["resumed_at"] or 0) for h in chains[name]),
+            "kills_survived": sum(h["crash"] is not None for h in chains[name]),
+        }
+    return report
+
+
+def _resumed_at(stderr: str) -> int | None:
+    for line in stderr.splitlines():
+        if line.startswith("resumed from"):
+            return int(line.rsplit(" ", 1)[1])
+        if "no checkpoint there yet" in line:
+            return 0
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-random", choices=["tiny-random", "smollm2-135m"])
+    parser.add_argument("--out", default="runs/fault_injection")
+    args = parser.parse_args()
+    out = Path(args.out) / args.model
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    report = scenario(out, TINY_ARGS if args.model == "tiny-random" else SMOLLM_ARGS,
+                      stand_in=args.model == "tiny-random")
+    for name in ("killed", "stopped"):
+        print(name, json.dumps(report[name]))
+    for name, history in report["chains"].items():
+        print(name, [(h["crash"], h["returncode"], round(h["seconds"], 1)) for h in history])
+    print(f"wall {report['seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,287 @@
+"""faults.py and its hooks: one line per user mistake (exit 2, no traceback), resume from nothing, the
+non-finite guard, SIGTERM/SIGINT, out-of-memory halving, resumable evaluation, and the fault-injection run
+(real processes SIGKILLed / SIGTERMed and resumed end with the same metrics and bit-identical weights)."""
+import json
+import os
+import random
+import signal
+import sys
+
+import pytest
+import torch
+
+import config as C
+import data
+import evaluate as E
+import faults
+import models
+import rollout as R
+import train
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fault_injection as FI  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit code 2, no traceback
+# ------------------------------------------------------------------------------------------------------
+def one_line_error(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main_guard(main, argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"problem": "1 + 1", "answer": "2"}\n{"problem": "2 + 2"\n')
+    (tmp_path / "a_file").write_text("x")
+    return tmp_path
+
+
+def test_train_bad_inputs_are_one_line(files, capsys, monkeypatch):
+    monkeypatch.setattr(data, "_hub_blocked", lambda *a, **k: "cannot reach huggingface.co (test)")
+    out = ["--preset", "tiny", "--out_dir", str(files / "run")]
+    cases = {
+        ("--train_data", str(files / "empty.jsonl")): "empty.jsonl: no problems in it; expected at least one row",
+        ("--train_data", str(files / "bad.jsonl")): "bad.jsonl line 2: invalid JSON",
+        ("--train_data", str(files / "none.jsonl")): "none.jsonl: no such file; expected",
+        ("--model", "/no/such/folder"): "--model /no/such/folder: no such folder; expected",
+        ("--model", "Qwen/Qwen2.5-3B"): "not in the HF cache, and the HF hub is unreachable",
+        ("--resume", "/no/such/run"): "--resume /no/such/run: no such folder; expected a run folder",
+        ("--out_dir", str(files / "a_file" / "run")): "cannot write there",
+        ("--bogus", "1"): "unrecognized arguments: --bogus 1",
+        ("--lr", "-1"): "--lr: got -1.0, expected > 0",
+        ("--max_new_tokens", "4096"): "exceeds the model's context of 2048 tokens",
+        ("--max_prompt_tokens", "10"): "every prompt is longer than --max_prompt_tokens 10",
+    }
+    for args, expected in cases.items():
+        assert expected in one_line_error(capsys, train.main, out + list(args)), args
+    # a run folder with no checkpoint is not a model
+    (files / "run0").mkdir()
+    (files / "run0" / "metrics.jsonl").write_text("")
+    assert "a run folder with no checkpoint yet" in one_line_error(
+        capsys, train.main, out + ["--model", str(files / "run0")])
+
+
+def test_evaluate_bad_inputs_are_one_line(files, capsys):
+    base = ["--preset", "tiny", "--model", "tiny-random", "--k", "1", "--limit", "1", "--out_dir",
+            str(files / "ev")]
+    assert "--bench" in one_line_error(capsys, E.main, base + ["--bench", str(files / "empty.jsonl")])
+    assert "no such folder" in one_line_error(capsys, E.main, ["--model", "/no/such/folder", "--bench",
+                                                               "arith-test", "--limit", "1", "--k", "1"])
+    err = one_line_error(capsys, E.main, base + ["--bench", "arith-test", "--max_new_tokens", "2100"])
+    assert "arith-test problem 1: the prompt is" in err and "context of 2048 tokens" in err
+
+
+def test_debug_shows_the_traceback(files):
+    with pytest.raises(faults.UserError):
+        faults.main_guard(train.main, ["--preset", "tiny", "--train_data", str(files / "empty.jsonl"),
+                                       "--out_dir", str(files / "run"), "--debug"])
+
+
+def test_resume_source(tmp_path):
+    with pytest.raises(faults.UserError, match="no such folder"):
+        faults.resume_source(str(tmp_path / "nope"))
+    (tmp_path / "run").mkdir()
+    assert faults.resume_source(str(tmp_path / "run")) is None          # nothing yet: start at step 0
+    ckpt = tmp_path / "run" / "checkpoints"
+    for step in (1, 2):
+        (ckpt / f"step_00000{step}").mkdir(parents=True)
+        (ckpt / f"step_00000{step}" / "trainer_state.pt").write_text("x")
+    (ckpt / ".tmp_step_000003").mkdir()                                  # a half-written one never counts
+    (ckpt / "latest").write_text("step_000001")                          # killed before the pointer moved
+    assert faults.resume_source(str(tmp_path / "run")) == str(ckpt / "step_000002")
+
+
+def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    log = train.Log(tmp_path)
+    log.write({"step": 1})
+    log.write({"step": 2})
+    with open(log.path, "a") as f:
+        f.write('{"step": 3, "rew')                                       # killed mid-write
+    assert log.truncate_after(1) == 2
+    assert [json.loads(x)["step"] for x in log.path.read_text().splitlines()] == [1]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Non-finite guard
+# ------------------------------------------------------------------------------------------------------
+def _rows(tokenizer):
+    prompt = tokenizer("What is 3 + 4?", add_special_tokens=False).input_ids
+    gen = torch.Generator().manual_seed(0)
+    return [train.Row(prompt + torch.randint(100, 1000, (6,), generator=gen).tolist(), len(prompt), [a] * 6)
+            for a in (1.0, -1.0, 0.5, -0.5)]
+
+
+def test_nonfinite_minibatch_leaves_weights_and_optimizer_untouched(smollm_tokenizer, monkeypatch):
+    tok = smollm_tokenizer
+    model = models.tiny_random_model(len(tok), seed=1)
+    cfg = C.make_config("tiny", mini_batch_size=2, micro_batch_size=2, ppo_epochs=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows = _rows(tok)
+    real = train.row_logprobs
+    calls = []
+
+    def poisoned(model, rows, pad_id, device):   # the second mini-batch's forward returns NaN log-probs
+        out = real(model, rows, pad_id, device)
+        calls.append(len(rows))
+        if torch.is_grad_enabled() and len(calls) == 2:
+            out = [lp * float("nan") for lp in out]
+        return out
+
+    monkeypatch.setattr(train, "row_logprobs", poisoned)
+    stats = train.ppo_update(model, opt, rows, cfg, tok.pad_token_id, "cpu", random.Random(0))
+    assert stats["nonfinite_minibatches"] == 1 and stats["optimizer_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.state_dict()["state"][0]["step"] == 1                    # the bad mini-batch never stepped
+
+    # all bad: not one weight or optimizer moment changes
+    weights = [p.detach().clone() for p in model.parameters()]
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    monkeypatch.setattr(train, "row_logprobs", lambda m, r, pad, dev: [lp * float("inf") for lp in real(m, r, pad, dev)])
+    stats = train.ppo_update(model, opt, rows, cfg, tok.pad_token_id, "cpu", random.Random(0))
+    assert stats["nonfinite_minibatches"] == 2 and stats["optimizer_steps"] == 0
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    assert all(torch.equal(m, opt.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters()))
+    assert opt.state_dict()["state"][0]["step"] == 1
+
+
+def test_run_stops_after_max_bad_steps_with_its_last_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
+    real = train.ppo_update
+
+    def update(model, optimizer, rows, cfg, *args):   # from step 2 on every loss is NaN
+        if update.calls >= 1:
+            monkeypatch.setattr(train, "row_logprobs", lambda m, r, p, d: [x * float("nan") for x in
+                                                                        real_logprobs(m, r, p, d)])
+        update.calls += 1
+        return real(model, optimizer, rows, cfg, *args)
+
+    update.calls = 0
+    real_logprobs = train.row_logprobs
+    monkeypatch.setattr(train, "ppo_update", update)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main_guard(train.main, ["--preset", "tiny", "--steps", "5", "--max_bad_steps", "2",
+                                       "--out_dir", str(run)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 3
+    assert "stopped at step 3: 2 steps in a row had non-finite losses" in err
+    # step 2's checkpoint is good (its bad mini-batches were never applied); step 3 writes none
+    assert "last good checkpoint: " + str(run / "checkpoints" / "step_000002") in err
+    assert not (run / "checkpoints" / "step_000003").exists()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_minibatches"] > 0 for r in rows] == [False, True, True]
+    assert [r["bad_steps_in_a_row"] for r in rows] == [0, 1, 2]
+    weights = FI.final_weights(run)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+# ------------------------------------------------------------------------------------------------------
+# Out of memory while generating branches: halve the chunk, down to 1
+# ------------------------------------------------------------------------------------------------------
+def test_branch_chunk_halves_on_out_of_memory(tiny_policy, monkeypatch, capsys):
+    model, tok = tiny_policy
+    sampler = R.Sampler(model, R.stop_token_ids(tok, model), tok.pad_token_id)
+    torch.manual_seed(0)
+    base = R.sample_base(sampler, [tok("What is 1 + 1?").input_ids], 2, 6, keep_cache=True)
+    requests = [R.BranchRequest(0, 2, 3), R.BranchRequest(1, 3, 3)]
+    real = R.Sampler.generate
+    sizes = []
+
+    def small_gpu(self, input_ids, *args, **kwargs):   # "CUDA" that fits at most 2 rows
+        sizes.append(input_ids.shape[0])
+        if input_ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(R.Sampler, "generate", small_gpu)
+    counters = {}
+    out = R.sample_branches(sampler, base, requests, 6, chunk_size=6, counters=counters)
+    assert [len(per) for per in out] == [3, 3] and all(tokens for per in out for tokens, _ in per)
+    assert sizes == [6, 3, 1, 1, 1, 1, 1, 1]       # 6 → 3 → 1 (3 // 2), then every branch once at the size that fits
+    assert counters["oom_retries"] == 2
+    assert "out of memory generating branches (6 at once): retrying at 3" in capsys.readouterr().err
+
+    def no_gpu(self, input_ids, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(R.Sampler, "generate", no_gpu)
+    with pytest.raises(torch.OutOfMemoryError):                 # gives up only at size 1
+        R.sample_branches(sampler, base, requests, 6, chunk_size=4, counters={})
+
+
+def test_halving_chunks_keeps_order_and_reraises_other_errors():
+    seen = []
+
+    def run(chunk):
+        seen.append(len(chunk))
+        if len(chunk) > 3:
+            raise RuntimeError("CUDA error: out of memory")
+        return [x * 10 for x in chunk]
+
+    assert faults.halving_chunks(list(range(10)), 8, run) == [x * 10 for x in range(10)]
+    assert seen == [8, 4, 2, 2, 2, 2, 2]
+    with pytest.raises(RuntimeError, match="shape"):
+        faults.halving_chunks([1, 2], 2, lambda c: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Signals
+# ------------------------------------------------------------------------------------------------------
+def test_first_signal_asks_to_stop_second_interrupts_at_once():
+    with faults.GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handlers restored
+
+
+# ------------------------------------------------------------------------------------------------------
+# Evaluation saves as it goes; a rerun skips what is saved and ends with the same numbers
+# ------------------------------------------------------------------------------------------------------
+def test_interrupted_evaluation_resumes_to_the_same_numbers(tmp_path, monkeypatch, capsys):
+    args = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "--limit", "3", "--k", "2",
+            "--runs", "2", "--max_new_tokens", "5", "--gen_batch_size", "2"]
+    clean = E.main(args + ["--out_dir", str(tmp_path / "clean")])["tiny-random"]["arith-test"]
+    out = tmp_path / "cut"
+    monkeypatch.setenv("DATPO_CRASH_AT", "journal-append:2:SIGINT")     # Ctrl-C after 2 of 6 generate calls
+    faults._crash_hits.clear()
+    partial = E.main(args + ["--out_dir", str(out)])
+    assert partial == {"tiny-random": {}}
+    assert "stopped by SIGINT in arith-test: 4 of 12 samples saved" in capsys.readouterr().out
+    assert len((out / "samples_arith-test.jsonl").read_text().splitlines()) == 4
+    with open(out / "samples_arith-test.jsonl", "a") as f:
+        f.write('{"index": 2, "run"')                                    # and a line torn by a kill
+    monkeypatch.delenv("DATPO_CRASH_AT")
+    resumed = E.main(args + ["--resume", str(out)])["tiny-random"]["arith-test"]
+    assert "reused the samples of an earlier run" in capsys.readouterr().out
+    drop = ("seconds",)
+    assert {k: v for k, v in resumed.items() if k not in drop} == {k: v for k, v in clean.items() if k not in drop}
+    assert (out / "samples_arith-test.jsonl").read_text() == (tmp_path / "clean" / "samples_arith-test.jsonl").read_text()
+    # the same command once more: nothing to sample, same numbers
+    again = E.main(args + ["--out_dir", str(out)])["tiny-random"]["arith-test"]
+    assert again["avg@k"] == clean["avg@k"] and again["pass@k"] == clean["pass@k"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Fault injection: real processes, SIGKILL at several moments (one mid-checkpoint-write), SIGTERM
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_killed_and_stopped_runs_end_identical_to_an_uninterrupted_one(tmp_path):
+    report = FI.scenario(tmp_path, FI.TINY_ARGS, stand_in=True)
+    logs = {name: [(h["crash"], h["returncode"], h["stderr"][-400:]) for h in hist]
+            for name, hist in report["chains"].items()}
+    assert report["chains"]["clean"][0]["returncode"] == 0, logs
+    killed, stopped = report["killed"], report["stopped"]
+    assert killed["returncodes"] == [-signal.SIGKILL] * 4 + [0], logs
+    assert killed["resumed_at"] == [0, 0, 1, 2, 2], logs   # no checkpoint, none complete, 1, 2, the 3rd half-written
+    assert killed["same_metrics"] and killed["identical_weights"], logs
+    assert stopped["returncodes"] == [0, 0] and stopped["resumed_at"] == [0, 2], logs
+    assert stopped["same_metrics"] and stopped["identical_weights"], logs
+    assert stopped["steps_computed"] == 3                     # SIGTERM loses no step
