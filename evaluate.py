@@ -410,7 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 bench, result = rescore_file(path, bool(given.get("answer_fallback", False)))
             except (OSError, ValueError, KeyError) as err:
-                parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {err!r}\n")
+                why = f"{err.strerror}; expected a samples_<bench>.jsonl written by evaluate.py" \
+                    if isinstance(err, OSError) and err.strerror else repr(err)
+                parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {why}\n")
             by_file.setdefault(Path(path).resolve().parent.name, {})[bench] = result
         print(format_table(by_file))
         return by_file
