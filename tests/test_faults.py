@@ -30,8 +30,10 @@ def one_line_error(capsys, main, argv) -> str:
         faults.main_guard(main, argv)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2, err
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
+    # one error line, last; what comes before it is progress bars (loading weights), never a traceback
+    assert "Traceback" not in err and sum("error:" in line for line in err.splitlines()) == 1, err
+    assert "error:" in err.splitlines()[-1], err
+    return err.splitlines()[-1]
 
 
 @pytest.fixture
