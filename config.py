@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -221,6 +222,11 @@ ROWS: dict[str, dict] = {
     # Table "wider topology" (App. E.6): the baselines with DATPO's (4, 3, 4)
     "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
     "attnrl-434": dict(method="attnrl", fork="atb", n_base=4, k_max=3, b_max=4),
+    # Sec. 3.1 / App. B: the difficulty study's G sweep (analysis.py difficulty). GRPO-Zero style: 256 samples per
+    # step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a plain token-level
+    # policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards (difficulty-report).
+    **{f"grpo-g{g}": dict(method="grpo", group_size=g, prompts_per_step=256 // g, mini_batch_size=256,
+                          ppo_epochs=1, steps=math.ceil(5 * 1400 / (256 // g)), eval_every=0) for g in (4, 8, 16)},
     # Table "embedding models" (App. E.5)
     "datpo-embed-mpnet": dict(embed_model="sentence-transformers/all-mpnet-base-v2"),
     "datpo-embed-bge-m3": dict(embed_model="BAAI/bge-m3"),

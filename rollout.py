@@ -310,6 +310,40 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
     return results
 
 
+@torch.no_grad()
+def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[int, list[int]], count: int,
+                    answers: list[str], max_new_tokens: int, chunk_size: int, answer_fallback: bool = False,
+                    base_rewards: list[float] | None = None) -> dict[int, list[T.Block]]:
+    """Branches from GIVEN forks on GIVEN base responses: the Section 3 analyses (App. C.2, D.5) grow several
+    strategies' branches from one fixed base rollout (`base` from sample_base(..., keep_cache=True)).
+
+    forks: base row → fork prefix lengths (each branch keeps response[:f]); count: B branches per fork;
+    answers: the gold answer of each base row. Returns, per row in `forks`, its subtree as blocks: the base
+    response cut at its forks (tree.base_blocks; the last block carries the base reward) followed by `count`
+    branch blocks per fork, each rewarded on prefix + continuation as in rollout_trees. The base is never
+    modified, so it can be branched again with other forks.
+    """
+    requests = [BranchRequest(r, f, count) for r, fs in forks.items() for f in sorted(fs)]
+    grown = sample_branches(sampler, base, requests, max_new_tokens, chunk_size) if requests and count else []
+    by_fork = {(req.row, req.fork): out for req, out in zip(requests, grown)}
+    subtrees = {}
+    for r, fs in forks.items():
+        tokens = base.tokens[r]
+        reward = base_rewards[r] if base_rewards is not None else \
+            compute_reward(tokenizer.decode(tokens, skip_special_tokens=True), answers[r], answer_fallback)
+        blocks, ends_at = T.base_blocks(0, tokens, base.entropies[r], reward, sorted(fs), 0)
+        for block in blocks:
+            block.text = tokenizer.decode(block.token_ids, skip_special_tokens=True)
+        for f in sorted(fs):
+            for tok, ent in by_fork.get((r, f), []):
+                full = tokenizer.decode(tokens[:f] + tok, skip_special_tokens=True)
+                blocks.append(T.Block(parent=ends_at[f], token_ids=tok, entropies=ent,
+                                      text=tokenizer.decode(tok, skip_special_tokens=True),
+                                      reward=compute_reward(full, answers[r], answer_fallback), start=f, branch=True))
+        subtrees[r] = blocks
+    return subtrees
+
+
 # --------------------------------------------------------------------------------------------------------
 # Attention-based forking (ATB) needs one attention-returning forward pass per base response
 # --------------------------------------------------------------------------------------------------------

@@ -560,6 +560,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
             "rows": len(rows),
             "alpha": alpha,
             "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
+            **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
             **update,
             "recomputed_prefix_tokens": rstats.recomputed_prefix_tokens,
             "oom_retries": rstats.oom_retries,

@@ -1,0 +1,240 @@
+"""analysis.py: the Section 3 metrics against hand computations, the difficulty buckets, tree.level_stats,
+rollout.grow_from_forks, and every study end to end at --scale tiny."""
+import json
+import random
+
+import pytest
+import torch
+
+import analysis as A
+import config as C
+import rollout as R
+import tree as T
+
+
+# ---- localization metrics (App. D.2), by hand ------------------------------------------------------------
+def test_nearest_neighbor_distance_by_hand():
+    # forks 10, 20, 50 in 100 tokens: nearest distances 10, 10, 30 → 50/3 tokens → /100
+    assert A.nearest_neighbor_distance([10, 20, 50], 100) == pytest.approx(50 / 3 / 100)
+    assert A.nearest_neighbor_distance([50, 10, 20], 100) == pytest.approx(50 / 3 / 100)   # unsorted input
+    assert A.nearest_neighbor_distance([5, 5, 30], 100) == pytest.approx(25 / 3 / 100)     # a tie counts 0
+    assert A.nearest_neighbor_distance([10, 40], 60) == pytest.approx(0.5)                  # two forks
+    assert A.nearest_neighbor_distance([10], 60) is None and A.nearest_neighbor_distance([], 60) is None
+
+
+def test_mean_pairwise_distance_by_hand():
+    # pairs of 10, 20, 50: 10, 40, 30 → 80/3
+    assert A.mean_pairwise_distance([20, 50, 10], 100) == pytest.approx(80 / 3 / 100)
+    assert A.mean_pairwise_distance([7, 7], 10) == 0.0
+    assert A.mean_pairwise_distance([10, 40], 60) == pytest.approx(0.5)
+    assert A.mean_pairwise_distance([3], 10) is None
+
+
+def test_window_clustering_ratio_by_hand():
+    # pairs of 10, 20, 50 in 100 tokens: 10, 40, 30; within 10 % (10 tokens, inclusive): one of three
+    assert A.window_clustering_ratio([50, 20, 10], 100, 10) == pytest.approx(100 / 3)
+    assert A.window_clustering_ratio([10, 20, 50], 100, 5) == 0.0
+    assert A.window_clustering_ratio([10, 20, 50], 100, 40) == 100.0
+    assert A.window_clustering_ratio([4, 4, 9, 60], 100, 5) == pytest.approx(300 / 6)   # (4,4) (4,9) (4,9)
+    assert A.window_clustering_ratio([1], 100, 5) is None
+
+
+def test_pass_rate_and_mean_of():
+    assert A.pass_rate([0.0, 0.0, 1.0]) == 1.0
+    assert A.pass_rate([0.0, 0.0]) == 0.0 and A.pass_rate([]) == 0.0
+    assert A.mean_of([None, 1.0, 3.0]) == 2.0 and A.mean_of([None]) is None
+
+
+# ---- difficulty buckets (App. B) -------------------------------------------------------------------------
+def test_difficulty_bucket_thresholds():
+    got = [A.difficulty_bucket(c) for c in range(13)]
+    assert got == [None] + ["hard"] * 4 + ["medium"] * 4 + ["easy"] * 3 + [None]
+    with pytest.raises(ValueError):
+        A.difficulty_bucket(13)
+
+
+def test_difficulty_split_subsamples_with_a_seed():
+    counts = [0, 12, 1, 2, 3, 5, 9, 10, 11, 6]
+    full = A.difficulty_split(counts, 12, size=100, seed=0)
+    assert full == {"easy": [6, 7, 8], "medium": [5, 9], "hard": [2, 3, 4]}
+    small = A.difficulty_split(counts, 12, size=2, seed=3)
+    assert all(len(v) == 2 and set(v) <= set(full[b]) for b, v in small.items())
+    assert small == A.difficulty_split(counts, 12, size=2, seed=3)
+
+
+# ---- tree.level_stats (train.py logs it) -----------------------------------------------------------------
+def _leaf(reward):
+    return T.Block(None, [1], [0.0], reward=reward)
+
+
+def test_level_stats_by_hand():
+    trees = [T.Tree("a", [], "1", [_leaf(0.0), _leaf(1.0)], 0.5, 1, 1, level=2),
+             T.Tree("b", [], "1", [_leaf(0.0)] * 4, 0.0, 1, 1, level=2),
+             T.Tree("c", [], "1", [_leaf(1.0)], 1.0, 0, 0, level=5)]
+    assert T.level_stats(trees) == {"levels": {"2": {"prompts": 2, "leaves": 3.0, "pass_rate": 0.5},
+                                               "5": {"prompts": 1, "leaves": 1.0, "pass_rate": 1.0}}}
+    assert T.level_stats([T.Tree("a", [], "1", [_leaf(1.0)], 1.0, 0, 0)]) == {}
+
+
+def test_level_summary_weights_by_prompts():
+    steps = [{"levels": {"1": {"prompts": 1, "leaves": 4.0, "pass_rate": 1.0}}},
+             {"levels": {"1": {"prompts": 3, "leaves": 8.0, "pass_rate": 0.0}, "2": {"prompts": 1, "leaves": 2.0,
+                                                                                 "pass_rate": 0.0}}}]
+    assert A.level_summary(steps) == {"1": {"prompts": 4, "leaves": 7.0, "pass_rate": 0.25},
+                                      "2": {"prompts": 1, "leaves": 2.0, "pass_rate": 0.0}}
+
+
+# ---- rollout.grow_from_forks -----------------------------------------------------------------------------
+def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monkeypatch):
+    model, tok = tiny_policy
+    graded = []
+    monkeypatch.setattr(R, "compute_reward", lambda text, answer, fallback=False: graded.append(text) or 0.0)
+    cfg = C.make_config("tiny", max_new_tokens=12)
+    sampler = R.Sampler.from_config(model, tok, cfg)
+    torch.manual_seed(0)
+    base = R.sample_base(sampler, [tok("What is 3 + 4?", add_special_tokens=False).input_ids], 2, 12, keep_cache=True)
+    saved = [list(t) for t in base.tokens]
+    forks = {0: [3, 7], 1: [5]}
+    subtrees = R.grow_from_forks(sampler, tok, base, forks, 3, ["7", "7"], 12, chunk_size=4, base_rewards=[1.0, 0.0])
+    for r, fs in forks.items():
+        blocks = subtrees[r]
+        chain = [b for b in blocks if not b.branch]
+        assert [b.start for b in chain] == [0] + fs and [t for b in chain for t in b.token_ids] == saved[r]
+        assert chain[-1].reward == [1.0, 0.0][r]
+        branches = [b for b in blocks if b.branch]
+        assert len(branches) == 3 * len(fs) and sorted({b.start for b in branches}) == fs
+        for b in branches:   # hangs off the base block that ends at its fork; budget counts the kept prefix
+            parent = blocks[b.parent]
+            assert parent.start + len(parent.token_ids) == b.start and b.start + len(b.token_ids) <= 12
+            assert tok.decode(saved[r][:b.start] + b.token_ids, skip_special_tokens=True) in graded
+    again = R.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4)
+    assert base.tokens == saved and len(again[0]) == 2 + 2      # the base can be branched again
+
+
+# ---- every study at --scale tiny -------------------------------------------------------------------------
+class FakeGrader:
+    """Marks the first `correct[gold]` graded samples of each gold answer correct (so the 12 samples of a
+    problem give it a known difficulty bucket)."""
+
+    def __init__(self, correct):
+        self.correct, self.calls = correct, {}
+
+    def __call__(self, text, gold, fallback=False):
+        n = self.calls.get(gold, 0)
+        self.calls[gold] = n + 1
+        return 1.0 if n < self.correct.get(gold, 0) else 0.0
+
+
+def test_config_has_the_g_sweep_rows():
+    for g, prompts in ((4, 64), (8, 32), (16, 16)):
+        cfg = C.make_config(f"grpo-g{g}")
+        assert (cfg.method, cfg.group_size, cfg.prompts_per_step, cfg.mini_batch_size, cfg.ppo_epochs) == \
+            ("grpo", g, prompts, 256, 1)
+        assert cfg.steps == -(-5 * 1400 // prompts)     # 5 epochs over 1,400 problems
+
+
+@pytest.mark.slow
+def test_difficulty_split_trains_and_reports(tmp_path, monkeypatch):
+    import data
+    import evaluate
+
+    problems = A.load_study_problems("arith-train", 6, [])
+    golds = [p["answer"] for p in problems]
+    assert len(set(golds)) == 6
+    monkeypatch.setattr(evaluate, "compute_reward", FakeGrader(dict(zip(golds, [0, 2, 6, 10, 12, 3]))))
+    out = tmp_path / "difficulty"
+    A.main(["difficulty", "--scale", "tiny", "--out_dir", str(out), "--g", "4"])
+    kept = {b: data.load_problems(str(out / f"{b}.jsonl")) for b in A.DIFFICULTY_BUCKETS}
+    assert [p["answer"] for p in kept["easy"]] == [golds[3]]
+    assert sorted(p["answer"] for p in kept["hard"]) == sorted([golds[1], golds[5]])
+    assert [p["answer"] for p in kept["medium"]] == [golds[2]]
+    result = json.loads((out / "result.json").read_text())
+    assert result["excluded"] == {"all_wrong": 1, "all_correct": 1}
+    assert len(result["commands"]) == 3 and (out / "correct_histogram.png").exists()
+    for name, g in (("easy_g4", 4), ("medium_g4", 4), ("hard_g4", 4)):
+        run = out / "runs" / name
+        cfg = json.loads((run / "config.json").read_text())
+        # tiny: 8 samples per step (G = 16 still needs one whole prompt); on-policy, one mini-batch per step
+        assert (cfg["method"], cfg["group_size"], cfg["prompts_per_step"]) == ("grpo", g, max(1, 8 // g))
+        assert cfg["mini_batch_size"] == cfg["group_size"] * cfg["prompts_per_step"] and cfg["ppo_epochs"] == 1
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert all("levels" in x for x in lines)          # arithmetic problems carry levels
+    report = tmp_path / "report"
+    A.main(["difficulty-report", "--scale", "tiny", "--out_dir", str(report), "--from_dir", str(out)])
+    scores = json.loads((report / "result.json").read_text())["scores"]
+    assert sorted(scores) == sorted(f"{b}_g{g}" for b in A.DIFFICULTY_BUCKETS for g in (4,))   # trained only
+    assert (report / "avg_pass_vs_g.png").exists() and (report / "passk_curves.png").exists()
+
+
+def test_tree_vs_parallel_tiny(tmp_path):
+    out = tmp_path / "tvp"
+    A.main(["tree-vs-parallel", "--scale", "tiny", "--out_dir", str(out), "--limit", "1"])
+    result = json.loads((out / "result.json").read_text())
+    (rec,) = result["records"]
+    assert rec["parallel/2"]["tokens"] <= rec["parallel/4"]["tokens"]          # nested samples
+    for method in ("fixed-seg", "random"):
+        assert rec[f"{method}/1"]["leaves"] <= 5 and rec[f"{method}/2"]["tokens"] >= rec[f"{method}/1"]["tokens"]
+    assert set(result["summary"]) == {"parallel", "tree fixed-seg", "tree random"}
+    assert (out / "tree_vs_parallel.png").exists() and "PassRate" in (out / "table.md").read_text()
+
+
+def test_forks_share_one_base_rollout_per_repeat(tmp_path):
+    out = tmp_path / "forks"
+    A.main(["forks", "--scale", "tiny", "--out_dir", str(out), "--limit", "1",
+            "--strategies", "random", "fixed-seg", "tok-entropy"])
+    records = json.loads((out / "result.json").read_text())["records"]
+    assert len(records) == 2 * 3
+    for repeat in (0, 1):
+        mine = [r for r in records if r["repeat"] == repeat]
+        assert len({json.dumps(r["base"]) for r in mine}) == 1                # every strategy, the same base
+        for r in mine:
+            assert r["leaves"] == 1 + 2 * len(r["forks"])
+            assert r["NND"] == A.nearest_neighbor_distance(r["forks"], r["length"])
+    assert (out / "fork_table.png").exists() and (out / "localization.png").exists()
+
+
+def test_show_forks_tiny(tmp_path):
+    out = tmp_path / "show"
+    A.main(["show-forks", "--scale", "tiny", "--out_dir", str(out)])
+    result = json.loads((out / "result.json").read_text())
+    assert set(result["forks"]) == {"tok-entropy", "fixed-seg"}
+    page = (out / "forks.html").read_text()
+    assert page.count("<span") >= len(result["tokens"]) and "http" not in page    # self-contained
+    assert (out / "forks.png").stat().st_size > 0
+
+
+def test_token_lines_wraps_and_breaks():
+    lines = A.token_lines(["ab", "cd\ne", "fgh", ""], width=4)
+    # "cd" fills line 0 to the width; the newline starts line 1; EOS (empty) shows as a dot
+    assert lines == [[(0, 0, "ab"), (1, 2, "cd")], [(1, 0, "e"), (2, 1, "fgh"), (3, 4, "·")]]
+    assert A.token_lines(["abc", "de"], width=4) == [[(0, 0, "abc")], [(1, 0, "de")]]      # wraps
+
+
+@pytest.mark.slow
+def test_dynamics_reads_levels_and_scores_checkpoints(tmp_path):
+    import train
+
+    run = tmp_path / "run"
+    train.train(C.make_config("tiny", out_dir=str(run), steps=2, save_every=1))
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(set(x["levels"]) <= {"1", "2", "3", "4", "5"} and x["levels"] for x in lines)
+    out = tmp_path / "dyn"
+    A.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
+    result = json.loads((out / "result.json").read_text())
+    (info,) = result["runs"].values()
+    assert sorted(info["checkpoints"]) == ["1", "2"]
+    assert sum(s["prompts"] for s in info["levels"].values()) == 2 * 2          # 2 prompts × 2 steps
+    for name in ("learning_curve.png", "leaf_count.png", "passk_checkpoints.png"):
+        assert (out / name).exists()
+    cached = sorted((out / "scores" / "run").iterdir())
+    A.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])   # nothing re-scored
+    assert sorted((out / "scores" / "run").iterdir()) == cached
+
+
+def test_cli_rejects_unknown_study_and_bad_flags(capsys):
+    with pytest.raises(SystemExit):
+        A.main(["nope"])
+    with pytest.raises(SystemExit):
+        A.main(["forks", "--scale", "tiny", "--k", "x"])
+    with pytest.raises(SystemExit):
+        A.main(["difficulty", "--scale", "tiny", "--g", "5"])
