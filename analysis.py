@@ -115,29 +115,28 @@ STUDY_SCALES: dict[str, dict[str, dict]] = {
     "difficulty": {   # App. B: MATH, n = 12, subsets of 1,400, G ∈ {4, 8, 16} at 256 samples/step, 5 epochs
         "paper": dict(config=dict(model=PAPER_MODEL), data="math-train", limit=0, levels=[], n_samples=12,
                       subset=1400, samples_per_step=256, epochs=5.0, train=False, g=[4, 8, 16]),
-        "demo": dict(config=_DEMO, data="arith-train", limit=24, levels=[1, 2, 4], n_samples=12, subset=4,
-                     samples_per_step=16, epochs=1.0, train=True, g=[4, 8, 16]),
+        "demo": dict(config=_DEMO, data="arith-train", limit=16, levels=[1, 2, 4], n_samples=12, subset=2,
+                     samples_per_step=8, epochs=1.0, train=True, g=[4, 8, 16]),
         "tiny": dict(config=_TINY, data="arith-train", limit=6, levels=[], n_samples=12, subset=2,
                      samples_per_step=8, epochs=1.0, train=True, g=[4, 8, 16]),
     },
     "difficulty-report": {   # App. B: MATH500, AIME25, AIME24, 256 samples per problem
         "paper": dict(config=dict(model=PAPER_MODEL, max_new_tokens=2048), bench=["math500", "aime25", "aime24"],
                       k=256, limit=0),
-        "demo": dict(config=_DEMO, bench=["arith-test"], k=8, limit=8),
+        "demo": dict(config=_DEMO, bench=["arith-test"], k=4, limit=6),
         "tiny": dict(config=_TINY, bench=["arith-test"], k=2, limit=2),
     },
     "tree-vs-parallel": {   # App. C.2: AIME25, parallel M ∈ {4,8,16,32}, trees (N, 2, 2), N ∈ {2,4,8}
         "paper": dict(config=dict(model=PAPER_MODEL), data="aime25", limit=0, levels=[], parallel=[4, 8, 16, 32],
                       tree_n=[2, 4, 8], k=2, b=2, methods=["fixed-seg", "random"], repeats=1),
-        "demo": dict(config=_DEMO, data="arith-test", limit=8, levels=[2, 3], parallel=[4, 8, 16, 32],
+        "demo": dict(config=_DEMO, data="arith-test", limit=6, levels=[2, 3], parallel=[4, 8, 16, 32],
                      tree_n=[2, 4, 8], k=2, b=2, methods=["fixed-seg", "random"], repeats=1),
         "tiny": dict(config=_TINY, data="arith-test", limit=2, levels=[], parallel=[2, 4], tree_n=[1, 2], k=2, b=2,
                      methods=["fixed-seg", "random"], repeats=1),
     },
     "forks": {   # App. D.5: AIME26, one base rollout, K = 4 forks, B = 4 branches (17 leaves), 5 repeats
         "paper": dict(config=dict(model=PAPER_MODEL), data="aime26", limit=0, levels=[], k=4, b=4, repeats=5),
-        "demo": dict(config=dict(_DEMO, max_new_tokens=64), data="arith-test", limit=6, levels=[2, 3], k=4, b=4,
-                     repeats=2),
+        "demo": dict(config=_DEMO, data="arith-test", limit=4, levels=[2, 3], k=4, b=4, repeats=2),
         "tiny": dict(config=_TINY, data="arith-test", limit=2, levels=[], k=2, b=2, repeats=2),
     },
     "show-forks": {   # App. D.2 figures: one response, K = 4 forks per strategy
@@ -150,7 +149,7 @@ STUDY_SCALES: dict[str, dict[str, dict]] = {
     },
     "dynamics": {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH level, pass@64 on AIME26
         "paper": dict(config=dict(max_new_tokens=2048), bench="aime26", k=64, limit=0, checkpoints=True),
-        "demo": dict(config=_DEMO, bench="arith-test", k=8, limit=8, checkpoints=True),
+        "demo": dict(config=_DEMO, bench="arith-test", k=4, limit=6, checkpoints=True),
         "tiny": dict(config=_TINY, bench="arith-test", k=2, limit=2, checkpoints=True),
     },
 }
