@@ -129,14 +129,14 @@ STUDY_SCALES: dict[str, dict[str, dict]] = {
     "tree-vs-parallel": {   # App. C.2: AIME25, parallel M ∈ {4,8,16,32}, trees (N, 2, 2), N ∈ {2,4,8}
         "paper": dict(config=dict(model=PAPER_MODEL), data="aime25", limit=0, levels=[], parallel=[4, 8, 16, 32],
                       tree_n=[2, 4, 8], k=2, b=2, methods=["fixed-seg", "random"], repeats=1),
-        "demo": dict(config=_DEMO, data="arith-test", limit=6, levels=[2, 3], parallel=[4, 8, 16, 32],
-                     tree_n=[2, 4, 8], k=2, b=2, methods=["fixed-seg", "random"], repeats=1),
+        "demo": dict(config=_DEMO, data="arith-test", limit=4, levels=[2, 3], parallel=[4, 8, 16],
+                     tree_n=[2, 4], k=2, b=2, methods=["fixed-seg", "random"], repeats=1),
         "tiny": dict(config=_TINY, data="arith-test", limit=2, levels=[], parallel=[2, 4], tree_n=[1, 2], k=2, b=2,
                      methods=["fixed-seg", "random"], repeats=1),
     },
     "forks": {   # App. D.5: AIME26, one base rollout, K = 4 forks, B = 4 branches (17 leaves), 5 repeats
         "paper": dict(config=dict(model=PAPER_MODEL), data="aime26", limit=0, levels=[], k=4, b=4, repeats=5),
-        "demo": dict(config=_DEMO, data="arith-test", limit=4, levels=[2, 3], k=4, b=4, repeats=2),
+        "demo": dict(config=_DEMO, data="arith-test", limit=4, levels=[2, 3], k=4, b=4, repeats=1),
         "tiny": dict(config=_TINY, data="arith-test", limit=2, levels=[], k=2, b=2, repeats=2),
     },
     "show-forks": {   # App. D.2 figures: one response, K = 4 forks per strategy
@@ -295,7 +295,7 @@ def run_difficulty(study: Study) -> None:
     counts = {b: sum(difficulty_bucket(c, o["n_samples"]) == b for c in correct) for b in DIFFICULTY_BUCKETS}
     excluded = {"all_wrong": correct.count(0), "all_correct": correct.count(o["n_samples"])}
     del model
-    runs, commands = {}, []
+    runs, commands, to_train = {}, [], []
     for bucket, g in itertools.product(DIFFICULTY_BUCKETS, o["g"]):
         run_dir = study.out / "runs" / f"{bucket}_g{g}"
         run_cfg = g_sweep_config(files[bucket], g, study, run_dir, len(split[bucket]))
@@ -303,10 +303,8 @@ def run_difficulty(study: Study) -> None:
         commands.append(f"python train.py --preset grpo-g{g} --scale {study.scale} --model {run_cfg.model} "
                         f"--train_data {files[bucket]} --out_dir {run_dir} --steps {run_cfg.steps} "
                         f"--prompts_per_step {run_cfg.prompts_per_step} --mini_batch_size {run_cfg.mini_batch_size}")
-        if o["train"] and split[bucket]:
-            import train
-
-            train.train(run_cfg)
+        if split[bucket]:
+            to_train.append(run_cfg)
     (study.out / "commands.sh").write_text("\n".join(commands) + "\n")
 
     plt = plt_module()
@@ -326,10 +324,16 @@ def run_difficulty(study: Study) -> None:
     table = markdown_table(["subset", "problems", "kept (subsampled)", "file"], rows)
     table += (f"\nExcluded: {excluded['all_wrong']} all-wrong, {excluded['all_correct']} all-correct of "
               f"{len(problems)} problems; base avg@{o['n_samples']} {sampled['avg@k']:.3f}.\n"
-              f"G sweep ({'trained' if o['train'] else 'commands only'}): {study.out / 'commands.sh'}\n")
+              f"G sweep ({'training next' if o['train'] else 'commands only'}): {study.out / 'commands.sh'}\n")
     write_outputs(study, {"correct": correct, "counts": counts, "excluded": excluded, "kept": split,
                           "base_avg": sampled["avg@k"], "runs": runs, "commands": commands,
                           "figures": [str(study.out / "correct_histogram.png")]}, table, time.perf_counter() - t0)
+    if o["train"]:   # the split is written first: a long sweep interrupted later keeps it
+        import train
+
+        for run_cfg in to_train:
+            train.train(run_cfg)
+        print(f"[difficulty] G sweep trained in {time.perf_counter() - t0:.0f}s: {', '.join(runs)}", flush=True)
 
 
 def run_difficulty_report(study: Study) -> None:
