@@ -136,7 +136,7 @@ STUDY_SCALES: dict[str, dict[str, dict]] = {
     },
     "forks": {   # App. D.5: AIME26, one base rollout, K = 4 forks, B = 4 branches (17 leaves), 5 repeats
         "paper": dict(config=dict(model=PAPER_MODEL), data="aime26", limit=0, levels=[], k=4, b=4, repeats=5),
-        "demo": dict(config=_DEMO, data="arith-test", limit=4, levels=[2, 3], k=4, b=4, repeats=1),
+        "demo": dict(config=_DEMO, data="arith-test", limit=2, levels=[2, 3], k=4, b=4, repeats=1),
         "tiny": dict(config=_TINY, data="arith-test", limit=2, levels=[], k=2, b=2, repeats=2),
     },
     "show-forks": {   # App. D.2 figures: one response, K = 4 forks per strategy
