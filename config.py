@@ -225,8 +225,9 @@ ROWS: dict[str, dict] = {
     # Sec. 3.1 / App. B: the difficulty study's G sweep (analysis.py difficulty). GRPO-Zero style: 256 samples per
     # step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a plain token-level
     # policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards (difficulty-report).
-    **{f"grpo-g{g}": dict(method="grpo", group_size=g, prompts_per_step=256 // g, mini_batch_size=256,
-                          ppo_epochs=1, steps=math.ceil(5 * 1400 / (256 // g)), eval_every=0) for g in (4, 8, 16)},
+    # The batch sizes apply at paper scale only (`at_paper_scale`); smaller scales keep their own.
+    **{f"grpo-g{g}": dict(method="grpo", group_size=g, ppo_epochs=1, eval_every=0, at_paper_scale=dict(
+        prompts_per_step=256 // g, mini_batch_size=256, steps=math.ceil(5 * 1400 / (256 // g)))) for g in (4, 8, 16)},
     # Table "embedding models" (App. E.5)
     "datpo-embed-mpnet": dict(embed_model="sentence-transformers/all-mpnet-base-v2"),
     "datpo-embed-bge-m3": dict(embed_model="BAAI/bge-m3"),
@@ -246,7 +247,9 @@ def make_config(preset: str = "paper", scale: str | None = None, **overrides) ->
     scale = scale or default_scale
     if scale not in SCALES:
         raise ValueError(f"--scale: got {scale!r}, expected one of {', '.join(SCALES)}")
-    values = {**SCALES[scale], **ROWS[row], **overrides}
+    row_values = dict(ROWS[row])
+    at_paper = row_values.pop("at_paper_scale", {})     # a row's sizes that only make sense at paper scale
+    values = {**SCALES[scale], **row_values, **(at_paper if scale == "paper" else {}), **overrides}
     if not values.get("out_dir"):
         values["out_dir"] = f"runs/{preset}" + ("" if scale == default_scale else f"-{scale}")
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
