@@ -465,7 +465,7 @@ def run_tree_vs_parallel(study: Study) -> None:
                 with models.autocast(device, cfg.precision):
                     subtrees[method] = R.grow_from_forks(sampler, tokenizer, base, forks, o["b"], answers,
                                                          cfg.max_new_tokens, cfg.branch_chunk_size,
-                                                         cfg.answer_fallback, rewards)
+                                                         cfg.answer_fallback, rewards, cfg.branch_budget)
             for g, index in enumerate(group):
                 rows = range(g * m_max, (g + 1) * m_max)
                 rec = {"repeat": repeat, "problem": index, "level": problems[index].get("level")}
@@ -567,7 +567,7 @@ def run_forks(study: Study) -> None:
                                            base.entropies[r], rng, scfg) for r in range(len(group))}
                 with models.autocast(device, cfg.precision):
                     subtrees = R.grow_from_forks(sampler, tokenizer, base, forks, o["b"], answers, cfg.max_new_tokens,
-                                                 cfg.branch_chunk_size, cfg.answer_fallback, rewards)
+                                                 cfg.branch_chunk_size, cfg.answer_fallback, rewards, cfg.branch_budget)
                 texts = [b.text for r in range(len(group)) for b in subtrees[r]]
                 vectors = embedder.encode(texts, batch_size=cfg.embed_batch_size, convert_to_numpy=True,
                                           show_progress_bar=False) if texts else []

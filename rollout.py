@@ -313,18 +313,19 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
 @torch.no_grad()
 def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[int, list[int]], count: int,
                     answers: list[str], max_new_tokens: int, chunk_size: int, answer_fallback: bool = False,
-                    base_rewards: list[float] | None = None) -> dict[int, list[T.Block]]:
+                    base_rewards: list[float] | None = None, budget: str = "full") -> dict[int, list[T.Block]]:
     """Branches from GIVEN forks on GIVEN base responses: the Section 3 analyses (App. C.2, D.5) grow several
     strategies' branches from one fixed base rollout (`base` from sample_base(..., keep_cache=True)).
 
     forks: base row → fork prefix lengths (each branch keeps response[:f]); count: B branches per fork;
-    answers: the gold answer of each base row. Returns, per row in `forks`, its subtree as blocks: the base
+    answers: the gold answer of each base row; budget: tree.branch_limit's (cfg.branch_budget). Returns, per row in `forks`, its subtree as blocks: the base
     response cut at its forks (tree.base_blocks; the last block carries the base reward) followed by `count`
     branch blocks per fork, each rewarded on prefix + continuation as in rollout_trees. The base is never
     modified, so it can be branched again with other forks.
     """
     requests = [BranchRequest(r, f, count) for r, fs in forks.items() for f in sorted(fs)]
-    grown = sample_branches(sampler, base, requests, max_new_tokens, chunk_size) if requests and count else []
+    grown = sample_branches(sampler, base, requests, max_new_tokens, chunk_size, budget=budget) \
+        if requests and count else []
     by_fork = {(req.row, req.fork): out for req, out in zip(requests, grown)}
     subtrees = {}
     for r, fs in forks.items():

@@ -103,12 +103,13 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
         assert chain[-1].reward == [1.0, 0.0][r]
         branches = [b for b in blocks if b.branch]
         assert len(branches) == 3 * len(fs) and sorted({b.start for b in branches}) == fs
-        for b in branches:   # hangs off the base block that ends at its fork; budget counts the kept prefix
+        for b in branches:   # hangs off the base block that ends at its fork; the default budget is "full"
             parent = blocks[b.parent]
-            assert parent.start + len(parent.token_ids) == b.start and b.start + len(b.token_ids) <= 12
+            assert parent.start + len(parent.token_ids) == b.start and len(b.token_ids) <= 12
             assert tok.decode(saved[r][:b.start] + b.token_ids, skip_special_tokens=True) in graded
-    again = R.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4)
+    again = R.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4, budget="remaining")
     assert base.tokens == saved and len(again[0]) == 2 + 2      # the base can be branched again
+    assert all(2 + len(b.token_ids) <= 12 for b in again[0] if b.branch)   # "remaining": the path fits in 12
 
 
 # ---- every study at --scale tiny -------------------------------------------------------------------------
