@@ -270,6 +270,16 @@ def g_sweep_config(bucket_file: Path, g: int, study: Study, run_dir: Path, subse
                          steps=steps, save_every=0, eval_every=0)
 
 
+def train_command(preset: str, scale: str, cfg: C.Config) -> str:
+    """The train.py command line that rebuilds `cfg`: the preset and scale plus every field that differs."""
+    import shlex
+
+    default = C.make_config(preset, scale)
+    flags = [f"--{f.name} {shlex.quote(str(getattr(cfg, f.name)).lower() if isinstance(getattr(cfg, f.name), bool) else str(getattr(cfg, f.name)))}"
+             for f in dataclasses.fields(C.Config) if getattr(cfg, f.name) != getattr(default, f.name)]
+    return " ".join(["python train.py --preset", preset, "--scale", scale, *flags])
+
+
 def run_difficulty(study: Study) -> None:
     """Sample n = 12 responses per training problem with the base model, bucket them (difficulty_bucket),
     subsample each bucket, write easy/medium/hard.jsonl (loadable with --train_data) and the 9 G-sweep commands;
@@ -300,9 +310,7 @@ def run_difficulty(study: Study) -> None:
         run_dir = study.out / "runs" / f"{bucket}_g{g}"
         run_cfg = g_sweep_config(files[bucket], g, study, run_dir, len(split[bucket]))
         runs[f"{bucket}_g{g}"] = str(run_dir)
-        commands.append(f"python train.py --preset grpo-g{g} --scale {study.scale} --model {run_cfg.model} "
-                        f"--train_data {files[bucket]} --out_dir {run_dir} --steps {run_cfg.steps} "
-                        f"--prompts_per_step {run_cfg.prompts_per_step} --mini_batch_size {run_cfg.mini_batch_size}")
+        commands.append(train_command(f"grpo-g{g}", study.scale, run_cfg))
         if split[bucket]:
             to_train.append(run_cfg)
     (study.out / "commands.sh").write_text("\n".join(commands) + "\n")

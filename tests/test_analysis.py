@@ -126,6 +126,14 @@ class FakeGrader:
         return 1.0 if n < self.correct.get(gold, 0) else 0.0
 
 
+def test_train_command_rebuilds_the_config():
+    cfg = C.make_config("grpo-g8", "demo", steps=3, few_shot=False, max_new_tokens=40, out_dir="runs/x y")
+    command = A.train_command("grpo-g8", "demo", cfg)
+    assert "--steps 3" in command and "--few_shot false" in command and "'runs/x y'" in command
+    import shlex
+    assert C.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
+
+
 def test_config_has_the_g_sweep_rows():
     for g, prompts in ((4, 64), (8, 32), (16, 16)):
         cfg = C.make_config(f"grpo-g{g}")
