@@ -27,6 +27,9 @@ PROMPT_STYLES = ("release", "chat", "plain")
 LOSS_NORMS = ("token", "constant")
 BRANCH_BUDGETS = ("full", "remaining")
 VALUE_ESTIMATES = ("paper", "release")
+TRAIN_LAYOUTS = ("packed", "rows")
+GROUPINGS = ("trees", "blocks")
+ATTENTION_KERNELS = ("auto", "dense", "flex")
 
 # Field name -> allowed values, checked by Config.validate() and shown by the CLI.
 CHOICES = {
@@ -38,6 +41,9 @@ CHOICES = {
     "loss_norm": LOSS_NORMS,
     "branch_budget": BRANCH_BUDGETS,
     "value_estimate": VALUE_ESTIMATES,
+    "train_layout": TRAIN_LAYOUTS,
+    "mini_batch_grouping": GROUPINGS,
+    "packed_attention": ATTENTION_KERNELS,
 }
 
 
@@ -100,8 +106,13 @@ class Config:
     loss_norm: str = "token"                # token: / total tokens (DAPO, Eq. DATPO); constant: Dr.GRPO
     ppo_epochs: int = 2                     # paper silent; authors' release uses 2
     prompts_per_step: int = 16
-    mini_batch_size: int = 64               # training rows per optimizer step (a row = a leaf's new tokens)
-    micro_batch_size: int = 2               # rows per forward/backward (gradient accumulation)
+    mini_batch_size: int = 64               # blocks per optimizer step (App. E.2 counts contiguous blocks: 64)
+    mini_batch_grouping: str = "trees"      # trees: whole trees shuffled per epoch, ~mini_batch_size blocks;
+                                            # blocks: random blocks (the release; re-forwards shared context)
+    train_layout: str = "packed"            # packed: each tree once under a tree mask; rows: a row per leaf
+    max_tokens_per_micro_batch: int = 8192  # packed layout: tokens per forward/backward (gradient accumulation)
+    micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. E.2: 2)
+    packed_attention: str = "auto"          # auto: flex_attention block-sparse on CUDA, dense SDPA mask on CPU
     precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
                                             # meant there) | bf16-autocast (fp32 master weights) | fp32
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
@@ -129,7 +140,8 @@ class Config:
                 raise ValueError(f"--{name}: got {getattr(self, name)!r}, expected one of {', '.join(allowed)}")
         positive = ["n_base", "group_size", "max_new_tokens", "gen_batch_size", "branch_chunk_size",
                     "prompts_per_step", "mini_batch_size", "micro_batch_size", "ppo_epochs", "steps",
-                    "eval_k", "eval_max_new_tokens", "embed_batch_size", "max_bad_steps"]
+                    "max_tokens_per_micro_batch", "eval_k", "eval_max_new_tokens", "embed_batch_size",
+                    "max_bad_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 1")
@@ -153,6 +165,9 @@ class Config:
         if self.micro_batch_size > self.mini_batch_size:
             raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be <= "
                              f"--mini_batch_size ({self.mini_batch_size})")
+        if self.loss_norm == "constant" and self.method in ("treerl", "attnrl") and self.mini_batch_grouping == "blocks":
+            raise ValueError("--loss_norm constant counts TreeRL/AttnRL's root-to-leaf paths per mini-batch; a "
+                             "mini-batch of random blocks may hold none: expected --mini_batch_grouping trees")
         return self
 
     def to_json(self) -> str:
@@ -175,6 +190,7 @@ SCALES: dict[str, dict] = {
         model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True, prompt_style="chat",
         embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
         max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
+        max_tokens_per_micro_batch=2048,
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
         eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2,
         precision="fp32",   # this CPU has no AMX: bf16 matmuls run slower than fp32 here (measured)
@@ -185,7 +201,7 @@ SCALES: dict[str, dict] = {
         model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="all-minilm-l6-v2",
         prompt_style="chat",
         n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12, max_prompt_tokens=512,
-        prompts_per_step=2, mini_batch_size=8, micro_batch_size=4, gen_batch_size=8, branch_chunk_size=8,
+        prompts_per_step=2, mini_batch_size=8, micro_batch_size=4, max_tokens_per_micro_batch=256, gen_batch_size=8, branch_chunk_size=8,
         ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12,
         save_every=1, precision="fp32", device="cpu",
     ),

@@ -8,13 +8,14 @@ One step (Algorithm DATPO):
   sample prompts q ~ Q
   Phase 1+2  tree rollouts: N base responses, V(root), K̂/B̂, forks, branches        (rollout.py, tree.py)
   Phase 3    block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b)            (advantage.py)
-  Phase 4    old log-probs (no grad) → PPO epochs over mini-batches of training rows, micro-batches with
-             gradient accumulation → clipped token-level objective (Eq. DATPO, separate clip low/high,
-             no KL) → grad-norm clip → AdamW; then anneal α.
-A training row is the new tokens of one leaf with its prefix as context: a base response (all its base
-blocks, each token carrying its own block's advantage) or a branch (its one block, the shared prefix as
-context only). So every token of the tree is trained exactly once — no prefix is updated twice, unlike the
-root-to-leaf flattening of TreeRL/AttnRL (App. F.4), which the `treerl`/`attnrl` methods reproduce.
+  Phase 4    old log-probs (no grad) → PPO epochs over mini-batches of blocks (whole trees, re-shuffled every
+             epoch), micro-batches sized in tokens with gradient accumulation → clipped token-level objective
+             (Eq. DATPO, separate clip low/high, no KL) → grad-norm clip → AdamW; then anneal α.
+The update forwards each tree once as a packed sequence under a tree attention mask (packing.py): the prompt
+once, every block once, each token attending to its own root-to-leaf path, so every token of the tree is
+trained exactly once. TreeRL/AttnRL's root-to-leaf flattening (App. F.4) is reproduced by weighting each token
+by the number of trained paths through it. `--train_layout rows` forwards each leaf's new tokens as a row with
+its whole prefix as context instead (the simple path, and the tests' oracle).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import data
 import evaluate
 import faults
 import models
+import packing as P
 import rollout as R
 import tree as T
 
@@ -85,45 +87,20 @@ def tree_advantages(method: str, tr: T.Tree, alpha: float, scope: str, embedding
 
 
 # --------------------------------------------------------------------------------------------------------
-# Training rows
+# What the update trains: one TrainTree per prompt
 # --------------------------------------------------------------------------------------------------------
-@dataclass
-class Row:
-    """One training sequence: context + targets; each target token has its block's advantage."""
-    ids: list[int]
-    n_context: int
-    advantages: list[float]
-
-    @property
-    def n_targets(self) -> int:
-        return len(self.ids) - self.n_context
-
-
-def tree_rows(tr: T.Tree, adv: list[float], method: str) -> list[Row]:
-    """Rows of one tree. DATPO (and the parallel baselines): base responses + branch blocks, every token once.
-    TreeRL/AttnRL: every root-to-leaf path, shared prefixes repeated (their flattening, App. F.4)."""
-    rows = []
+def train_tree(tr: T.Tree, adv: list[float], method: str) -> P.TrainTree:
+    """The tree with one advantage per block. DATPO and the parallel baselines train every tree token once
+    (weight 1). TreeRL/AttnRL train root-to-leaf paths (App. F.4): a block counts once per trained path
+    through it — AttnRL's paths are the branched ones only; unbranched responses still count in V(root)."""
+    paths = None
+    weights = [1.0] * len(tr.blocks)
     if method in ("treerl", "attnrl"):
-        for leaf, block in enumerate(tr.blocks):
-            if block.terminal:
-                path = T.path_to(tr.blocks, leaf)
-                if method == "attnrl" and len(path) == 1:
-                    continue        # AttnRL trains on branched paths only; the rest still count in V(root)
-                ids = [t for i in path for t in tr.blocks[i].token_ids]
-                rows.append(Row(tr.prompt_ids + ids, len(tr.prompt_ids),
-                                [adv[i] for i in path for _ in tr.blocks[i].token_ids]))
-        return rows
-    for j in sorted({b.base for b in tr.blocks}):
-        chain = [i for i, b in enumerate(tr.blocks) if b.base == j and not b.branch]
-        ids = [t for i in chain for t in tr.blocks[i].token_ids]
-        rows.append(Row(tr.prompt_ids + ids, len(tr.prompt_ids),
-                        [adv[i] for i in chain for _ in tr.blocks[i].token_ids]))
-        base_ids = ids
-        for i, b in enumerate(tr.blocks):
-            if b.base == j and b.branch:
-                context = tr.prompt_ids + base_ids[:b.start]
-                rows.append(Row(context + b.token_ids, len(context), [adv[i]] * len(b.token_ids)))
-    return rows
+        paths = [T.path_to(tr.blocks, leaf) for leaf, b in enumerate(tr.blocks) if b.terminal]
+        if method == "attnrl":
+            paths = [p for p in paths if len(p) > 1]
+        weights = [float(m) for m in P.path_multiplicity(tr.parents, paths)]
+    return P.TrainTree(tr.prompt_ids, tr.parents, [b.token_ids for b in tr.blocks], list(adv), weights, paths)
 
 
 def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
@@ -156,24 +133,8 @@ def attnrl_batch_size(batch: int, kept_leaves: int, target_leaves: int, lam: flo
 
 
 # --------------------------------------------------------------------------------------------------------
-# Phase 4: log-probs and the clipped token-level objective
+# Phase 4: the clipped token-level objective over packed trees (packing.py)
 # --------------------------------------------------------------------------------------------------------
-def row_logprobs(model, rows: list[Row], pad_id: int, device) -> list[torch.Tensor]:
-    """log π(target token | context) for each row, one forward over a left-padded micro-batch.
-
-    Rows end at the same column, so only the last max(targets) positions need logits (logits_to_keep), and
-    position ids follow the attention mask so padding does not shift the rotary phases.
-    """
-    ids, mask = R.left_pad([r.ids for r in rows], pad_id, device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    keep = max(r.n_targets for r in rows)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                   logits_to_keep=keep + 1).logits[:, :-1].float()          # predicts the last `keep` tokens
-    targets = ids[:, -keep:]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return [logp[i, keep - r.n_targets:] for i, r in enumerate(rows)]
-
-
 def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
                       clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) (Eq. DATPO; DAPO's decoupled clip) and a mask of the
@@ -186,73 +147,81 @@ def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
 
 
 def max_row_targets(cfg) -> int:
-    """The most target tokens a training row can hold: a base response or a branch (≤ max_new_tokens each,
-    tree.branch_limit), or for TreeRL/AttnRL a whole root-to-leaf path, which with --branch_budget full can
-    reach tree.max_path_tokens = 2·max_new_tokens − 1."""
+    """The most target tokens a trained sequence can hold: a block (≤ max_new_tokens, tree.branch_limit),
+    or for TreeRL/AttnRL a whole root-to-leaf path, which with --branch_budget full can reach
+    tree.max_path_tokens = 2·max_new_tokens − 1. Dr.GRPO's constant normaliser is this per sequence."""
     if cfg.method in ("treerl", "attnrl"):
         return T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
     return cfg.max_new_tokens
 
 
-def loss_normaliser(rows: list[Row], cfg) -> float:
-    """token: the total number of target tokens in the mini-batch (DAPO's token-level loss, Eq. DATPO's
-    1/Σ|b|); constant: rows × the longest a row can be (Dr.GRPO's length-unbiased constant normaliser,
-    max_new_tokens for its parallel samples; max_row_targets)."""
-    if cfg.loss_norm == "constant":
-        return float(len(rows) * max_row_targets(cfg))
-    return float(sum(r.n_targets for r in rows))
+def attention_kernel(cfg, device) -> str:
+    """flex (block-sparse, cost follows the tree) on CUDA when available, dense SDPA otherwise."""
+    if cfg.packed_attention == "auto":
+        return "flex" if P.flex_available(device) else "dense"
+    return cfg.packed_attention
 
 
-def ppo_update(model, optimizer, rows: list[Row], cfg, pad_id: int, device, rng: random.Random) -> dict:
-    """PPO epochs over mini-batches of rows with micro-batch gradient accumulation (App. E.2).
+def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random) -> dict:
+    """PPO epochs over mini-batches of blocks with micro-batch gradient accumulation (App. E.2, Alg. DATPO).
 
-    Rows whose advantages are all zero contribute nothing to the objective: they still count in the
-    normaliser (so the loss equals the full computation) but cost no forward or backward pass.
+    Each epoch re-shuffles the mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping); each
+    mini-batch's loss is −Σ w·min(ρA, clip(ρ)A) / normaliser, the normaliser computed from its units alone.
+    Blocks whose advantage is zero count in the normaliser but cost no forward or backward.
     Old log-probs: θ_old = θ until the first optimizer step, so the first mini-batch of the first epoch
-    uses its own detached log-probs; every other row gets a no-grad forward with the same numerics first.
+    uses its own detached log-probs; every other block gets a no-grad forward with the same packing first.
     """
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    minibatches = [order[i:i + cfg.mini_batch_size] for i in range(0, len(order), cfg.mini_batch_size)]
-    live = {i for i, r in enumerate(rows) if any(a != 0 for a in r.advantages)}
+    offsets = P.token_offsets(trees)
+    adv = torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
+                       dtype=torch.float32, device=device)
+    old = torch.zeros_like(adv)
+    have_old = torch.zeros(len(adv), dtype=torch.bool, device=device)
+    kernel = attention_kernel(cfg, device)
 
-    def micro(batch: list[int]) -> list[list[int]]:
-        batch = sorted((i for i in batch if i in live), key=lambda i: len(rows[i].ids))  # less padding
-        return [batch[j:j + cfg.micro_batch_size] for j in range(0, len(batch), cfg.micro_batch_size)]
+    def micro_batches(units):
+        return P.layout_micro_batches(trees, units, offsets, cfg.train_layout, cfg.max_tokens_per_micro_batch,
+                                      cfg.micro_batch_size)
 
-    old: dict[int, torch.Tensor] = {}
-    needs_old = [i for k, mb in enumerate(minibatches) for i in mb if k > 0 or cfg.ppo_epochs > 1]
+    def logprobs(micro):
+        return P.micro_logprobs(model, micro, pad_id, device, kernel)
+
+    first_epoch = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
     model.eval()  # no dropout: old and new log-probs must come from the same function
     with torch.no_grad(), models.autocast(device, cfg.precision):
-        for chunk in micro(needs_old):
-            for i, lp in zip(chunk, row_logprobs(model, [rows[i] for i in chunk], pad_id, device)):
-                old[i] = lp
+        for k, units in enumerate(first_epoch):
+            if k > 0 or cfg.ppo_epochs > 1:
+                for micro in micro_batches(units):
+                    gidx = torch.tensor(micro.gidx, device=device)
+                    old[gidx] = logprobs(micro).float()
+                    have_old[gidx] = True
 
-    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0, "trained_rows": len(live),
-             "nonfinite_minibatches": 0}
-    clip_tokens = total_tokens = 0
+    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0,
+             "trained_blocks": sum(len(P.live_blocks(tr, tr.trained)) for tr in trees), "nonfinite_minibatches": 0,
+             "forwarded_tokens": 0, "unique_tokens": sum(tr.unique_tokens for tr in trees if tr.trained)}
+    clip_tokens = total_tokens = forwarded = 0
     for epoch in range(cfg.ppo_epochs):
-        if epoch > 0:
-            rng.shuffle(minibatches)
-        for mb in minibatches:
-            norm = loss_normaliser([rows[i] for i in mb], cfg)
-            chunks = micro(mb)
-            if not chunks:
+        epoch_minibatches = first_epoch if epoch == 0 else P.minibatches(
+            trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
+        for units in epoch_minibatches:
+            norm = P.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, max_row_targets(cfg))
+            micros = micro_batches(units)
+            if not micros:
                 continue
             optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
-            for chunk in chunks:
+            for micro in micros:
                 with models.autocast(device, cfg.precision):
-                    new = row_logprobs(model, [rows[i] for i in chunk], pad_id, device)
-                new_cat = torch.cat(new)
-                old_cat = torch.cat([old[i] if i in old else lp.detach() for i, lp in zip(chunk, new)])
-                adv = torch.tensor([a for i in chunk for a in rows[i].advantages], device=new_cat.device)
-                objective, active = clipped_objective(new_cat, old_cat, adv, cfg.clip_low, cfg.clip_high)
-                loss = -objective.sum() / norm
+                    new = logprobs(micro).float()
+                gidx = torch.tensor(micro.gidx, device=device)
+                old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
+                objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
+                weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
+                loss = -(weights * objective).sum() / norm
                 loss.backward()
                 mb_loss += loss.item()
                 clip_tokens += int(active.sum())
                 total_tokens += active.numel()
+                forwarded += micro.forwarded
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
                 stats["nonfinite_minibatches"] += 1
@@ -265,6 +234,7 @@ def ppo_update(model, optimizer, rows: list[Row], cfg, pad_id: int, device, rng:
     stats["loss"] /= steps
     stats["grad_norm"] /= steps
     stats["clip_frac"] = clip_tokens / max(total_tokens, 1)
+    stats["forwarded_tokens"] = forwarded / cfg.ppo_epochs      # per pass over the batch
     optimizer.zero_grad(set_to_none=True)
     return stats
 
@@ -528,17 +498,17 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         alpha = A.alpha_at(step, cfg.steps, cfg.alpha_start, cfg.alpha_end) if cfg.method == "datpo" else 0.0
         embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size) if (embedder and alpha != 0) else [None] * len(trees)
         t_embed = time.perf_counter() - t0
-        rows, kept_leaves = [], 0
+        train_trees, kept_leaves = [], 0
         for tr, emb in zip(trees, embeddings):
             if trainable(tr, cfg.method):
                 adv = tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb, cfg.value_estimate)
-                rows += tree_rows(tr, adv, cfg.method)
+                train_trees.append(train_tree(tr, adv, cfg.method))
                 kept_leaves += tr.leaves
 
         # ---- Phase 4: policy update ----
         t0 = time.perf_counter()
         model.train()
-        update = ppo_update(model, optimizer, rows, cfg, pad_id, device, rng)
+        update = ppo_update(model, optimizer, train_trees, cfg, pad_id, device, rng)
         t_update = time.perf_counter() - t0
 
         leaves = [tr.leaves for tr in trees]
@@ -557,7 +527,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
             "k_hat": float(np.mean([tr.k_hat for tr in trees])),
             "b_hat": float(np.mean([tr.b_hat for tr in trees])),
             "prompts": len(trees),
-            "rows": len(rows),
+            "blocks": sum(len(t.trained) for t in train_trees),
             "alpha": alpha,
             "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
             **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")

@@ -15,6 +15,7 @@ import data
 import evaluate as E
 import faults
 import models
+import packing as P
 import rollout as R
 import train
 
@@ -113,10 +114,11 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
 # Non-finite guard
 # ------------------------------------------------------------------------------------------------------
 def _rows(tokenizer):
+    """Two GRPO groups (trees of depth one) of two 6-token responses: two mini-batches of 2 blocks."""
     prompt = tokenizer("What is 3 + 4?", add_special_tokens=False).input_ids
     gen = torch.Generator().manual_seed(0)
-    return [train.Row(prompt + torch.randint(100, 1000, (6,), generator=gen).tolist(), len(prompt), [a] * 6)
-            for a in (1.0, -1.0, 0.5, -0.5)]
+    return [P.TrainTree(prompt, [None, None], [torch.randint(100, 1000, (6,), generator=gen).tolist() for _ in adv],
+                        list(adv), [1.0, 1.0]) for adv in ((1.0, -1.0), (0.5, -0.5))]
 
 
 def test_nonfinite_minibatch_leaves_weights_and_optimizer_untouched(smollm_tokenizer, monkeypatch):
@@ -125,17 +127,17 @@ def test_nonfinite_minibatch_leaves_weights_and_optimizer_untouched(smollm_token
     cfg = C.make_config("tiny", mini_batch_size=2, micro_batch_size=2, ppo_epochs=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = _rows(tok)
-    real = train.row_logprobs
+    real = P.micro_logprobs
     calls = []
 
-    def poisoned(model, rows, pad_id, device):   # the second mini-batch's forward returns NaN log-probs
-        out = real(model, rows, pad_id, device)
-        calls.append(len(rows))
+    def poisoned(*args, **kwargs):   # the second forward (the first trained mini-batch) returns NaN log-probs
+        out = real(*args, **kwargs)
+        calls.append(1)
         if torch.is_grad_enabled() and len(calls) == 2:
-            out = [lp * float("nan") for lp in out]
+            out = out * float("nan")
         return out
 
-    monkeypatch.setattr(train, "row_logprobs", poisoned)
+    monkeypatch.setattr(P, "micro_logprobs", poisoned)
     stats = train.ppo_update(model, opt, rows, cfg, tok.pad_token_id, "cpu", random.Random(0))
     assert stats["nonfinite_minibatches"] == 1 and stats["optimizer_steps"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -144,7 +146,7 @@ def test_nonfinite_minibatch_leaves_weights_and_optimizer_untouched(smollm_token
     # all bad: not one weight or optimizer moment changes
     weights = [p.detach().clone() for p in model.parameters()]
     moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
-    monkeypatch.setattr(train, "row_logprobs", lambda m, r, pad, dev: [lp * float("inf") for lp in real(m, r, pad, dev)])
+    monkeypatch.setattr(P, "micro_logprobs", lambda *a, **k: real(*a, **k) * float("inf"))
     stats = train.ppo_update(model, opt, rows, cfg, tok.pad_token_id, "cpu", random.Random(0))
     assert stats["nonfinite_minibatches"] == 2 and stats["optimizer_steps"] == 0
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
@@ -158,13 +160,12 @@ def test_run_stops_after_max_bad_steps_with_its_last_checkpoint(tmp_path, monkey
 
     def update(model, optimizer, rows, cfg, *args):   # from step 2 on every loss is NaN
         if update.calls >= 1:
-            monkeypatch.setattr(train, "row_logprobs", lambda m, r, p, d: [x * float("nan") for x in
-                                                                        real_logprobs(m, r, p, d)])
+            monkeypatch.setattr(P, "micro_logprobs", lambda *a, **k: real_logprobs(*a, **k) * float("nan"))
         update.calls += 1
         return real(model, optimizer, rows, cfg, *args)
 
     update.calls = 0
-    real_logprobs = train.row_logprobs
+    real_logprobs = P.micro_logprobs
     monkeypatch.setattr(train, "ppo_update", update)
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:

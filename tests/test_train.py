@@ -1,4 +1,4 @@
-"""train.py: training rows, the clipped objective by hand, an update on a tiny model, skipping zero-advantage
+"""train.py: what each method trains, the clipped objective by hand, an update on a tiny model, skipping zero-advantage
 rows, checkpoints and resume equivalence, metrics."""
 import hashlib
 import json
@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import config as C
 import models
+import packing as P
 import rollout as R
 import train
 import tree as T
@@ -32,24 +33,32 @@ def _tree():
 def test_datpo_rows_train_every_token_once_with_its_block_advantage():
     tr = _tree()
     adv = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
-    rows = train.tree_rows(tr, adv, "datpo")
+    tt = train.train_tree(tr, adv, "datpo")
+    assert tt.weights == [1.0] * 6 and tt.paths is None
+    offsets = P.token_offsets([tt])[0]
+    rows = P.unit_rows(tt, tt.trained, offsets)
     assert [(r.ids, r.n_context) for r in rows] == [
         ([1, 2, 10, 11, 12, 13, 14, 15], 2),       # base response 0: all its base blocks
         ([1, 2, 10, 11, 20, 21, 22], 4),           # branch at 2: prefix is context only
         ([1, 2, 10, 11, 12, 13, 30], 6),           # branch at 4
         ([1, 2, 40, 41, 42], 2),                   # base response 1
     ]
-    assert rows[0].advantages == [0.1, 0.1, 0.2, 0.2, 0.3, 0.3]
-    assert rows[1].advantages == [0.4] * 3 and rows[2].advantages == [0.5] and rows[3].advantages == [0.6] * 3
-    assert sum(r.n_targets for r in rows) == tr.generated_tokens        # each tree token trained once
+    flat_adv = [a for a, b in zip(adv, tr.blocks) for _ in b.token_ids]
+    assert [flat_adv[g] for g in rows[0].gidx] == [0.1, 0.1, 0.2, 0.2, 0.3, 0.3]
+    assert [flat_adv[g] for g in rows[1].gidx] == [0.4] * 3 and [flat_adv[g] for g in rows[2].gidx] == [0.5]
+    assert sorted(g for r in rows for g in r.gidx) == list(range(tr.generated_tokens))   # each token once
 
 
 def test_treerl_rows_are_root_to_leaf_paths_with_repeated_prefixes():
     tr = _tree()
-    rows = train.tree_rows(tr, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "treerl")
+    tt = train.train_tree(tr, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "treerl")
+    assert tt.paths == [[0, 1, 2], [0, 3], [0, 1, 4], [5]]
+    assert tt.weights == [3.0, 2.0, 1.0, 1.0, 1.0, 1.0]                  # paths through each block
+    rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
     assert len(rows) == tr.leaves == 4
-    assert rows[1].ids == [1, 2, 10, 11, 20, 21, 22] and rows[1].advantages == [0.1, 0.1, 0.4, 0.4, 0.4]
+    assert rows[1].ids == [1, 2, 10, 11, 20, 21, 22] and rows[1].weights == [1.0] * 5
     assert sum(r.n_targets for r in rows) > tr.generated_tokens          # shared prefixes counted again
+    assert sum(r.n_targets for r in rows) == sum(w * len(b.token_ids) for w, b in zip(tt.weights, tr.blocks))
 
 
 def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
@@ -59,15 +68,18 @@ def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
               T.Block(0, [13], [0], reward=0.0, base=0, start=3),
               T.Block(0, [20, 21, 22, 23], [0] * 4, reward=1.0, base=0, start=3, branch=True)]
     tr = T.Tree("p", [1, 2], "a", blocks, v_root=0.0, k_hat=1, b_hat=1, forks=[[3]])
-    rows = train.tree_rows(tr, [0.1, 0.2, 0.3], "datpo")
+    tt = train.train_tree(tr, [0.1, 0.2, 0.3], "datpo")
+    rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
     assert [(r.ids, r.n_context) for r in rows] == [([1, 2, 10, 11, 12, 13], 2), ([1, 2, 10, 11, 12, 20, 21, 22, 23], 5)]
-    paths = train.tree_rows(tr, [0.1, 0.2, 0.3], "treerl")
-    assert max(r.n_targets for r in paths) == 7 and paths[1].advantages == [0.1] * 3 + [0.3] * 4
+    flat = train.train_tree(tr, [0.1, 0.2, 0.3], "treerl")
+    paths = P.unit_rows(flat, flat.trained, P.token_offsets([flat])[0])
+    assert max(r.n_targets for r in paths) == 7 and paths[1].gidx == [0, 1, 2, 4, 5, 6, 7]
     cfg = C.make_config("tiny", max_new_tokens=4, loss_norm="constant")
     assert cfg.branch_budget == "full"
-    assert train.loss_normaliser(rows, cfg) == 2 * 4                    # DATPO rows: ≤ max_new_tokens each
+    # DATPO: 3 blocks of ≤ max_new_tokens each; TreeRL: 2 paths of up to 2·4 − 1 tokens
+    assert P.loss_normaliser([tt], [(0, (0, 1, 2))], cfg.loss_norm, 4, train.max_row_targets(cfg)) == 3 * 4
     cfg.method = "treerl"
-    assert train.loss_normaliser(paths, cfg) == 2 * 7                   # paths: up to 2·4 − 1 tokens
+    assert P.loss_normaliser([flat], [(0, (0, 1, 2))], cfg.loss_norm, 4, train.max_row_targets(cfg)) == 2 * 7
     assert all(r.n_targets <= train.max_row_targets(cfg) for r in paths)
     cfg.branch_budget = "remaining"
     assert train.max_row_targets(cfg) == 4
@@ -100,70 +112,70 @@ def test_clipped_objective_by_hand():
     ]
     assert obj.tolist() == pytest.approx(expected)
     assert active.tolist() == [False, True, True, False, False]
-    # the loss of a micro-batch is −Σ objective / (tokens in the mini-batch)
-    rows = [train.Row([0] * 4, 1, [1.0] * 3), train.Row([0] * 3, 1, [1.0] * 2)]
-    cfg = C.make_config("tiny")
-    assert train.loss_normaliser(rows, cfg) == 5
-    cfg.loss_norm = "constant"                                          # Dr.GRPO: rows × max_new_tokens
-    assert train.loss_normaliser(rows, cfg) == 2 * cfg.max_new_tokens
 
 
-def _rows(tokenizer, adv_sign=(1.0, -1.0, 0.0)):
+def _group(tokenizer, adv_sign=(1.0, -1.0, 0.0)):
+    """A GRPO group — a tree of depth one: one prompt, one response per advantage."""
     prompt = tokenizer("What is 3 + 4?", add_special_tokens=False).input_ids
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for i, a in enumerate(adv_sign):
-        targets = torch.randint(100, 1000, (5 + i,), generator=gen).tolist()
-        rows.append(train.Row(prompt + targets, len(prompt), [a] * len(targets)))
-    return rows
+    responses = [torch.randint(100, 1000, (5 + i,), generator=gen).tolist() for i in range(len(adv_sign))]
+    return P.TrainTree(prompt, [None] * len(responses), responses, list(adv_sign), [1.0] * len(responses))
+
+
+def _rows(tt):
+    return P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
 
 
 def test_update_changes_weights_and_lowers_the_surrogate_loss(tiny_policy):
     _, tok = tiny_policy
     model = models.tiny_random_model(len(tok), seed=1)
     cfg = C.make_config("tiny", lr=1e-2, mini_batch_size=8, micro_batch_size=2)
-    rows = _rows(tok)
+    tt = _group(tok)
+    rows = _rows(tt)
+    n_tokens = sum(len(t) for t in tt.tokens)
     with torch.no_grad():
-        old = train.row_logprobs(model, rows, tok.pad_token_id, "cpu")
+        old = P.row_logprobs(model, rows, tok.pad_token_id, "cpu")
 
     def surrogate():
         with torch.no_grad():
-            new = train.row_logprobs(model, rows, tok.pad_token_id, "cpu")
-        adv = torch.tensor([a for r in rows for a in r.advantages])
+            new = P.row_logprobs(model, rows, tok.pad_token_id, "cpu")
+        adv = torch.tensor([tt.advantages[b] for b in tt.trained if tt.advantages[b] for _ in tt.tokens[b]])
         obj, _ = train.clipped_objective(torch.cat(new), torch.cat(old), adv, cfg.clip_low, cfg.clip_high)
-        return float(-obj.sum() / sum(r.n_targets for r in rows))
+        return float(-obj.sum() / n_tokens)
 
     before = surrogate()
     weights = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    stats = train.ppo_update(model, opt, rows, cfg, tok.pad_token_id, "cpu", random.Random(0))
-    assert stats["optimizer_steps"] == 1 and stats["trained_rows"] == 2
+    stats = train.ppo_update(model, opt, [tt], cfg, tok.pad_token_id, "cpu", random.Random(0))
+    assert stats["optimizer_steps"] == 1 and stats["trained_blocks"] == 2
     assert stats["loss"] == pytest.approx(before, abs=1e-6)     # first step: ratio 1, loss = −mean(A)
+    assert stats["unique_tokens"] == len(tt.prompt_ids) + n_tokens
+    assert stats["forwarded_tokens"] == len(tt.prompt_ids) + 5 + 6      # the zero-advantage response is skipped
     assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
     assert surrogate() < before - 1e-3
 
 
-def test_zero_advantage_rows_cost_no_forward(tiny_policy, monkeypatch):
+def test_zero_advantage_blocks_cost_no_forward(tiny_policy, monkeypatch):
     _, tok = tiny_policy
     model = models.tiny_random_model(len(tok), seed=1)
     cfg = C.make_config("tiny", mini_batch_size=8, micro_batch_size=8)
     seen = []
-    real = train.row_logprobs
+    real = P.packed_logprobs
 
-    def counting(model, rows, pad_id, device):
-        seen.extend(len(r.ids) for r in rows)
-        return real(model, rows, pad_id, device)
+    def counting(model, packed, *args, **kwargs):
+        seen.append(list(packed.input_ids))
+        return real(model, packed, *args, **kwargs)
 
-    monkeypatch.setattr(train, "row_logprobs", counting)
-    rows = _rows(tok, adv_sign=(1.0, 0.0, 0.0))
+    monkeypatch.setattr(P, "packed_logprobs", counting)
+    tt = _group(tok, adv_sign=(1.0, 0.0, 0.0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stats = train.ppo_update(model, opt, rows, cfg, tok.pad_token_id, "cpu", random.Random(0))
-    assert seen == [len(rows[0].ids)] and stats["trained_rows"] == 1
-    # the zero rows still count in the token normaliser: loss = −A·n0 / (n0 + n1 + n2)
-    assert stats["loss"] == pytest.approx(-rows[0].n_targets / sum(r.n_targets for r in rows), abs=1e-6)
+    stats = train.ppo_update(model, opt, [tt], cfg, tok.pad_token_id, "cpu", random.Random(0))
+    assert seen == [tt.prompt_ids + tt.tokens[0]] and stats["trained_blocks"] == 1
+    # the zero blocks still count in the token normaliser: loss = −A·n0 / (n0 + n1 + n2)
+    assert stats["loss"] == pytest.approx(-len(tt.tokens[0]) / sum(len(t) for t in tt.tokens), abs=1e-6)
     seen.clear()
     weights = [p.detach().clone() for p in model.parameters()]
-    stats = train.ppo_update(model, opt, _rows(tok, adv_sign=(0.0, 0.0, 0.0)), cfg, tok.pad_token_id, "cpu",
+    stats = train.ppo_update(model, opt, [_group(tok, adv_sign=(0.0, 0.0, 0.0))], cfg, tok.pad_token_id, "cpu",
                              random.Random(0))
     assert seen == [] and stats["optimizer_steps"] == 0
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))

@@ -1,0 +1,537 @@
+"""packing.py — one forward pass per unique tree token: trees packed into sequences under a tree attention mask.
+
+A tree (and a GRPO group: a tree of depth one) becomes one sequence: the prompt once, then every block's tokens
+once in depth-first order. Each token keeps the position id it has in its own root-to-leaf sequence and attends
+exactly to its ancestors (the prompt, the blocks on its path, the earlier tokens of its own block) and itself, so
+its hidden state — hence its log-probability — is the one a separate forward of its root-to-leaf sequence gives.
+A block's first token is predicted from the last token of its parent block (the prompt's last token at the root):
+with DATPO's mid-response forks that is not the token before it in the packed order, so targets are gathered
+through `pred_index`, never a plain shift.
+
+Paper map:
+  TrainTree, path_multiplicity   Sec. 4.2 / App. F (block advantages); App. F.4 (TreeRL/AttnRL flatten
+                                 root-to-leaf paths: a token counts once per path through it)
+  minibatches, loss_normaliser   App. E.2: mini-batches counted in contiguous blocks (64 in the paper),
+                                 re-shuffled every PPO epoch; Eq. DATPO's 1/Σ|b| normaliser (Dr.GRPO: constant)
+  split_items, micro_batches, pack, packed_logprobs
+                                 the forward of Eq. DATPO's ratio π_θ(b_t | s, b_<t) for every block token
+
+Depth-first order makes the mask an interval test: the tokens of the subtree of a block are contiguous, so key k
+is visible from query q iff k ≤ q < subtree_end[k] (subtree_end = where the subtree of k's block ends; for a
+prompt token, where its tree ends). One integer per token describes the whole mask: a dense [L, L] boolean for
+SDPA (the reference and CPU path) or a block-sparse flex_attention BlockMask on CUDA, whose cost follows the
+tree instead of L².
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import rollout as R
+
+
+# --------------------------------------------------------------------------------------------------------
+# What the update trains
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainTree:
+    """One prompt's tree as the update sees it: per block its parent, tokens, advantage Â(b) and weight.
+
+    weight is the number of times the objective counts each token of the block: 1 for DATPO and the parallel
+    baselines (every tree token trained once), the number of trained root-to-leaf paths through the block for
+    TreeRL/AttnRL (their flattened objective), 0 for a block that is context only (never trained).
+    `paths` lists the trained root-to-leaf paths of the flattened methods (block indices from the prompt
+    down); the rows layout forwards exactly those sequences, as TreeRL/AttnRL do.
+    """
+    prompt_ids: list[int]
+    parents: list[int | None]
+    tokens: list[list[int]]
+    advantages: list[float]
+    weights: list[float]
+    paths: list[list[int]] | None = None
+
+    @property
+    def trained(self) -> list[int]:
+        return [b for b, w in enumerate(self.weights) if w > 0]
+
+    @property
+    def unique_tokens(self) -> int:
+        """Prompt once + every generated token once."""
+        return len(self.prompt_ids) + sum(len(t) for t in self.tokens)
+
+
+def children_of(parents: list[int | None]) -> dict[int | None, list[int]]:
+    """Children of each block (None = the prompt), in block order: a base response's own continuation comes
+    before the branches at its end, as rollout.py appends them."""
+    kids: dict[int | None, list[int]] = {None: []}
+    for b, p in enumerate(parents):
+        kids.setdefault(b, [])
+        kids.setdefault(p, []).append(b)
+    return kids
+
+
+def ancestors(parents: list[int | None], block: int) -> list[int]:
+    """Blocks above `block`, from the prompt down (excluding the block itself)."""
+    out = []
+    node = parents[block]
+    while node is not None:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def path_multiplicity(parents: list[int | None], paths: list[list[int]]) -> list[int]:
+    """Number of the given root-to-leaf paths that pass through each block (App. F.4: the flattened
+    objective of TreeRL/AttnRL sums a shared token once per path; weighting it by this count reproduces that
+    sum with one forward of the token)."""
+    count = [0] * len(parents)
+    for path in paths:
+        for b in path:
+            count[b] += 1
+    return count
+
+
+def token_offsets(trees: list[TrainTree]) -> list[list[int]]:
+    """Index of each block's first token in one flat buffer over all generated tokens of all trees (the
+    buffers of advantages, weights and old log-probs are indexed by it)."""
+    out, at = [], 0
+    for tr in trees:
+        offs = []
+        for toks in tr.tokens:
+            offs.append(at)
+            at += len(toks)
+        out.append(offs)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Mini-batches: counted in blocks (App. E.2), re-shuffled every epoch, normaliser per mini-batch
+# --------------------------------------------------------------------------------------------------------
+Unit = tuple[int, tuple[int, ...]]     # (tree index, trained blocks of that tree in this mini-batch)
+
+
+def minibatches(trees: list[TrainTree], size: int, grouping: str, rng) -> list[list[Unit]]:
+    """One epoch's mini-batches, freshly shuffled (App. E.2 counts mini-batches in blocks; the release
+    re-shuffles every PPO epoch).
+
+    trees:  whole trees, shuffled at the tree level, added to a mini-batch while that brings its block count
+            closer to `size` — a tree's shared tokens are forwarded once per mini-batch.
+    blocks: random trained blocks, `size` per mini-batch, as the release does — a block's ancestors are
+            forwarded again as context in every mini-batch that holds one of its descendants.
+    """
+    if grouping == "blocks":
+        units = [(t, b) for t, tr in enumerate(trees) for b in tr.trained]
+        rng.shuffle(units)
+        out = []
+        for i in range(0, len(units), size):
+            by_tree: dict[int, list[int]] = {}
+            for t, b in units[i:i + size]:
+                by_tree.setdefault(t, []).append(b)
+            out.append([(t, tuple(sorted(bs))) for t, bs in sorted(by_tree.items())])
+        return out
+    if grouping != "trees":
+        raise ValueError(f"mini_batch_grouping must be 'trees' or 'blocks', got {grouping!r}")
+    order = [t for t, tr in enumerate(trees) if tr.trained]
+    rng.shuffle(order)
+    out, current, count = [], [], 0
+    for t in order:
+        n = len(trees[t].trained)
+        if current and abs(count + n - size) > abs(count - size):
+            out.append(current)
+            current, count = [], 0
+        current.append((t, tuple(trees[t].trained)))
+        count += n
+    if current:
+        out.append(current)
+    return out
+
+
+def loss_normaliser(trees: list[TrainTree], units: list[Unit], loss_norm: str, max_new_tokens: int,
+                    max_path_tokens: int | None = None) -> float:
+    """The denominator of one mini-batch's loss, from its units alone (so a multi-device run can all-reduce it).
+
+    token:    Σ over trained blocks of weight·|b| — Eq. DATPO's 1/Σ|b| (DAPO's token-level loss); with the
+              path multiplicities of TreeRL/AttnRL it is the token count of their flattened paths.
+    constant: Dr.GRPO's length-unbiased constant, sequences × the longest a sequence can be: blocks ×
+              max_new_tokens (for the parallel baselines a block is a response: G·L_max per prompt); for the
+              flattened methods, their trained paths ending in the mini-batch × max_path_tokens (a path can
+              exceed max_new_tokens under the full branch budget).
+    Zero-advantage blocks count (the loss equals the full computation) though they cost no forward.
+    """
+    if loss_norm == "constant":
+        total = 0
+        for t, bs in units:
+            if trees[t].paths is None:
+                total += len(bs) * max_new_tokens
+            else:
+                ends = set(bs)
+                total += sum(p[-1] in ends for p in trees[t].paths) * (max_path_tokens or max_new_tokens)
+        return float(total)
+    if loss_norm != "token":
+        raise ValueError(f"loss_norm must be 'token' or 'constant', got {loss_norm!r}")
+    return float(sum(trees[t].weights[b] * len(trees[t].tokens[b]) for t, bs in units for b in bs))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Splitting trees into micro-batches sized in tokens
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Item:
+    """Blocks of one tree that travel together: a whole subtree when it fits, else one block alone."""
+    tree: int
+    blocks: list[int]               # trained and context blocks of the item, depth-first order
+    trained: list[int]
+
+
+def live_blocks(tr: TrainTree, blocks) -> list[int]:
+    """Blocks whose tokens move the loss: trained (weight > 0) with a non-zero advantage. The others still
+    count in the normaliser but need no forward."""
+    return [b for b in blocks if tr.weights[b] > 0 and tr.advantages[b] != 0]
+
+
+def split_items(tr: TrainTree, tree_index: int, trained: list[int], max_tokens: int) -> list[Item]:
+    """Cut the part of a tree that must be forwarded (the live trained blocks and their ancestors) at block
+    boundaries into items of at most `max_tokens` tokens with their context: a subtree that fits with its
+    ancestors is one item; one that does not becomes its root block alone plus its children's subtrees, each
+    carrying the ancestors as context. A single block longer than the budget is an item of its own."""
+    live = set(live_blocks(tr, trained))
+    if not live:
+        return []
+    need = set(live)
+    for b in live:
+        need.update(ancestors(tr.parents, b))
+    kids = {b: [c for c in cs if c in need] for b, cs in children_of(tr.parents).items()}
+    size: dict[int, int] = {}
+
+    def subtree_size(b: int) -> int:
+        size[b] = len(tr.tokens[b]) + sum(subtree_size(c) for c in kids[b])
+        return size[b]
+
+    def subtree(b: int) -> list[int]:
+        return [b] + [x for c in kids[b] for x in subtree(c)]
+
+    items: list[Item] = []
+
+    def visit(b: int, context: int) -> None:
+        if context + size[b] <= max_tokens or not kids[b]:
+            blocks = subtree(b)
+            items.append(Item(tree_index, blocks, [x for x in blocks if x in live]))
+            return
+        if b in live:
+            items.append(Item(tree_index, [b], [b]))
+        for c in kids[b]:
+            visit(c, context + len(tr.tokens[b]))
+
+    for root in kids[None]:
+        subtree_size(root)
+        visit(root, len(tr.prompt_ids))
+    return items
+
+
+def item_cost(trees: list[TrainTree], items: list[Item]) -> int:
+    """Tokens a packed sequence of these items forwards: per tree its prompt once and each needed block once."""
+    per_tree: dict[int, set[int]] = {}
+    for it in items:
+        need = per_tree.setdefault(it.tree, set())
+        for b in it.blocks:
+            need.add(b)
+            need.update(ancestors(trees[it.tree].parents, b))
+    return sum(len(trees[t].prompt_ids) + sum(len(trees[t].tokens[b]) for b in need) for t, need in per_tree.items())
+
+
+def micro_batches(trees: list[TrainTree], units: list[Unit], max_tokens: int) -> list[list[Item]]:
+    """A mini-batch's units as micro-batches of at most `max_tokens` forwarded tokens (first-fit decreasing
+    over items; items of one tree in the same micro-batch share their prompt and ancestors)."""
+    items = [it for t, blocks in units for it in split_items(trees[t], t, list(blocks), max_tokens)]
+    items.sort(key=lambda it: -item_cost(trees, [it]))
+    bins: list[list[Item]] = []
+    costs: list[int] = []
+    for it in items:
+        for k, members in enumerate(bins):
+            cost = item_cost(trees, members + [it])
+            if cost <= max_tokens:
+                members.append(it)
+                costs[k] = cost
+                break
+        else:
+            bins.append([it])
+            costs.append(item_cost(trees, [it]))
+    return bins
+
+
+# --------------------------------------------------------------------------------------------------------
+# Packing: tokens, position ids, the tree mask as subtree ends, targets
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Packed:
+    """One packed sequence and its targets. Target j is token `target_ids[j]`, predicted by the hidden state
+    at packed position `pred_index[j]`; `target_gidx[j]` is its index in the step's flat token buffers."""
+    input_ids: list[int] = field(default_factory=list)
+    position_ids: list[int] = field(default_factory=list)
+    subtree_end: list[int] = field(default_factory=list)
+    pred_index: list[int] = field(default_factory=list)
+    target_ids: list[int] = field(default_factory=list)
+    target_gidx: list[int] = field(default_factory=list)
+    target_weights: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def pack(trees: list[TrainTree], items: list[Item], offsets: list[list[int]]) -> Packed:
+    """Pack items (from one or several trees) into one sequence. Per tree: the prompt, then the needed blocks
+    (the items' blocks and their ancestors) depth-first; targets are the tokens of the items' trained blocks.
+    Trees follow each other block-diagonally (a prompt's subtree ends where its tree ends)."""
+    out = Packed()
+    per_tree: dict[int, tuple[set[int], set[int]]] = {}
+    for it in items:
+        need, trained = per_tree.setdefault(it.tree, (set(), set()))
+        trained.update(it.trained)
+        for b in it.blocks:
+            need.add(b)
+            need.update(ancestors(trees[it.tree].parents, b))
+    for t in sorted(per_tree):
+        need, trained = per_tree[t]
+        tr = trees[t]
+        kids = children_of(tr.parents)
+        start = len(out)
+        out.input_ids += tr.prompt_ids
+        out.position_ids += range(len(tr.prompt_ids))
+        out.subtree_end += [0] * len(tr.prompt_ids)
+
+        def emit(b: int, last: int, position: int) -> None:
+            """Emit block b whose path so far ends at packed index `last`, next position id `position`."""
+            toks = tr.tokens[b]
+            first = len(out)
+            out.input_ids += toks
+            out.position_ids += range(position, position + len(toks))
+            out.subtree_end += [0] * len(toks)
+            if b in trained:
+                out.pred_index += [last] + list(range(first, first + len(toks) - 1))
+                out.target_ids += toks
+                out.target_gidx += range(offsets[t][b], offsets[t][b] + len(toks))
+                out.target_weights += [tr.weights[b]] * len(toks)
+            block_last = first + len(toks) - 1 if toks else last
+            for c in kids[b]:
+                if c in need:
+                    emit(c, block_last, position + len(toks))
+            out.subtree_end[first:first + len(toks)] = [len(out)] * len(toks)
+
+        for root in kids[None]:
+            if root in need:
+                emit(root, start + len(tr.prompt_ids) - 1, len(tr.prompt_ids))
+        out.subtree_end[start:start + len(tr.prompt_ids)] = [len(out)] * len(tr.prompt_ids)
+    return out
+
+
+def dense_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+    """[L, L] boolean tree mask, True = attend: key k is visible from query q iff k ≤ q < subtree_end[k]."""
+    idx = torch.arange(len(subtree_end), device=subtree_end.device)
+    return (idx[None, :] <= idx[:, None]) & (idx[:, None] < subtree_end[None, :])
+
+
+def flex_block_mask(subtree_end: torch.Tensor):
+    """The same mask as a flex_attention BlockMask: 128×128 tiles that no query of the tile may see are
+    skipped, so attention cost follows the tree, not L². Needs torch ≥ 2.5 (flex_attention)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def tree_mask(b, h, q, k):
+        return (k <= q) & (q < subtree_end[k])
+
+    length = len(subtree_end)
+    return create_block_mask(tree_mask, B=None, H=None, Q_LEN=length, KV_LEN=length,
+                             device=subtree_end.device)
+
+
+def flex_available(device) -> bool:
+    """flex_attention is used on CUDA when this torch has it; CPU keeps the dense SDPA reference path."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Run the model with another attention backend for a while (the rollout keeps SDPA for generation).
+    The attention layers read config._attn_implementation at every forward."""
+    old = model.config._attn_implementation
+    if old == name:
+        yield
+        return
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
+
+
+def tree_attention_mask(model, subtree_end: torch.Tensor, kernel: str):
+    """The 4D mask the HF model takes as-is (transformers 5 returns a 4D mask untouched from its mask
+    creation): a BlockMask for flex; a boolean [1, 1, L, L] for SDPA (True = attend); an additive float mask
+    for eager attention, which adds the mask to the scores (a boolean there would be added as 0/1)."""
+    if kernel == "flex":
+        return flex_block_mask(subtree_end)
+    mask = dense_mask(subtree_end)[None, None]
+    if model.config._attn_implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def _target_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_logprobs(lm_head, hidden: torch.Tensor, pred_index: torch.Tensor, targets: torch.Tensor,
+                     chunk: int) -> torch.Tensor:
+    """log π(target | its path) for every target, `chunk` targets at a time: lm_head + log-softmax in fp32
+    never materialise for the whole sequence, and under autograd each chunk is recomputed in the backward
+    (activation checkpointing) so only the hidden states stay alive — [chunk, vocab] fp32 at a time."""
+    out = []
+    for s in range(0, len(targets), chunk):
+        h = hidden.index_select(0, pred_index[s:s + chunk])
+        t = targets[s:s + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            out.append(checkpoint(_target_logprobs, lm_head, h, t, use_reentrant=False))
+        else:
+            out.append(_target_logprobs(lm_head, h, t))
+    return torch.cat(out) if out else hidden.new_zeros(0)
+
+
+def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk: int = 2048) -> torch.Tensor:
+    """One model call over a packed sequence (4D tree mask + explicit position ids) → the log-prob of every
+    target, in `packed.target_ids` order."""
+    ids = torch.tensor([packed.input_ids], device=device)
+    positions = torch.tensor([packed.position_ids], device=device)
+    ends = torch.tensor(packed.subtree_end, device=device)
+    mask = tree_attention_mask(model, ends, kernel)
+    with attention_implementation(model, "flex_attention") if kernel == "flex" else contextlib.nullcontext():
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                     use_cache=False).last_hidden_state[0]
+    return chunked_logprobs(model.get_output_embeddings(), hidden,
+                            torch.tensor(packed.pred_index, device=device),
+                            torch.tensor(packed.target_ids, device=device), chunk)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The rows layout: every trained chain of blocks as its own left-padded row with its whole context
+# (the simple path, and the oracle the packed layout is tested against)
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One training sequence: context + targets; `gidx`/`weights` per target token."""
+    ids: list[int]
+    n_context: int
+    gidx: list[int]
+    weights: list[float]
+
+    @property
+    def n_targets(self) -> int:
+        return len(self.ids) - self.n_context
+
+
+def unit_rows(tr: TrainTree, blocks, offsets: list[int]) -> list[Row]:
+    """Rows of one unit. The flattened methods' whole trees: their root-to-leaf paths, shared prefixes
+    trained again in every path (TreeRL/AttnRL's own objective, App. F.4). Otherwise each live block once: a
+    row trains a chain of blocks (a base response's blocks, one after the other) with its ancestors as
+    context — a branch is its one block after the shared prefix."""
+    live = set(live_blocks(tr, blocks))
+    if not live:
+        return []
+
+    def tokens_of(bs):
+        return [x for b in bs for x in tr.tokens[b]]
+
+    def gidx_of(bs):
+        return [offsets[b] + i for b in bs for i in range(len(tr.tokens[b]))]
+
+    if tr.paths is not None and set(blocks) == set(tr.trained):
+        rows = []
+        for path in tr.paths:
+            if live & set(path):
+                rows.append(Row(tr.prompt_ids + tokens_of(path), len(tr.prompt_ids), gidx_of(path),
+                                [1.0] * sum(len(tr.tokens[b]) for b in path)))
+        return rows
+    kids = children_of(tr.parents)
+    rows, done = [], set()
+    for b in sorted(live):
+        if b in done:
+            continue
+        chain = [b]
+        while True:       # follow the first live child: a base response continues in its own next block
+            nxt = [c for c in kids[chain[-1]] if c in live and c not in done]
+            if not nxt:
+                break
+            chain.append(nxt[0])
+        done.update(chain)
+        context = tr.prompt_ids + tokens_of(ancestors(tr.parents, b))
+        rows.append(Row(context + tokens_of(chain), len(context), gidx_of(chain),
+                        [tr.weights[c] for c in chain for _ in tr.tokens[c]]))
+    return rows
+
+
+def row_logprobs(model, rows: list[Row], pad_id: int, device) -> list[torch.Tensor]:
+    """log π(target token | context) for each row, one forward over a left-padded micro-batch.
+
+    Rows end at the same column, so only the last max(targets) positions need logits (logits_to_keep), and
+    position ids follow the attention mask so padding does not shift the rotary phases.
+    """
+    ids, mask = R.left_pad([r.ids for r in rows], pad_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    keep = max(r.n_targets for r in rows)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                   logits_to_keep=keep + 1).logits[:, :-1].float()          # predicts the last `keep` tokens
+    targets = ids[:, -keep:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return [logp[i, keep - r.n_targets:] for i, r in enumerate(rows)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# One interface for both layouts
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class MicroBatch:
+    """One forward/backward: a packed sequence or a list of rows, and per target its flat token index and
+    weight (the loss of the micro-batch is −Σ weight·objective / the mini-batch's normaliser)."""
+    gidx: list[int]
+    weights: list[float]
+    forwarded: int                  # tokens the model is fed (padding excluded)
+    packed: Packed | None = None
+    rows: list[Row] | None = None
+
+
+def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: list[list[int]], layout: str,
+                         max_tokens: int, rows_per_micro: int) -> list[MicroBatch]:
+    """A mini-batch's micro-batches: packed sequences of at most `max_tokens` tokens, or rows (sorted by
+    length, less padding) `rows_per_micro` at a time."""
+    if layout == "packed":
+        out = []
+        for items in micro_batches(trees, units, max_tokens):
+            pk = pack(trees, items, offsets)
+            out.append(MicroBatch(pk.target_gidx, pk.target_weights, len(pk), packed=pk))
+        return out
+    if layout != "rows":
+        raise ValueError(f"train_layout must be 'packed' or 'rows', got {layout!r}")
+    rows = [r for t, blocks in units for r in unit_rows(trees[t], blocks, offsets[t])]
+    rows.sort(key=lambda r: len(r.ids))
+    out = []
+    for i in range(0, len(rows), rows_per_micro):
+        chunk = rows[i:i + rows_per_micro]
+        out.append(MicroBatch([g for r in chunk for g in r.gidx], [w for r in chunk for w in r.weights],
+                              sum(len(r.ids) for r in chunk), rows=chunk))
+    return out
+
+
+def micro_logprobs(model, micro: MicroBatch, pad_id: int, device, kernel: str = "dense") -> torch.Tensor:
+    """Log-probs of a micro-batch's targets, in `micro.gidx` order."""
+    if micro.packed is not None:
+        return packed_logprobs(model, micro.packed, device, kernel)
+    return torch.cat(row_logprobs(model, micro.rows, pad_id, device))
