@@ -243,22 +243,18 @@ def item_cost(trees: list[TrainTree], items: list[Item]) -> int:
 
 
 def micro_batches(trees: list[TrainTree], units: list[Unit], max_tokens: int) -> list[list[Item]]:
-    """A mini-batch's units as micro-batches of at most `max_tokens` forwarded tokens (first-fit decreasing
-    over items; items of one tree in the same micro-batch share their prompt and ancestors)."""
-    items = [it for t, blocks in units for it in split_items(trees[t], t, list(blocks), max_tokens)]
-    items.sort(key=lambda it: -item_cost(trees, [it]))
+    """A mini-batch's units as micro-batches of at most `max_tokens` forwarded tokens: first fit, items in
+    tree and depth-first order, so a tree's items land in few micro-batches and share their prompt and
+    ancestors there (sorting items by size would scatter each tree and forward its prompt many times)."""
     bins: list[list[Item]] = []
-    costs: list[int] = []
-    for it in items:
-        for k, members in enumerate(bins):
-            cost = item_cost(trees, members + [it])
-            if cost <= max_tokens:
-                members.append(it)
-                costs[k] = cost
-                break
-        else:
-            bins.append([it])
-            costs.append(item_cost(trees, [it]))
+    for t, blocks in units:
+        for it in split_items(trees[t], t, list(blocks), max_tokens):
+            for members in bins:
+                if item_cost(trees, members + [it]) <= max_tokens:
+                    members.append(it)
+                    break
+            else:
+                bins.append([it])
     return bins
 
 

@@ -115,6 +115,17 @@ def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
                          f"or lower --max_new_tokens / use --branch_budget remaining")
 
 
+def rollout_shape(cfg) -> dict:
+    """rollout_trees arguments per method: GRPO/Dr.GRPO sample G parallel responses (no branches); AttnRL
+    branches (K, B) on the responses its adaptive sampling picks; DATPO/TreeRL use adaptive_budget, or fixed
+    (K, B) when cfg.adaptive is False."""
+    if cfg.method in ("grpo", "drgrpo"):
+        return dict(n_base=cfg.group_size, budget=lambda v: (0, 0))
+    if cfg.method == "attnrl":
+        return dict(budget=lambda v: (cfg.k_max, cfg.b_max), expand=T.attnrl_expansion)
+    return {}
+
+
 def trainable(tr: T.Tree, method: str) -> bool:
     """AttnRL drops trees whose leaves all have the same reward (no signal: all-correct or all-wrong
     prompts) before the update, so they do not count in the loss normaliser or the batch. The other methods
@@ -446,7 +457,6 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     if wants_embedder:
         embedder = models.load_embedder(cfg.embed_model, device)   # never loaded when α is 0 for the whole run
     pad_id = tokenizer.pad_token_id
-    grpo_like = cfg.method in ("grpo", "drgrpo")
     context = getattr(model.config, "max_position_embeddings", None)
 
     if cfg.eval_every and start_step == 0:
@@ -483,14 +493,9 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
 
         # ---- Phase 1+2: tree rollouts ----
         model.eval()
-        if grpo_like:      # parallel sampling: G responses, no branches
-            shape = dict(n_base=cfg.group_size, budget=lambda v: (0, 0))
-        elif cfg.method == "attnrl":   # fixed (K, B) on the responses AttnRL's adaptive sampling picks
-            shape = dict(budget=lambda v: (cfg.k_max, cfg.b_max), expand=T.attnrl_expansion)
-        else:              # DATPO / TreeRL: adaptive_budget, or fixed (K, B) when cfg.adaptive is False
-            shape = {}
         with models.autocast(device, cfg.precision):
-            trees, rstats = R.rollout_trees(model, tokenizer, prompts, answers, cfg, rng, levels=levels, **shape)
+            trees, rstats = R.rollout_trees(model, tokenizer, prompts, answers, cfg, rng, levels=levels,
+                                            **rollout_shape(cfg))
         t_gen = rstats.seconds_base + rstats.seconds_forks + rstats.seconds_branches
 
         # ---- Phase 3: block advantages ----

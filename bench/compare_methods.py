@@ -4,7 +4,7 @@
     python bench/compare_methods.py --scale demo --steps 2 --presets paper grpo treerl
 
 Per method: generated tokens per prompt (the paper's fairness control, App. E.3), leaves per prompt,
-training rows, and seconds per step (mean over the steps; the first step includes warm-up).
+trained blocks, and seconds per step (mean over the steps; the first step includes warm-up).
 """
 import argparse
 import json
@@ -32,10 +32,10 @@ def main():
         steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in steps if "eval" not in r]
         mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
-        rows.append((preset, mean("generated_tokens_per_prompt"), mean("leaves_per_prompt"), mean("rows"),
+        rows.append((preset, mean("generated_tokens_per_prompt"), mean("leaves_per_prompt"), mean("blocks"),
                      mean("reward"), mean("seconds_generation"), mean("seconds_update"), mean("seconds_step")))
     print(f"scale {args.scale}, {args.steps} steps each (means over steps)")
-    print(f"{'preset':10s}{'tokens/prompt':>15s}{'leaves/prompt':>15s}{'rows':>7s}{'reward':>8s}"
+    print(f"{'preset':10s}{'tokens/prompt':>15s}{'leaves/prompt':>15s}{'blocks':>7s}{'reward':>8s}"
           f"{'gen s':>8s}{'update s':>10s}{'s/step':>8s}")
     for name, tokens, leaves, n_rows, reward, gen, upd, total in rows:
         print(f"{name:10s}{tokens:15.1f}{leaves:15.1f}{n_rows:7.1f}{reward:8.3f}{gen:8.1f}{upd:10.1f}{total:8.1f}")

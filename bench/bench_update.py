@@ -1,0 +1,208 @@
+"""Tree-packed update vs rows, one run: tokens forwarded per unique tree token and update seconds.
+
+    python bench/bench_update.py                         # both parts below (~10 min on 2 CPU cores)
+    python bench/bench_update.py --part demo --time paper grpo
+    python bench/bench_update.py --part paper
+
+demo:  the project's own rollouts (SmolLM2-135M, demo scale: 8 prompts, 64 new tokens) for each method's
+       preset; forwarded / unique tokens for packed (trees and blocks grouping) and rows, then one ppo_update
+       per layout on copies of the model, same trees and seed (update seconds, loss).
+paper: synthetic trees of paper-like lengths (prompt ≈ 150, responses ≈ 600, DATPO (N, K, B) = (4, 3, 4);
+       GRPO G = 16; TreeRL/AttnRL (6, 2, 2)), token counts at the paper's micro-batch budget, update seconds
+       with a small random model, and the computed peak memory of the paper's run on one 80 GB GPU.
+Forwarded tokens count every token fed to the model in one pass over the batch (padding excluded); "unique"
+is prompt once + every generated token once. For the counts every block is treated as trainable (a
+zero-advantage block is skipped by both layouts in training).
+"""
+import argparse
+import copy
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import config as C  # noqa: E402
+import data  # noqa: E402
+import models  # noqa: E402
+import packing as P  # noqa: E402
+import rollout as R  # noqa: E402
+import train  # noqa: E402
+import tree as T  # noqa: E402
+
+
+def forwarded_per_unique(trees: list[P.TrainTree], cfg, layout: str, grouping: str) -> float:
+    """Tokens forwarded in one pass over the batch per unique tree token, every block live."""
+    live = [P.TrainTree(t.prompt_ids, t.parents, t.tokens, [1.0] * len(t.tokens), t.weights, t.paths)
+            for t in trees]
+    offsets = P.token_offsets(live)
+    forwarded = 0
+    for units in P.minibatches(live, cfg.mini_batch_size, grouping, random.Random(0)):
+        for micro in P.layout_micro_batches(live, units, offsets, layout, cfg.max_tokens_per_micro_batch,
+                                            cfg.micro_batch_size):
+            forwarded += micro.forwarded
+    return forwarded / sum(t.unique_tokens for t in live if t.trained)
+
+
+def timed_updates(model, trees, cfg, pad_id, budgets=()) -> dict:
+    """One ppo_update per layout on copies of the model: same trees, same seed → (seconds, loss, steps).
+    The packed layout once per token budget in `budgets` (default: the config's)."""
+    out = {}
+    for layout, budget in [("rows", None)] + [("packed", b) for b in (budgets or [cfg.max_tokens_per_micro_batch])]:
+        cfg.train_layout = layout
+        if budget:
+            cfg.max_tokens_per_micro_batch = budget
+        copy_ = copy.deepcopy(model).train()
+        optimizer = torch.optim.AdamW(copy_.parameters(), lr=cfg.lr)
+        t0 = time.perf_counter()
+        stats = train.ppo_update(copy_, optimizer, trees, cfg, pad_id, "cpu", random.Random(0))
+        out[layout if budget is None else f"packed {budget}"] = (time.perf_counter() - t0, stats["loss"],
+                                                                 stats["optimizer_steps"])
+        del copy_, optimizer
+    return out
+
+
+def count_table(label: str, trees, cfg) -> None:
+    rows = forwarded_per_unique(trees, cfg, "rows", "trees")
+    packed = forwarded_per_unique(trees, cfg, "packed", "trees")
+    blocks = forwarded_per_unique(trees, cfg, "packed", "blocks")
+    unique = sum(t.unique_tokens for t in trees if t.trained)
+    print(f"  {label:10s} unique {unique:8d}   forwarded/unique: rows {rows:5.2f}   packed {packed:5.3f}   "
+          f"packed+random blocks {blocks:5.2f}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+def demo_part(args) -> None:
+    torch.set_num_threads(args.threads)
+    model, tokenizer = models.load_policy("smollm2-135m", "cpu")
+    print(f"demo shape: SmolLM2-135M, {args.prompts} prompts, 64 new tokens, fp32, {args.threads} threads "
+          f"(CPU shared with other jobs: timings are contended; ratios come from one run)", flush=True)
+    for preset in args.methods:
+        cfg = C.make_config(preset, "demo", threads=args.threads, prompts_per_step=args.prompts)
+        problems = data.load_problems(cfg.train_data)
+        picked = [problems[train.problem_index(len(problems), i, cfg.seed)] for i in range(args.prompts)]
+        prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in picked]
+        rng = random.Random(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        trees, _ = R.rollout_trees(model.eval(), tokenizer, prompts, [p["answer"] for p in picked], cfg, rng,
+                                   levels=[p.get("level") for p in picked], **train.rollout_shape(cfg))
+        t_gen = time.perf_counter() - t0
+        kept = [tr for tr in trees if train.trainable(tr, cfg.method)]
+        tts = [train.train_tree(tr, train.tree_advantages(cfg.method, tr, 0.0, cfg.alpha_scope, None), cfg.method)
+               for tr in kept]
+        print(f"[{preset}] {len(kept)} trees, {sum(len(t.tokens) for t in tts)} blocks, generation {t_gen:.0f} s",
+              flush=True)
+        count_table(preset, tts, cfg)
+        if preset in args.time:
+            res = timed_updates(model, tts, cfg, tokenizer.pad_token_id, args.demo_tokens)
+            rows_s, rows_loss, steps = res.pop("rows")
+            print(f"  update seconds: rows {rows_s:.1f} (loss {rows_loss:.6f}, {steps} optimizer steps)", flush=True)
+            for name, (sec, loss, _) in res.items():
+                print(f"                  {name:12s} {sec:.1f}   rows/packed {rows_s / sec:.2f}   (loss {loss:.6f})",
+                      flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+def synthetic_tree(rng: random.Random, prompt_len: int, response_len: int, n: int, k: int, b: int,
+                   vocab: int) -> T.Tree:
+    """A tree with paper-like lengths: N base responses of ≈ response_len tokens, K random forks each with
+    B branches that complete the response to ≈ response_len tokens; random 0/1 rewards."""
+    tok = lambda m: [rng.randrange(3, vocab) for _ in range(m)]  # noqa: E731
+    length = lambda m: max(1, int(m * rng.uniform(0.5, 1.5)))  # noqa: E731
+    blocks = []
+    for j in range(n):
+        ids = tok(length(response_len))
+        forks = sorted(rng.sample(range(1, len(ids)), min(k, len(ids) - 1)))
+        base, ends_at = T.base_blocks(j, ids, [0.0] * len(ids), float(rng.random() < 0.5), forks, len(blocks))
+        blocks += base
+        for f in forks:
+            for _ in range(b):
+                blocks.append(T.Block(ends_at[f], tok(length(max(response_len - f, 1))), [], base=j, start=f,
+                                      reward=float(rng.random() < 0.5), branch=True))
+    return T.Tree("", tok(prompt_len), "", blocks, v_root=0.5, k_hat=k, b_hat=b)
+
+
+def paper_part(args) -> None:
+    torch.set_num_threads(args.threads)
+    shapes = {"paper": (4, 3, 4), "grpo": (16, 0, 0), "drgrpo": (16, 0, 0), "treerl": (6, 2, 2), "attnrl": (6, 2, 2)}
+    print(f"paper shape: synthetic trees, prompt {args.prompt_len}, responses ~{args.response_len} tokens "
+          f"(uniform ×0.5–1.5), {args.paper_prompts} prompts per step", flush=True)
+    small = None
+    for preset in args.methods:
+        cfg = C.make_config(preset, **({"max_tokens_per_micro_batch": args.paper_tokens} if args.paper_tokens else {}))
+        rng = random.Random(0)
+        n, k, b = shapes[preset]
+        trees = [synthetic_tree(rng, args.prompt_len, args.response_len, n, k, b, args.vocab)
+                 for _ in range(args.paper_prompts)]
+        tts = [train.train_tree(tr, train.tree_advantages(cfg.method, tr, 0.0, "positive", None), cfg.method)
+               for tr in trees if train.trainable(tr, cfg.method)]
+        print(f"[{preset}] (N, K, B) = {(n, k, b)}, {len(tts)} trees, {sum(len(t.tokens) for t in tts)} blocks, "
+              f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch}", flush=True)
+        count_table(preset, tts, cfg)
+        if preset in args.time_paper:
+            small = small or models.tiny_random_model(args.vocab, seed=0, hidden_size=64, intermediate_size=128,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=8192)
+            cfg = C.make_config(preset, precision="fp32", max_tokens_per_micro_batch=args.cpu_tokens,
+                                micro_batch_size=args.rows_per_micro, ppo_epochs=1)
+            few = tts[:args.timed_trees]
+            res = timed_updates(small, few, cfg, pad_id=0)
+            (tr_, _, _), (tp_, _, _) = res["rows"], res[f"packed {args.cpu_tokens}"]
+            print(f"  update seconds, small model (64 wide, 2 layers, vocab {args.vocab}), {len(few)} trees, packed "
+                  f"{args.cpu_tokens} tokens / dense SDPA on CPU vs rows {args.rows_per_micro} / micro-batch: "
+                  f"rows {tr_:.1f}   packed {tp_:.1f}   rows/packed {tr_ / tp_:.2f}", flush=True)
+    memory_table()
+
+
+def memory_table() -> None:
+    """Peak memory of the paper's update on one 80 GB GPU, computed (no GPU here): Qwen2.5-3B (36 layers,
+    hidden 2048, 2 KV heads of 128, MLP 11008, vocab 151936, 3.09 B parameters), no activation checkpointing,
+    flash/flex attention (no L² scores). Saved for backward per token and layer, in bf16: the two norm inputs
+    and outputs (4h), q and the attention output (2h), k and v (2·256), the o_proj input (h), gate, up,
+    silu(gate) and their product (4·11008) → 7h + 512 + 4·11008 ≈ 58.9 k values ≈ 118 KB; ×36 layers ≈ 4.2 MB
+    per token, +10 % for fp32 norm intermediates under autocast ≈ 4.7 MB. Log-probs: one [2048, vocab] fp32
+    chunk and its gradient ≈ 2.5 GB."""
+    params = 3.09e9
+    per_token = (7 * 2048 + 2 * 256 + 4 * 11008) * 2 * 36 * 1.1
+    logits = 2 * 2048 * 151936 * 4
+    print("peak memory, paper's update on one 80 GB GPU (computed, not measured):", flush=True)
+    for precision, per_param in (("bf16-autocast (fp32 master + AdamW fp32)", 16), ("bf16 (release: bf16 AdamW)", 8)):
+        fixed = params * per_param
+        for tokens in (4096, 8192, 16384):
+            total = fixed + tokens * per_token + logits
+            print(f"  {precision:42s} {tokens:6d} tokens/micro-batch: {total / 1e9:5.1f} GB "
+                  f"(states {fixed / 1e9:.1f} + activations {tokens * per_token / 1e9:.1f} + log-probs "
+                  f"{logits / 1e9:.1f})", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["demo", "paper", "both"], default="both")
+    parser.add_argument("--methods", nargs="+", default=["paper", "grpo", "drgrpo", "treerl", "attnrl"])
+    parser.add_argument("--time", nargs="*", default=["paper", "grpo"], help="demo presets whose update is timed")
+    parser.add_argument("--time_paper", nargs="*", default=["paper"], help="paper-shape presets timed")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--demo_tokens", type=int, nargs="*", default=[],
+                        help="packed budgets timed at the demo shape (default: the demo preset's)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt_len", type=int, default=150)
+    parser.add_argument("--response_len", type=int, default=600)
+    parser.add_argument("--paper_prompts", type=int, default=16)
+    parser.add_argument("--paper_tokens", type=int, default=0, help="packed budget for the paper-shape counts "
+                        "(0 = the preset's max_tokens_per_micro_batch)")
+    parser.add_argument("--timed_trees", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--cpu_tokens", type=int, default=2048, help="packed micro-batch budget for CPU timing")
+    parser.add_argument("--rows_per_micro", type=int, default=8)
+    args = parser.parse_args()
+    if args.part in ("demo", "both"):
+        demo_part(args)
+    if args.part in ("paper", "both"):
+        paper_part(args)
+
+
+if __name__ == "__main__":
+    main()
