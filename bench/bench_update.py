@@ -17,9 +17,11 @@ zero-advantage block is skipped by both layouts in training).
 import argparse
 import copy
 import os
+import pickle
 import random
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -84,11 +86,18 @@ def demo_part(args) -> None:
         problems = data.load_problems(cfg.train_data)
         picked = [problems[train.problem_index(len(problems), i, cfg.seed)] for i in range(args.prompts)]
         prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in picked]
-        rng = random.Random(cfg.seed)
-        torch.manual_seed(cfg.seed)
+        cache = Path(args.cache) / f"{preset}-{args.prompts}.pkl" if args.cache else None
         t0 = time.perf_counter()
-        trees, _ = R.rollout_trees(model.eval(), tokenizer, prompts, [p["answer"] for p in picked], cfg, rng,
-                                   levels=[p.get("level") for p in picked], **train.rollout_shape(cfg))
+        if cache and cache.exists():          # the same rollouts again (the update is what is measured)
+            trees = pickle.loads(cache.read_bytes())
+        else:
+            rng = random.Random(cfg.seed)
+            torch.manual_seed(cfg.seed)
+            trees, _ = R.rollout_trees(model.eval(), tokenizer, prompts, [p["answer"] for p in picked], cfg, rng,
+                                       levels=[p.get("level") for p in picked], **train.rollout_shape(cfg))
+            if cache:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_bytes(pickle.dumps(trees))
         t_gen = time.perf_counter() - t0
         kept = [tr for tr in trees if train.trainable(tr, cfg.method)]
         tts = [train.train_tree(tr, train.tree_advantages(cfg.method, tr, 0.0, cfg.alpha_scope, None), cfg.method)
@@ -188,6 +197,7 @@ def main():
     parser.add_argument("--demo_tokens", type=int, nargs="*", default=[],
                         help="packed budgets timed at the demo shape (default: the demo preset's)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache", default="runs/bench_update", help="rollouts are saved here and reused ('' = off)")
     parser.add_argument("--prompt_len", type=int, default=150)
     parser.add_argument("--response_len", type=int, default=600)
     parser.add_argument("--paper_prompts", type=int, default=16)
