@@ -215,7 +215,7 @@ ROWS: dict[str, dict] = {
     "paper": {},                                                              # DATPO (4,3,4), sent-entropy, α 0.2→0
     # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug (README
     # "Decisions"). Where the paper is silent the defaults already follow the release (prompt, bf16, budget).
-    "release": dict(value_estimate="release"),
+    "release": dict(value_estimate="release", mini_batch_grouping="blocks"),
     "grpo": _GRPO,
     "drgrpo": dict(method="drgrpo", loss_norm="constant"),                    # r − mean, constant normaliser
     "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),

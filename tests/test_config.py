@@ -36,8 +36,8 @@ def test_paper_preset_runs_what_the_release_ran_where_the_paper_is_silent():
     # the demo and tiny scales keep the prompt and precision their measured numbers were taken with
     # --preset release: the paper plus the release's non-bug behaviours
     release = C.make_config("release")
-    assert release.value_estimate == "release"
-    assert dataclasses.replace(release, value_estimate="paper", out_dir=cfg.out_dir) == cfg
+    assert release.value_estimate == "release" and release.mini_batch_grouping == "blocks"
+    assert dataclasses.replace(release, value_estimate="paper", mini_batch_grouping="trees", out_dir=cfg.out_dir) == cfg
     for scale in ("demo", "tiny"):
         small = C.make_config("paper", scale)
         assert (small.prompt_style, small.precision) == ("chat", "fp32")
