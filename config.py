@@ -190,7 +190,7 @@ SCALES: dict[str, dict] = {
         model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True, prompt_style="chat",
         embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
         max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
-        max_tokens_per_micro_batch=2048,
+        max_tokens_per_micro_batch=1024,   # ~2 demo trees: the dense CPU mask costs O(L²) attention
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
         eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2,
         precision="fp32",   # this CPU has no AMX: bf16 matmuls run slower than fp32 here (measured)
