@@ -30,6 +30,7 @@ VALUE_ESTIMATES = ("paper", "release")
 TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "dense", "flex")
+PARALLELS = ("fsdp", "hsdp", "ddp")
 
 # Field name -> allowed values, checked by Config.validate() and shown by the CLI.
 CHOICES = {
@@ -44,6 +45,7 @@ CHOICES = {
     "train_layout": TRAIN_LAYOUTS,
     "mini_batch_grouping": GROUPINGS,
     "packed_attention": ATTENTION_KERNELS,
+    "parallel": PARALLELS,
 }
 
 
@@ -132,6 +134,7 @@ class Config:
     save_every: int = 100                   # steps; 0 = only at the end
     resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0) or checkpoint
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
+    parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp (distributed.py)
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid; return self for chaining."""

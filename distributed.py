@@ -130,6 +130,24 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
+def merge_shares(values: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine per-rank partial results over ranks: each rank filled `values` where `present` is True (its
+    share, e.g. the old log-probs of its micro-batches); every rank gets all of them (the mean where shares
+    overlap). One process: unchanged."""
+    if not active():
+        return values, present
+    counts = present.to(values.dtype)
+    total = torch.where(present, values, torch.zeros_like(values))
+    dist.all_reduce(total)
+    dist.all_reduce(counts)
+    return total / counts.clamp(min=1), counts > 0
+
+
+def any_rank(flag) -> bool:
+    """True on every rank when it is true on any: a stop signal one rank received stops all at the same step."""
+    return bool(all_reduce([float(bool(flag))], "max")[0])
+
+
 # --------------------------------------------------------------------------------------------------------
 # Per-rank random streams
 # --------------------------------------------------------------------------------------------------------
@@ -202,6 +220,13 @@ def wrap(model: torch.nn.Module, parallel: str, precision: str) -> torch.nn.Modu
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     return model
+
+
+def unwrap(policy: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a DDP wrapper (FSDP2 shards in place: the policy is the model)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return policy.module if isinstance(policy, DistributedDataParallel) else policy
 
 
 def _fsdp_units(policy) -> list:

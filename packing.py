@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import distributed as D
 import rollout as R
 
 
@@ -402,19 +403,37 @@ def chunked_logprobs(lm_head, hidden: torch.Tensor, pred_index: torch.Tensor, ta
     return torch.cat(out) if out else hidden.new_zeros(0)
 
 
+def _logits_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk: int = 2048) -> torch.Tensor:
     """One model call over a packed sequence (4D tree mask + explicit position ids) → the log-prob of every
-    target, in `packed.target_ids` order."""
+    target, in `packed.target_ids` order.
+
+    Under torchrun (distributed.py) the model's own forward must run, since DDP's and FSDP2's hooks live there:
+    it returns logits at the targets only (logits_to_keep = their positions), a [targets, vocab] tensor per
+    micro-batch rather than `chunk` rows of it; the fp32 log-softmax is still taken `chunk` rows at a time."""
     ids = torch.tensor([packed.input_ids], device=device)
     positions = torch.tensor([packed.position_ids], device=device)
     ends = torch.tensor(packed.subtree_end, device=device)
-    mask = tree_attention_mask(model, ends, kernel)
-    with attention_implementation(model, "flex_attention") if kernel == "flex" else contextlib.nullcontext():
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
+    pred_index = torch.tensor(packed.pred_index, device=device)
+    targets = torch.tensor(packed.target_ids, device=device)
+    inner = D.unwrap(model)
+    mask = tree_attention_mask(inner, ends, kernel)
+    with attention_implementation(inner, "flex_attention") if kernel == "flex" else contextlib.nullcontext():
+        if D.active():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                           logits_to_keep=pred_index).logits[0]
+            parts = [checkpoint(_logits_logprobs, logits[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
+                     if torch.is_grad_enabled() and logits.requires_grad
+                     else _logits_logprobs(logits[s:s + chunk], targets[s:s + chunk])
+                     for s in range(0, len(targets), chunk)]
+            return torch.cat(parts) if parts else logits.new_zeros(0)
+        hidden = inner.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
                                      use_cache=False).last_hidden_state[0]
-    return chunked_logprobs(model.get_output_embeddings(), hidden,
-                            torch.tensor(packed.pred_index, device=device),
-                            torch.tensor(packed.target_ids, device=device), chunk)
+    return chunked_logprobs(inner.get_output_embeddings(), hidden, pred_index, targets, chunk)
 
 
 # --------------------------------------------------------------------------------------------------------

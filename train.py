@@ -38,6 +38,7 @@ from tqdm import tqdm
 import advantage as A
 import config as C
 import data
+import distributed as D
 import evaluate
 import faults
 import models
@@ -198,13 +199,16 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
 
     first_epoch = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
     model.eval()  # no dropout: old and new log-probs must come from the same function
-    with torch.no_grad(), models.autocast(device, cfg.precision):
+    with torch.no_grad(), models.autocast(device, cfg.precision), D.full_params(model):
         for k, units in enumerate(first_epoch):
             if k > 0 or cfg.ppo_epochs > 1:
-                for micro in micro_batches(units):
+                for micro in D.my_share(micro_batches(units)):   # torchrun: only this rank's micro-batches
+                    if micro is None:
+                        continue
                     gidx = torch.tensor(micro.gidx, device=device)
                     old[gidx] = logprobs(micro).float()
                     have_old[gidx] = True
+    old, have_old = D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
 
     stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0,
              "trained_blocks": sum(len(P.live_blocks(tr, tr.trained)) for tr in trees), "nonfinite_minibatches": 0,
@@ -220,7 +224,12 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
                 continue
             optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
-            for micro in micros:
+            mine = D.my_share(micros)          # one process: all of them; torchrun: this rank's, padded
+            for j, micro in enumerate(mine):
+                D.sync_gradients(model, now=j == len(mine) - 1)   # DDP: one all-reduce per optimizer step
+                if micro is None:              # no units left here: a zero-gradient pass joins the collectives
+                    D.idle_pass(model, pad_id, device)
+                    continue
                 with models.autocast(device, cfg.precision):
                     new = logprobs(micro).float()
                 gidx = torch.tensor(micro.gidx, device=device)
@@ -228,7 +237,7 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
                 objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
                 weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
                 loss = -(weights * objective).sum() / norm
-                loss.backward()
+                (loss * D.grad_scale()).backward()   # × world size: DDP/FSDP average gradients over ranks
                 mb_loss += loss.item()
                 clip_tokens += int(active.sum())
                 total_tokens += active.numel()
@@ -241,6 +250,8 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
             stats["loss"] += mb_loss
             stats["grad_norm"] += float(grad_norm)
             stats["optimizer_steps"] += 1
+    stats["loss"], clip_tokens, total_tokens, forwarded = D.all_reduce([stats["loss"], clip_tokens, total_tokens,
+                                                                        forwarded])   # torchrun: over ranks
     steps = max(stats["optimizer_steps"], 1)
     stats["loss"] /= steps
     stats["grad_norm"] /= steps
@@ -284,22 +295,28 @@ def set_rng_state(rng: random.Random, state: dict) -> None:
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict) -> Path:
     """Weights (safetensors, loadable with from_pretrained), tokenizer, optimizer, step and RNG states.
     Written under a temporary name and renamed, so a crash never leaves half a checkpoint; then the
-    `latest` pointer is replaced atomically."""
+    `latest` pointer is replaced atomically. Under torchrun every rank calls it (gathering FSDP shards is
+    collective) and rank 0 writes the full state."""
+    weights, optimizer_state = D.model_state_dict(model), D.optimizer_state_dict(model, optimizer)
+    if not D.is_main():
+        D.barrier()
+        return None
     folder = run_dir / "checkpoints"
     final = folder / f"step_{step:06d}"
     tmp = folder / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     faults.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
     tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), **trainer}, tmp / "trainer_state.pt")
+    torch.save({"optimizer": optimizer_state, **trainer}, tmp / "trainer_state.pt")
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
     pointer = folder / ".latest.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, folder / "latest")
+    D.barrier()   # no rank reads or resumes from a checkpoint before it is complete
     return final
 
 
@@ -360,16 +377,18 @@ def _record_step(line: str) -> float:
 class Log:
     """metrics.jsonl (one JSON object per line) and console lines that do not break the tqdm bar."""
 
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.path, self.enabled = run_dir / "metrics.jsonl", enabled   # under torchrun only rank 0 writes
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def truncate_after(self, step: int) -> int:
         """Drop records of steps after `step` (a resumed run repeats them); returns how many were dropped."""
-        if not self.path.exists():
+        if not self.enabled or not self.path.exists():
             return 0
         lines = self.path.read_text().splitlines()
         kept = [line for line in lines if _record_step(line) <= step]
@@ -378,9 +397,9 @@ class Log:
         os.replace(tmp, self.path)
         return len(lines) - len(kept)
 
-    @staticmethod
-    def say(text: str) -> None:
-        tqdm.write(text, file=sys.stderr)
+    def say(self, text: str) -> None:
+        if self.enabled:
+            tqdm.write(text, file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -388,8 +407,9 @@ class Log:
 # --------------------------------------------------------------------------------------------------------
 def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step: int) -> dict:
     model.eval()
-    result = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=cfg.eval_k,
-                                        max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}")
+    with D.full_params(model):     # sharded over ranks and gathered under torchrun
+        result = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=cfg.eval_k,
+                                            max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}")
     record = {"step": step, "eval": label, "data": cfg.eval_data, f"avg@{cfg.eval_k}": result["avg@k"],
               f"pass@{cfg.eval_k}": result["pass@k"], "n_problems": result["n_problems"],
               "n_samples": result["n_samples"], "seconds": result["seconds"]}
@@ -410,12 +430,13 @@ def train(cfg: C.Config) -> Path:
 
 def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     t_run = time.perf_counter()
+    D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
     device = models.pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # ---- pre-flight: every user mistake is one line (faults.UserError) before anything slow runs ----
     run_dir = faults.check_writable(cfg.out_dir)
-    log = Log(run_dir)
+    log = Log(run_dir, enabled=D.is_main())
     checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
     if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
         log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
@@ -434,12 +455,13 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
+    policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     start_step, cursor, skipped, batch_size, bad_in_a_row = 0, 0, 0, cfg.prompts_per_step, 0
     if checkpoint:
-        state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True)
+        D.load_optimizer_state(model, optimizer, state["optimizer"])
         start_step, cursor, skipped = state["step"], state["cursor"], state.get("skipped_prompts", 0)
         batch_size = state.get("batch_size", batch_size)
         bad_in_a_row = state.get("bad_steps_in_a_row", 0)
@@ -449,7 +471,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     dropped = log.truncate_after(start_step if start_step else -1) if cfg.resume else 0
     if dropped:
         log.say(f"dropped {dropped} log lines of steps after {start_step} (they are redone)")
-    if not checkpoint or not (run_dir / "config.json").exists():
+    if D.is_main() and (not checkpoint or not (run_dir / "config.json").exists()):
         (run_dir / "config.json").write_text(cfg.to_json())
         (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
 
@@ -462,10 +484,11 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     if cfg.eval_every and start_step == 0:
         run_eval(model, tokenizer, eval_problems, cfg, device, "before", log, 0)
 
-    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method, dynamic_ncols=True)
+    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method, dynamic_ncols=True,
+               disable=not D.is_main())
     for step in bar:
         t_step = time.perf_counter()
-        if stop.requested:   # the signal came before any step ran: nothing new to save
+        if D.any_rank(stop.requested):   # the signal came before any step ran: nothing new to save
             log.say(f"stopped by {stop.requested} before step {step + 1}")
             return run_dir
         faults.crash_point("step")
@@ -493,16 +516,21 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
 
         # ---- Phase 1+2: tree rollouts ----
         model.eval()
-        with models.autocast(device, cfg.precision):
-            trees, rstats = R.rollout_trees(model, tokenizer, prompts, answers, cfg, rng, levels=levels,
+        lo, hi = D.shard_range(len(prompts))   # torchrun: this rank's prompts, its own RNG stream
+        with models.autocast(device, cfg.precision), D.full_params(policy):
+            trees, rstats = R.rollout_trees(model, tokenizer, prompts[lo:hi], answers[lo:hi], cfg,
+                                            D.rollout_rng(rng, cfg.seed, step), levels=levels[lo:hi],
                                             **rollout_shape(cfg))
-        t_gen = rstats.seconds_base + rstats.seconds_forks + rstats.seconds_branches
 
         # ---- Phase 3: block advantages ----
         t0 = time.perf_counter()
         alpha = A.alpha_at(step, cfg.steps, cfg.alpha_start, cfg.alpha_end) if cfg.method == "datpo" else 0.0
         embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size) if (embedder and alpha != 0) else [None] * len(trees)
         t_embed = time.perf_counter() - t0
+        # torchrun: every rank now holds the whole step (all ranks' trees in prompt order), so metrics stay
+        # global and every rank forms the same mini-batches as one process would
+        trees, embeddings, rank_stats = D.gather_lists(trees, embeddings, [rstats])
+        t_gen = max(s.seconds_base + s.seconds_forks + s.seconds_branches for s in rank_stats)
         train_trees, kept_leaves = [], 0
         for tr, emb in zip(trees, embeddings):
             if trainable(tr, cfg.method):
@@ -513,7 +541,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         # ---- Phase 4: policy update ----
         t0 = time.perf_counter()
         model.train()
-        update = ppo_update(model, optimizer, train_trees, cfg, pad_id, device, rng)
+        update = ppo_update(policy, optimizer, train_trees, cfg, pad_id, device, rng)
         t_update = time.perf_counter() - t0
 
         leaves = [tr.leaves for tr in trees]
@@ -537,8 +565,8 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
             "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
             **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
             **update,
-            "recomputed_prefix_tokens": rstats.recomputed_prefix_tokens,
-            "oom_retries": rstats.oom_retries,
+            "recomputed_prefix_tokens": sum(s.recomputed_prefix_tokens for s in rank_stats),
+            "oom_retries": sum(s.oom_retries for s in rank_stats),
             "skipped_prompts": skipped,
             "seconds_generation": t_gen,
             "seconds_embedding": t_embed,
@@ -562,27 +590,30 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
                         leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{update['loss']:.3f}")
 
         done = step + 1
+        stopping = D.any_rank(stop.requested)   # torchrun: every rank stops at the same step
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
             run_eval(model, tokenizer, eval_problems, cfg, device, "after" if done == cfg.steps else "during", log, done)
-        if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stop.requested:
+        if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
             saved = save_checkpoint(run_dir, done, model, tokenizer, optimizer,
                                     {"step": done, "cursor": cursor, "skipped_prompts": skipped,
                                      "batch_size": batch_size, "bad_steps_in_a_row": bad_in_a_row,
                                      "rng": rng_state(rng), "config": json.loads(cfg.to_json())})
-        if stop.requested and done < cfg.steps:
+        if stopping and done < cfg.steps:
             bar.close()
             log.say(f"stopped by {stop.requested} after step {done}: checkpoint {saved}; continue with the same "
                     f"command plus --resume {run_dir}")
             return run_dir
     bar.close()
-    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in evals if r.get("eval") in ("before", "after")]
-    if len(evals) >= 2:
-        key = f"avg@{cfg.eval_k}"
-        log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after {evals[-1][key]:.3f} "
-                f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
-    if start_step < cfg.steps:
-        log.say(f"curves: {plot_run(run_dir)}")
+    if D.is_main():
+        evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in evals if r.get("eval") in ("before", "after")]
+        if len(evals) >= 2:
+            key = f"avg@{cfg.eval_k}"
+            log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after {evals[-1][key]:.3f} "
+                    f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
+        if start_step < cfg.steps:
+            log.say(f"curves: {plot_run(run_dir)}")
+    D.shutdown()
     return run_dir
 
 

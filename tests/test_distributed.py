@@ -1,5 +1,7 @@
 """distributed.py: sharding arithmetic in one process, and 2-process CPU runs under torchrun (gloo) compared with
-one process: sharded evaluation (tests/dist_worker.py is the rank side)."""
+one process: a PPO update with FSDP2 and with DDP, sharded evaluation, and a tiny run that checkpoints and
+resumes on 2 ranks and on 1 (tests/dist_worker.py is the rank side)."""
+import json
 import os
 import random
 import subprocess
@@ -9,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import distributed as D
 import models
+import rollout as R
+import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_worker as W  # noqa: E402
@@ -89,6 +94,51 @@ def test_optimizer_state_is_keyed_by_parameter_names_and_reloads(tiny_policy):
 # Two processes (torchrun, gloo) against one
 # --------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+def test_two_rank_update_equals_one_process_update_with_fsdp2_hsdp_and_ddp(tmp_path, tiny_policy):
+    _, tok = tiny_policy
+    torchrun("update", str(tmp_path / "update.pt"))
+    ranks = torch.load(tmp_path / "update.pt", weights_only=False)
+    start = models.tiny_random_model(len(tok), seed=1).state_dict()
+    references = {}
+    for name, _, precision, layout in W.UPDATE_CASES:               # the same updates in one process
+        if (precision, layout) not in references:
+            references[precision, layout] = W.run_update(models.tiny_random_model(len(tok), seed=1), tok,
+                                                         precision=precision, layout=layout)
+    for name, parallel, precision, layout in W.UPDATE_CASES:
+        reference, ref_stats = references[precision, layout]
+        weights, stats = ranks[name]["weights"], ranks[name]["stats"]
+        assert set(weights) == set(reference) and ref_stats["optimizer_steps"] == 3
+        moved = max((reference[n].float() - start[n]).abs().max().item() for n in reference)
+        worst = max((weights[n].float() - reference[n].float()).abs().max().item() for n in reference)
+        print(f"{name}: max |w_2rank - w_1proc| = {worst:.2e} (weights moved up to {moved:.2e}); grad norm "
+              f"{stats['grad_norm']:.6f} vs {ref_stats['grad_norm']:.6f}, loss {stats['loss']:.3e} vs {ref_stats['loss']:.3e}")
+        assert moved > 1e-3, name                                   # the update did move the weights
+        assert stats["optimizer_steps"] == ref_stats["optimizer_steps"], name
+        assert stats["trained_blocks"] == ref_stats["trained_blocks"], name
+        assert stats["forwarded_tokens"] == ref_stats["forwarded_tokens"], name
+        if precision == "bf16-autocast":
+            # FSDP2 computes with bf16 copies of the fp32 weights where one process autocasts op by op: they
+            # agree to bf16 precision only (the near-cancelling loss and Adam's first steps are noise at that
+            # precision), so compare the gradient norm
+            assert weights["lm_head.weight"].dtype == torch.float32, name          # fp32 master weights
+            assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=2e-2), name
+            continue
+        assert weights["lm_head.weight"].dtype == models.policy_dtype(precision), name
+        if precision == "bf16":
+            # bf16 weights: FSDP2 reduces gradients in fp32 where one process accumulates them in bf16, so ~1 %
+            # of the weights land one bf16 ulp apart (or < 1e-5 apart near zero)
+            for n in reference:
+                assert ((weights[n].float() - reference[n].float()).abs()
+                        <= 2 ** -7 * reference[n].float().abs() + 1e-5).all(), (name, n)
+        else:
+            assert worst < 1e-5, name
+        assert stats["clip_frac"] == pytest.approx(ref_stats["clip_frac"], abs=1e-9), name
+        # the loss is a near-cancelling sum of ±A terms (|A| ~ 0.5, |loss| ~ 1e-4): compare absolutely
+        assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7), name
+        assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5), name
+
+
+@pytest.mark.slow
 def test_sharded_evaluation_equals_one_process_on_fixed_samples(tmp_path, tiny_policy):
     _, tok = tiny_policy
     torchrun("eval", str(tmp_path / "eval.pt"))
@@ -98,3 +148,33 @@ def test_sharded_evaluation_equals_one_process_on_fixed_samples(tmp_path, tiny_p
     assert sharded["records"] == single["records"]                  # same samples, same order, same grades
     for key in ("avg@k", "pass@k", "maj@k", "pass@k_unbiased", "pass_curve", "per_run", "n_problems", "n_samples"):
         assert sharded[key] == single[key], key
+
+
+def _read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_ranks_and_one(tmp_path, monkeypatch):
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    torchrun("train", str(tmp_path), str(run_a), str(run_b))
+    records = _read(run_a / "metrics.jsonl")                        # rank 0 alone wrote it: no duplicates
+    assert [(r["step"], r.get("eval")) for r in records] == [(0, "before"), (1, None), (2, None), (2, "after")]
+    steps = [r for r in records if "eval" not in r]
+    assert all(r["prompts"] == 2 for r in steps)                    # global: both ranks' prompts
+    assert records[0]["n_problems"] == 3 and records[0]["n_samples"] == 6   # eval shards 2 + 1, gathered
+    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+    assert not list(tmp_path.rglob("metrics.jsonl.*")) and len(list(tmp_path.rglob("metrics.jsonl"))) == 2
+    reloaded = AutoModelForCausalLM.from_pretrained(run_a / "checkpoints" / "step_000002")
+    assert torch.equal(reloaded.lm_head.weight, reloaded.model.embed_tokens.weight)   # tied, full size
+    assert reloaded.lm_head.weight.shape[0] > 1000
+
+    (again,) = [r for r in _read(run_b / "metrics.jsonl") if "eval" not in r]   # resumed on 2 ranks at step 1
+    for key in ("loss", "reward", "grad_norm", "generated_tokens_per_prompt", "optimizer_steps"):
+        assert again[key] == steps[1][key], key
+
+    monkeypatch.setattr(R, "compute_reward", W.stand_in_reward)     # the same checkpoint, 1 process
+    run_c = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "c"),
+                        "--resume", str(run_a / "checkpoints" / "step_000001")])
+    (one,) = _read(run_c / "metrics.jsonl")
+    assert one["step"] == 2 and one["optimizer_steps"] >= 1
