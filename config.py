@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import sys
@@ -31,6 +32,7 @@ TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "dense", "flex")
 PARALLELS = ("fsdp", "hsdp", "ddp")
+REPORTERS = ("none", "tensorboard", "wandb")   # --report_to: experiment trackers (tracking.py)
 
 # Field name -> allowed values, checked by Config.validate() and shown by the CLI.
 CHOICES = {
@@ -47,6 +49,7 @@ CHOICES = {
     "packed_attention": ATTENTION_KERNELS,
     "parallel": PARALLELS,
 }
+LIST_CHOICES = {"report_to": REPORTERS}   # list-valued fields: every item must be one of these
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Config:
     packed_attention: str = "auto"          # auto: flex_attention block-sparse on CUDA, dense SDPA mask on CPU
     precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
                                             # meant there) | bf16-autocast (fp32 master weights) | fp32
+    gradient_checkpointing: bool = False    # recompute activations in backward: less memory, ~1/3 more compute
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
     # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
@@ -135,12 +139,22 @@ class Config:
     resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0) or checkpoint
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp (distributed.py)
+    report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb (several: a list)
+    log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N; 0 = never
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid; return self for chaining."""
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name}: got {getattr(self, name)!r}, expected one of {', '.join(allowed)}")
+        for name, allowed in LIST_CHOICES.items():
+            values = getattr(self, name)
+            if isinstance(values, str) or not values or any(v not in allowed for v in values):
+                raise ValueError(f"--{name}: got {values!r}, expected one or more of {', '.join(allowed)}")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            raise ValueError(f"--report_to: got {self.report_to}; 'none' cannot be combined with a tracker")
+        if missing_tracker(self.report_to):
+            raise ValueError(missing_tracker(self.report_to))
         positive = ["n_base", "group_size", "max_new_tokens", "gen_batch_size", "branch_chunk_size",
                     "prompts_per_step", "mini_batch_size", "micro_batch_size", "ppo_epochs", "steps",
                     "max_tokens_per_micro_batch", "eval_k", "eval_max_new_tokens", "embed_batch_size",
@@ -149,7 +163,7 @@ class Config:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 1")
         for name in ["k_max", "b_max", "atb_gap", "eval_every", "eval_limit", "save_every", "top_k", "threads",
-                     "max_prompt_tokens"]:
+                     "max_prompt_tokens", "log_trees_every"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0")
         if not self.temperature > 0:
@@ -177,6 +191,16 @@ class Config:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
+def missing_tracker(report_to) -> str | None:
+    """A one-line reason when a tracker named in --report_to has no installed package (tracking.py), else None."""
+    for name in report_to:
+        if name in ("tensorboard", "wandb") and importlib.util.find_spec(name) is None:
+            optional = " (an optional dependency)" if name == "wandb" else ""
+            return (f"--report_to {name}: the Python package {name!r}{optional} is not installed; "
+                    f"run `pip install {name}` or leave {name} out of --report_to")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Presets. Two independent axes:
 #   --scale   how big a run is (model, data, lengths, batch sizes, steps): paper | demo | tiny
@@ -195,7 +219,7 @@ SCALES: dict[str, dict] = {
         max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
         max_tokens_per_micro_batch=1024,   # ~2 demo trees: the dense CPU mask costs O(L²) attention
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
-        eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2,
+        eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2, log_trees_every=4,
         precision="fp32",   # this CPU has no AMX: bf16 matmuls run slower than fp32 here (measured)
     ),
     # Tests: a tiny random model, a handful of tokens. Token-entropy forks: a random model's text has no
@@ -309,11 +333,15 @@ def build_parser(description: str = "DATPO training") -> argparse.ArgumentParser
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         kind = hints[f.name]
-        parse = _parse_bool if kind is bool else kind
-        kwargs = dict(type=parse, default=None, metavar=kind.__name__.upper(),
-                      help=f"default {f.default!r} (before the preset)")
-        if f.name in CHOICES:
-            kwargs.update(choices=CHOICES[f.name], metavar=None)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        kwargs = dict(default=None, help=f"default {default!r} (before the preset)")
+        if typing.get_origin(kind) is list:   # --report_to tensorboard wandb: one or more values
+            item = typing.get_args(kind)[0]
+            kwargs.update(type=item, nargs="+", metavar=item.__name__.upper())
+        else:
+            kwargs.update(type=_parse_bool if kind is bool else kind, metavar=kind.__name__.upper())
+        if f.name in CHOICES or f.name in LIST_CHOICES:
+            kwargs.update(choices={**CHOICES, **LIST_CHOICES}[f.name], metavar=None)
         parser.add_argument(f"--{f.name}", **kwargs)
     return parser
 

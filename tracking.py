@@ -1,0 +1,191 @@
+"""tracking.py — what a run writes for people to watch it: metrics.jsonl, TensorBoard, Weights & Biases, tree logs.
+
+    python train.py --preset demo --report_to tensorboard          # then: tensorboard --logdir runs/demo
+    python train.py --preset demo --report_to tensorboard wandb    # W&B offline unless WANDB_MODE=online
+
+One writer (`Log`) feeds every sink, so metrics.jsonl and the trackers always hold the same numbers under
+stable names (`tag`):
+  train/<key>            every numeric field of a step record of metrics.jsonl (train/reward, train/v_root, ...)
+  eval/<data>/<key>      every numeric field of an evaluation record (eval/arith-test/avg@4, eval/math500/pass@8)
+  config                 the run's Config (TensorBoard: a JSON text; W&B: the run config)
+The x-axis is the record's "step". `Log(..., enabled=False)` writes nothing (non-zero ranks of a
+multi-process run).
+
+Tree logs (`--log_trees_every N`: step 1 and every N-th step; 0 = never): RUN/trees/step_XXXXXX.jsonl, one
+tree a line with its prompt, gold answer, V(root), K̂/B̂ and forks, and for each block its parent, text, token
+ids and pieces, token entropies, reward, V(s_start)/V(s_end), Â_base, Div_sib and the advantage the update used
+(Sec. 4.1-4.2, App. F; computed with advantage.py's functions). `python viz.py RUN --step N` draws them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import advantage as A
+import config as C
+import tree as T
+
+def tags(record: dict) -> dict[str, float]:
+    """The tracker names of a metrics.jsonl record's numeric fields (see the module docstring)."""
+    if "eval" in record:
+        prefix = f"eval/{record.get('data', record['eval'])}/"
+    else:
+        prefix = "train/"
+    return {prefix + key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def _record_step(line: str) -> float:
+    """A metrics line's step; a line torn by a kill mid-write counts as after every step (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+class Log:
+    """metrics.jsonl (one JSON object per line), the trackers of --report_to, and console lines that do not
+    break the tqdm bar. Trackers open on the first write, so a resumed run first drops the steps it redoes."""
+
+    def __init__(self, run_dir, report_to=("none",), config: dict | None = None, enabled: bool = True,
+                 jsonl: bool = True):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.report_to = [name for name in report_to if name != "none"]
+        self.config = config or {}
+        self.enabled = enabled
+        self.jsonl = jsonl
+        self.purge_step: int | None = None
+        self._tb = None
+        self._wandb = None
+        if enabled:
+            why = C.missing_tracker(self.report_to)
+            if why:
+                raise RuntimeError(why)
+
+    # ---- trackers ----
+    def _open(self) -> None:
+        if self._tb is None and "tensorboard" in self.report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run discards the events of the steps it is about to redo
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.purge_step)
+            self._tb.add_text("config", "```\n" + json.dumps(self.config, indent=2, sort_keys=True) + "\n```", 0)
+        if self._wandb is None and "wandb" in self.report_to:
+            import wandb
+
+            # Offline unless the user asks for online (WANDB_MODE=online): nothing leaves the machine by default.
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "datpo"), name=self.run_dir.name,
+                                     dir=str(self.run_dir), config=self.config,
+                                     mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous")
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        if self.jsonl:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if not self.report_to:
+            return
+        self._open()
+        values = tags(record)
+        if self._tb is not None:
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, record["step"])
+            self._tb.flush()   # a step takes seconds to minutes: flushing each record costs nothing
+        if self._wandb is not None:
+            self._wandb.log(values, step=record["step"])
+
+    def truncate_after(self, step: int) -> int:
+        """Drop records of steps after `step` (a resumed run repeats them); returns how many were dropped."""
+        self.purge_step = step + 1
+        if not self.enabled or not self.path.exists():
+            return 0
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if _record_step(line) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        return len(lines) - len(kept)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tree logs
+# --------------------------------------------------------------------------------------------------------
+def trees_due(step: int, every: int) -> bool:
+    """Log the trees of 1-based `step`? Step 1 (the untrained policy) and every `every`-th; never for 0."""
+    return every > 0 and (step == 1 or step % every == 0)
+
+
+def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embeddings=None) -> dict:
+    """One tree as a JSON-able dict: the quantities of Sec. 4.1-4.2 / App. F for every block.
+
+    v_start/v_end: V_MC at the block's start and end state (advantage.mc_values); base_advantage: Â_base(b) =
+    r(b) + V(s_end) − V(s_start) (Eq. 3); div_sib: Div_sib(b) (Eq. 10; None when no embeddings were computed);
+    advantage: the value the update used, by the run's method (None when the tree was not trained, e.g.
+    AttnRL's filtered trees). Token pieces join to the block's decoded text; entropies are rounded to 1e-3.
+    """
+    parents, rewards = tr.parents, tr.rewards
+    v_start, v_end = A.mc_values(parents, rewards)
+    base = A.base_advantages(parents, rewards)
+    div = A.sibling_diversity(parents, embeddings) if embeddings is not None else [None] * len(parents)
+    blocks = []
+    for i, b in enumerate(tr.blocks):
+        text, spans = T.decode_with_offsets(tokenizer, b.token_ids)
+        blocks.append({
+            "id": i, "parent": b.parent, "base": b.base, "start": b.start, "branch": b.branch,
+            "terminal": b.terminal, "text": text, "tokens": [text[s:e] for s, e in spans],
+            "token_ids": list(b.token_ids), "entropies": [round(float(h), 3) for h in b.entropies],
+            "reward": b.reward, "v_start": v_start[i], "v_end": v_end[i], "base_advantage": base[i],
+            "div_sib": div[i], "advantage": None if advantages is None else float(advantages[i]),
+        })
+    return {"prompt": tr.prompt, "answer": tr.answer, "level": tr.level, "v_root": tr.v_root,
+            "k_hat": tr.k_hat, "b_hat": tr.b_hat, "forks": tr.forks, "leaves": tr.leaves,
+            "trained": advantages is not None, "blocks": blocks}
+
+
+def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: list, embeddings: list,
+                alpha: float, method: str) -> Path:
+    """RUN/trees/step_XXXXXX.jsonl: one tree a line (tree_record plus step, index, method and α); rewritten
+    whole, so a resumed run that redoes a step replaces its file."""
+    folder = Path(run_dir) / "trees"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{step:06d}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
+            record = {"step": step, "tree": index, "method": method, "alpha": alpha,
+                      **tree_record(tr, tokenizer, adv, emb)}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_trees(run_dir, step: int) -> list[dict]:
+    """The trees logged at `step`; a clear error listing the logged steps when there is none."""
+    folder = Path(run_dir) / "trees"
+    path = folder / f"step_{step:06d}.jsonl"
+    if not path.exists():
+        logged = sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.jsonl")) if folder.exists() else []
+        raise FileNotFoundError(f"{path}: no tree log for step {step}; logged steps: "
+                                f"{', '.join(map(str, logged)) or 'none (train with --log_trees_every N)'}")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
