@@ -1,0 +1,149 @@
+"""viz.py: the layout by hand, the page and PNG from a logged run, and the page rendered in headless Chromium
+(what is drawn: every block, forks where the tree says, colours, rewards, clicks; no console errors, no
+network)."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+import tracking
+import tree as T
+import viz
+from browser import Chromium, find_chromium
+
+
+def _trees(tokenizer):
+    """Tree 0: base 0 = b0 b1 b2 forked at 2 and 4 (branch b3 at 2, b4 at 4), base 1 = b5 unforked.
+    Tree 1: two unforked base responses, not trained (advantages None)."""
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    base0 = ids("We add the numbers: 23 + 4 = 27. The answer is 27.")
+    f1, f2 = 2, 4
+    blocks = [
+        T.Block(None, base0[:f1], [0.5, 2.5], base=0, start=0),
+        T.Block(0, base0[f1:f2], [3.0, 0.2], base=0, start=f1),
+        T.Block(1, base0[f2:], [0.1] * len(base0[f2:]), reward=0.0, base=0, start=f2),
+        T.Block(0, ids(" subtract: 23 - 4 = 19 </script>"), [1.0] * len(ids(" subtract: 23 - 4 = 19 </script>")),
+                reward=1.0, base=0, start=f1, branch=True),
+        T.Block(1, ids(" 27"), [0.4] * len(ids(" 27")), reward=1.0, base=0, start=f2, branch=True),
+        T.Block(None, ids("It is 5."), [0.3] * len(ids("It is 5.")), reward=0.0, base=1, start=0),
+    ]
+    one = T.Tree("prompt <b>&", [1], "27", blocks, v_root=0.0, k_hat=2, b_hat=1, forks=[[f1, f2], []])
+    emb = np.eye(6)
+    rec0 = tracking.tree_record(one, tokenizer, [0.4, -0.3, -0.5, 0.6, 0.5, -0.5], emb)
+    two = T.Tree("q", [1], "5", [T.Block(None, ids("5"), [0.2], reward=1.0, base=0),
+                                 T.Block(None, ids("6"), [0.9], reward=0.0, base=1)], 0.5, 1, 1, forks=[[], []])
+    rec1 = tracking.tree_record(two, tokenizer, None)
+    return [{"step": 7, "tree": i, "method": "datpo", "alpha": 0.1, **r} for i, r in enumerate([rec0, rec1])]
+
+
+@pytest.fixture()
+def logged_run(tmp_path, smollm_tokenizer):
+    (tmp_path / "trees").mkdir()
+    with open(tmp_path / "trees" / "step_000007.jsonl", "w") as f:
+        for t in _trees(smollm_tokenizer):
+            f.write(json.dumps(t) + "\n")
+    return tmp_path
+
+
+def test_layout_by_hand(smollm_tokenizer):
+    tree = _trees(smollm_tokenizer)[0]
+    lay = viz.layout(tree)
+    n0 = len(tree["blocks"][2]["token_ids"]) + 4
+    # row 0: base 0 (b0 b1 b2); row 1: the branch at the later fork (b4); row 2: the branch at 2 (b3); row 3: base 1
+    assert {i: p["row"] for i, p in lay["blocks"].items()} == {0: 0, 1: 0, 2: 0, 4: 1, 3: 2, 5: 3}
+    assert lay["rows"] == 4
+    n4 = 4 + len(tree["blocks"][4]["token_ids"])
+    assert [(lay["blocks"][i]["x0"], lay["blocks"][i]["x1"]) for i in (0, 1, 2, 4)] == [(0, 2), (2, 4), (4, n0), (4, n4)]
+    assert lay["blocks"][3]["x0"] == 2
+    assert lay["length"] == max(n0, 2 + len(tree["blocks"][3]["token_ids"]))
+    broken = {**tree, "blocks": [{**b, "parent": 9} if b["id"] == 5 else b for b in tree["blocks"]]}
+    with pytest.raises(ValueError, match="not reachable"):
+        viz.layout(broken)
+
+
+def test_page_and_png_are_self_contained(logged_run):
+    page, png = viz.main([str(logged_run), "--step", "7"])
+    assert page.name == "step_000007.html" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = page.read_text()
+    # nothing to fetch: no src/href attributes, no URL other than the SVG namespace name
+    assert not re.search(r"""(src|href)\s*=""", text)
+    assert set(re.findall(r"https?://[^\s\"'`]+", text)) == {"http://www.w3.org/2000/svg"}
+    assert "</script> </" not in text and text.count("</script>") == 2   # the block text cannot close the script
+    page1, _ = viz.main([str(logged_run), "--tree", "1"])                # latest step by default
+    assert page1.name == "step_000007_tree1.html"
+    with pytest.raises(SystemExit):
+        viz.main([str(logged_run), "--step", "8"])
+
+
+def _hex_rgb(colour):
+    return np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+
+
+def test_viewer_in_headless_chromium(logged_run, tmp_path):
+    """Renders the page in a real browser and checks what is drawn against the tree log."""
+    if not find_chromium():
+        pytest.skip("Chromium not found: `apt-get install chromium` (.ci/run installs it) or set $CHROMIUM")
+    import matplotlib.image
+
+    page_path, _ = viz.main([str(logged_run), "--step", "7"])
+    trees = tracking.read_trees(logged_run, 7)
+    scene = viz.scene(trees)
+    shot = tmp_path / "viewer.png"
+    with Chromium(width=1100, height=700) as browser:
+        page = browser.open(page_path.resolve().as_uri())
+        drawn = page.evaluate("""(() => {
+          const box = e => { const r = e.getBoundingClientRect();
+                             return {x: r.left + scrollX, y: r.top + scrollY, w: r.width, h: r.height}; };
+          return {
+            rendered: document.body.dataset.rendered,
+            blocks: [...document.querySelectorAll('rect.block')].map(e => ({tree: +e.dataset.tree, id: +e.dataset.id,
+                      ...box(e)})),
+            forks: [...document.querySelectorAll('path.fork')].map(e => ({tree: +e.dataset.tree, base: +e.dataset.base,
+                      pos: +e.dataset.pos, ...box(e)})),
+            rewards: [...document.querySelectorAll('circle.reward')].map(e => ({id: +e.dataset.id,
+                      reward: +e.dataset.reward})),
+          }; })()""")
+        page.screenshot(shot)
+        # clicking a block shows its tokens, the fork tokens of a base block marked
+        detail = page.evaluate("""(() => { document.querySelector('rect.block[data-tree="0"][data-id="1"]')
+                                   .dispatchEvent(new MouseEvent('click', {bubbles: true}));
+                                   const d = document.getElementById('detail');
+                                   return {text: d.textContent, toks: d.querySelectorAll('.tok').length,
+                                           forks: d.querySelectorAll('.tok.fork').length}; })()""")
+        errors, requests = page.errors, page.requests
+    assert drawn["rendered"] == "yes"
+    assert errors == []
+    assert requests == [page_path.resolve().as_uri()]            # the page fetched nothing but itself
+    # every block of every tree, drawn with a size
+    assert sorted((b["tree"], b["id"]) for b in drawn["blocks"]) == \
+        sorted((t["tree"], b["id"]) for t in trees for b in t["blocks"])
+    assert all(b["w"] > 0 and b["h"] > 0 for b in drawn["blocks"])
+    rect = {(b["tree"], b["id"]): b for b in drawn["blocks"]}
+    # forks where the tree says: one marker per (base, position), on its response's row, and each branch starts
+    # at its fork's x
+    assert sorted((f["tree"], f["base"], f["pos"]) for f in drawn["forks"]) == \
+        sorted((t["tree"], base, pos) for t in trees for base, ps in enumerate(t["forks"]) for pos in ps)
+    for f in drawn["forks"]:
+        tree = trees[f["tree"]]
+        root = next(b for b in tree["blocks"] if b["parent"] is None and b["base"] == f["base"])
+        assert f["y"] < rect[(f["tree"], root["id"])]["y"] + 2                  # on top of its response's row
+        for b in tree["blocks"]:
+            if b["branch"] and b["base"] == f["base"] and b["start"] == f["pos"]:
+                assert abs(rect[(f["tree"], b["id"])]["x"] - (f["x"] + f["w"] / 2)) < 1.0
+    # the base response goes on in one row; branches below it
+    t0 = {b["id"]: rect[(0, b["id"])] for b in trees[0]["blocks"]}
+    assert t0[0]["y"] == t0[1]["y"] == t0[2]["y"] < t0[4]["y"] < t0[3]["y"] < t0[5]["y"]
+    assert sorted((r["id"], r["reward"]) for r in drawn["rewards"]) == \
+        sorted((b["id"], b["reward"]) for t in trees for b in t["blocks"] if b["terminal"])
+    # the screenshot shows each block in its advantage colour (the middle of its bar)
+    image = (matplotlib.image.imread(shot)[..., :3] * 255).round()
+    for t in scene["trees"]:
+        for b in t["blocks"]:
+            r = rect[(t["tree"], b["id"])]
+            if r["w"] >= 6:
+                pixel = image[int(r["y"] + r["h"] / 2), int(r["x"] + r["w"] / 2)]
+                assert np.abs(pixel - _hex_rgb(b["fill"])).max() <= 3, (t["tree"], b["id"], pixel, b["fill"])
+    assert detail["toks"] == len(trees[0]["blocks"][1]["token_ids"]) and detail["forks"] == 1   # fork at 2 = token 0
+    assert "Div_sib" in detail["text"] and "block 1" in detail["text"]
+    print(f"viewer screenshot: {shot}")
