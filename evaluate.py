@@ -35,10 +35,12 @@ import config as C
 import data
 import distributed as D
 import faults
+import mcq
 import models
+import tracking
 from reward import compute_reward, extract_answer, is_equivalent
 
-PAPER_K = {"math500": 8}   # App. E.1: k = 8 for MATH500 ...
+PAPER_K = {"math500": 8, "gpqa": 8, "mmlu-pro": 8}   # App. E.1: k = 8 for MATH500 (App. E: avg@8 out of domain) ...
 DEFAULT_K = 64             # ... and 64 for the other benchmarks
 
 
@@ -149,6 +151,15 @@ def score_records(records: list[dict], k: int) -> dict:
 # --------------------------------------------------------------------------------------------------------
 # Sampling and grading
 # --------------------------------------------------------------------------------------------------------
+def grade(response: str, problem: dict, answer_fallback: bool = False) -> tuple[str | None, bool]:
+    """(extracted answer, correct): the exact letter of a multiple-choice problem (mcq.py), else the math
+    grader (reward.py)."""
+    if mcq.is_multiple_choice(problem):
+        return mcq.grade(response, problem)
+    return (extract_answer(response, answer_fallback),
+            compute_reward(response, problem["answer"], answer_fallback) == 1.0)
+
+
 def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: int | None = None, runs: int = 1,
                       progress: bool = True, desc: str = "eval", journal: faults.Journal | None = None,
                       stop: faults.GracefulStop | None = None) -> dict:
@@ -204,11 +215,11 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                     new = []
                     for row, (tokens, text) in enumerate(zip(batch.tokens, texts)):
                         problem = problems[group[row // n]]  # rows are prompt-major, n per prompt
+                        answer, correct = grade(text, problem, cfg.answer_fallback)
                         new.append({
                             "index": group[row // n], "run": run, "sample": done + row % n,
                             "problem": problem["problem"], "gold": problem["answer"], "level": problem.get("level"),
-                            "response": text, "answer": extract_answer(text, cfg.answer_fallback),
-                            "correct": compute_reward(text, problem["answer"], cfg.answer_fallback) == 1.0,
+                            "response": text, "answer": answer, "correct": correct,
                             "tokens": len(tokens), "stopped": bool(tokens) and tokens[-1] in sampler.stop_ids,
                         })
                     records += new
@@ -513,6 +524,7 @@ def main(argv: list[str] | None = None) -> dict:
     D.shutdown()
     if not writer:
         return {}
+    tracking.report_eval(out, cfg.report_to, summary["settings"], summary["benchmarks"], tracking.checkpoint_step(cfg.model))
     by_model = {label: summary["benchmarks"]}
     plot_pass_curves(by_model, out / "pass_curves.png")
     plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")

@@ -189,3 +189,35 @@ def read_trees(run_dir, step: int) -> list[dict]:
                                 f"{', '.join(map(str, logged)) or 'none (train with --log_trees_every N)'}")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# --------------------------------------------------------------------------------------------------------
+# evaluate.py's results
+# --------------------------------------------------------------------------------------------------------
+def eval_record(bench: str, result: dict, step: int) -> dict:
+    """An evaluate.py result as a metrics record: tags eval/<bench>/avg@k, pass@k, maj@k with k spelled out."""
+    k = result["k"]
+    return {"step": step, "eval": "evaluate", "data": bench, f"avg@{k}": result["avg@k"],
+            f"pass@{k}": result["pass@k"], f"maj@{k}": result["maj@k"],
+            f"pass@{k}_unbiased": result["pass@k_unbiased"], "n_problems": result["n_problems"],
+            "n_samples": result["n_samples"], "seconds": result.get("seconds", 0.0)}
+
+
+def report_eval(out_dir, report_to, settings: dict, results: dict[str, dict], step: int = 0) -> None:
+    """Send evaluate.py's results ({bench: metrics}) to the trackers of --report_to, written under out_dir
+    (results.json stays the file of record). `step`: the checkpoint's training step (0 for a base model)."""
+    if not [name for name in report_to if name != "none"]:
+        return
+    log = Log(out_dir, report_to, settings, jsonl=False)
+    for bench, result in results.items():
+        log.write(eval_record(bench, result, step))
+    log.close()
+
+
+def checkpoint_step(model: str) -> int:
+    """The training step of a checkpoint folder (…/step_000024) or of a run folder's latest checkpoint; else 0."""
+    path = Path(model)
+    if (path / "checkpoints" / "latest").exists():
+        path = path / "checkpoints" / (path / "checkpoints" / "latest").read_text().strip()
+    name = path.name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else 0

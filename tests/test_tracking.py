@@ -140,6 +140,26 @@ def test_tree_record_by_hand(smollm_tokenizer):
     assert tracking.tree_record(tr, smollm_tokenizer, None)["blocks"][0]["div_sib"] is None
 
 
+def test_evaluate_results_reach_tensorboard_at_the_checkpoint_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000024").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_000024")
+    assert tracking.checkpoint_step(str(run)) == 24
+    assert tracking.checkpoint_step(str(run / "checkpoints" / "step_000008")) == 8
+    assert tracking.checkpoint_step("Qwen/Qwen2.5-3B") == 0
+    result = {"k": 8, "avg@k": 0.25, "pass@k": 0.5, "maj@k": 0.375, "pass@k_unbiased": 0.5, "n_problems": 2,
+              "n_samples": 16, "seconds": 3.0}
+    tracking.report_eval(tmp_path / "ev", ["tensorboard"], {"model": "m"}, {"gpqa": result}, step=24)
+    assert not (tmp_path / "ev" / "metrics.jsonl").exists()          # results.json stays the file of record
+    events = EventAccumulator(str(tmp_path / "ev" / "tensorboard")).Reload()
+    got = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert got["eval/gpqa/avg@8"] == [(24, 0.25)] and got["eval/gpqa/maj@8"] == [(24, 0.375)]
+    assert got["eval/gpqa/pass@8"] == [(24, 0.5)]
+
+
 # ---- W&B offline ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):

@@ -1,0 +1,176 @@
+"""mcq.py — the paper's out-of-domain multiple-choice benchmarks (App. E "Generalization to Out-Of-Domain Tasks").
+
+    python evaluate.py --model runs/paper --bench gpqa mmlu-pro          # avg@8 on both, as Table "OOD results"
+
+  gpqa       GPQA-Diamond: 198 questions, 4 options; the correct answer and the three incorrect ones are shuffled
+             per question with a seeded RNG (the dataset always lists the correct answer first).
+  mmlu-pro   MMLU-Pro stratified to 500 of its 12,032 test questions, up to 10 options: each category keeps its
+             share (largest-remainder rounding), questions drawn within a category with a seeded RNG, kept in
+             dataset order.
+The paper reports avg@8 (evaluate.PAPER_K) at its sampling settings (temperature 1.0, up to 2048 new tokens).
+The paper prints no prompt: the question and lettered options go through data.format_prompt like a math problem,
+asking for the letter in \\boxed{}; a response is graded exactly — its letter is the content of the last
+\\boxed{} ("B", "(B)", "\\text{B}", "B) ..."), else the last "answer is (B)" — correct iff it is the gold letter.
+
+Sources: a local file first — $DATPO_DATA_DIR or data/benchmarks/, `gpqa.jsonl` / `mmlu-pro.jsonl`, one row a line
+in the HF dataset's own fields (GPQA: Question, Correct Answer, Incorrect Answer 1-3; MMLU-Pro: question, options,
+answer, category), e.g. written by `load_dataset(...).to_json(path)` — else the HF hub: `Idavidrein/gpqa`
+config `gpqa_diamond` (gated: accept its terms on the dataset page, then `huggingface-cli login` or export
+HF_TOKEN) and `TIGER-Lab/MMLU-Pro` split test.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+
+import data
+
+LETTERS = "ABCDEFGHIJ"
+GPQA_SIZE = 198
+MMLU_PRO_SIZE = 500
+SEED = 0
+HUB = {  # name -> (HF dataset id, config, split)
+    "gpqa": ("Idavidrein/gpqa", "gpqa_diamond", "train"),
+    "mmlu-pro": ("TIGER-Lab/MMLU-Pro", None, "test"),
+}
+INSTRUCTION = "Answer with the letter of the correct option ({letters})."
+
+
+# --------------------------------------------------------------------------------------------------------
+# Prompt and grading
+# --------------------------------------------------------------------------------------------------------
+def format_question(question: str, options: list[str]) -> str:
+    """The question, its options as "(A) ...", one a line, and which letters are valid."""
+    if not 2 <= len(options) <= len(LETTERS):
+        raise ValueError(f"expected 2 to {len(LETTERS)} options, got {len(options)}")
+    lines = [f"({LETTERS[i]}) {option}" for i, option in enumerate(options)]
+    letters = ", ".join(LETTERS[:len(options) - 1]) + f" or {LETTERS[len(options) - 1]}"
+    return f"{question.strip()}\n\n" + "\n".join(lines) + "\n\n" + INSTRUCTION.format(letters=letters)
+
+
+_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
+_BOXED_LETTER = re.compile(r"^\(?([A-J])\)?(?:[.:)]?(?:\s.*)?)?$", re.DOTALL)
+_ANSWER_IS = re.compile(r"(?i:answer is)\s*:?\s*\**\(?([A-J])\)?(?![A-Za-z0-9])")
+
+
+def extract_choice(text: str, n_options: int = len(LETTERS)) -> str | None:
+    """The chosen letter: the content of the last \\boxed{} when it is a letter ("B", "(B)", "\\text{B}", "B) 42"),
+    else the last "answer is (B)" / "answer is B"; None when neither names one of the first n_options letters."""
+    valid = LETTERS[:n_options]
+    boxed = data.last_boxed(text)
+    if boxed is not None:
+        content = _WRAPPER.sub(r"\1", boxed).strip().strip("$").strip()
+        match = _BOXED_LETTER.match(content)
+        if match and match.group(1) in valid:
+            return match.group(1)
+    found = [m.group(1) for m in _ANSWER_IS.finditer(text) if m.group(1) in valid]
+    return found[-1] if found else None
+
+
+def grade(response: str, problem: dict) -> tuple[str | None, bool]:
+    """(extracted letter, correct) of a response to a multiple-choice problem: exact letter match."""
+    letter = extract_choice(response, len(problem["choices"]))
+    return letter, letter is not None and letter == problem["answer"]
+
+
+def is_multiple_choice(problem: dict) -> bool:
+    return "choices" in problem
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rows → problems
+# --------------------------------------------------------------------------------------------------------
+def _field(row: dict, name: str, where: str):
+    value = row.get(name)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{where}: missing or empty field {name!r}; fields present: {sorted(row)}")
+    return value
+
+
+def _problem(question: str, options: list[str], gold: int, **extra) -> dict:
+    return {"problem": format_question(question, options), "answer": LETTERS[gold], "level": None,
+            "choices": options, **extra}
+
+
+def gpqa_problems(rows, seed: int = SEED) -> list[dict]:
+    """GPQA rows (where, row) → problems, options shuffled per question by one Random(seed) in row order."""
+    rng = random.Random(seed)
+    out = []
+    for where, row in rows:
+        options = [str(_field(row, name, where)).strip() for name in
+                   ("Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")]
+        order = list(range(4))
+        rng.shuffle(order)
+        out.append(_problem(str(_field(row, "Question", where)), [options[i] for i in order], order.index(0),
+                            category=row.get("High-level domain")))
+    return out
+
+
+def mmlu_pro_problem(where: str, row: dict) -> dict:
+    options = [str(o).strip() for o in _field(row, "options", where)]
+    answer = str(_field(row, "answer", where)).strip()
+    if answer not in LETTERS[:len(options)]:
+        raise ValueError(f"{where}: answer {answer!r} is not one of the {len(options)} option letters "
+                         f"{LETTERS[:len(options)]}")
+    return _problem(str(_field(row, "question", where)), options, LETTERS.index(answer),
+                    category=str(_field(row, "category", where)))
+
+
+def stratified_indices(categories: list[str], n: int, seed: int = SEED) -> list[int]:
+    """n indices keeping each category's share of `categories` (App. E, Fig. "MMLU-Pro distribution").
+
+    Quotas n·share are rounded by largest remainder (ties: the larger category, then its name), so they sum to n;
+    each category's quota is drawn with Random(seed) from its indices; the result is in index order."""
+    if not 0 <= n <= len(categories):
+        raise ValueError(f"cannot draw {n} of {len(categories)} questions")
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        by_cat.setdefault(c, []).append(i)
+    exact = {c: n * len(ix) / len(categories) for c, ix in by_cat.items()}
+    quota = {c: int(q) for c, q in exact.items()}
+    for c in sorted(by_cat, key=lambda c: (-(exact[c] - quota[c]), -len(by_cat[c]), c))[:n - sum(quota.values())]:
+        quota[c] += 1
+    rng = random.Random(seed)
+    chosen = [i for c in sorted(by_cat) for i in rng.sample(by_cat[c], quota[c])]
+    return sorted(chosen)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------
+def _hub_rows(name: str, path: str):
+    hf_id, config, split = HUB[name]
+    hint = (f" Offline, supply {path} (one JSON object a line with the HF dataset's fields), or point DATPO_DATA_DIR "
+            f"at a folder holding {os.path.basename(path)}.")
+    if name == "gpqa":
+        hint += (" Idavidrein/gpqa is gated: accept its terms at https://huggingface.co/datasets/Idavidrein/gpqa, "
+                 "then run `huggingface-cli login` (or export HF_TOKEN=hf_...).")
+    why = f"cannot load HF dataset {hf_id!r}" + (f" config {config!r}" if config else "") + ": "
+    blocked = data._hub_blocked()
+    if blocked:
+        raise FileNotFoundError(why + blocked + "." + hint)
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(hf_id, config, split=split)
+    except Exception as e:  # gated, offline, renamed: say which and how to avoid it
+        raise FileNotFoundError(why + f"{type(e).__name__}: {str(e)[:300]}." + hint) from e
+    return [(f"HF dataset {hf_id} split {split} row {n}", row) for n, row in enumerate(ds, 1)]
+
+
+def load(name: str, seed: int = SEED) -> list[dict]:
+    """The problems of "gpqa" (198) or "mmlu-pro" (500 stratified); see the module docstring."""
+    if name not in HUB:
+        raise ValueError(f"unknown multiple-choice benchmark {name!r}; expected one of {', '.join(HUB)}")
+    path = data.benchmark_path(name)
+    rows = list(data._read_rows(path)) if os.path.isfile(path) else _hub_rows(name, path)
+    if name == "gpqa":
+        problems = gpqa_problems(rows, seed)
+        if len(problems) != GPQA_SIZE:
+            print(f"note: gpqa: {len(problems)} questions, GPQA-Diamond has {GPQA_SIZE}")
+        return problems
+    problems = [mmlu_pro_problem(where, row) for where, row in rows]
+    if len(problems) <= MMLU_PRO_SIZE:
+        return problems      # already a subset (e.g. a local file of the 500)
+    return [problems[i] for i in stratified_indices([p["category"] for p in problems], MMLU_PRO_SIZE, seed)]
