@@ -174,7 +174,7 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: 
         for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
             record = {"step": step, "tree": index, "method": method, "alpha": alpha,
                       **tree_record(tr, tokenizer, adv, emb)}
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -8,7 +8,8 @@ websocket, no Selenium/Playwright, only the Debian `chromium` package and the st
         page.errors      # uncaught exceptions, console.error/assert, error log entries
         page.requests    # every URL the page asked for (a self-contained page asks for none but its own file)
 
-Also a command line, to refresh the README's screenshot: python tests/browser.py PAGE.html OUT.png [WIDTH]
+Also a command line, to refresh the README's screenshot (optionally after clicking the element a CSS selector
+names): python tests/browser.py PAGE.html OUT.png [WIDTH [HEIGHT [CLICK_SELECTOR]]]
 """
 from __future__ import annotations
 
@@ -195,7 +196,11 @@ class Page:
 
 if __name__ == "__main__":
     page_path, out = sys.argv[1], sys.argv[2]
-    with Chromium(width=int(sys.argv[3]) if len(sys.argv) > 3 else 1200) as chromium:
+    size = [int(x) for x in sys.argv[3:5]] + [1200, 800][len(sys.argv[3:5]):]
+    with Chromium(width=size[0], height=size[1]) as chromium:
         page = chromium.open("file://" + os.path.abspath(page_path))
+        if len(sys.argv) > 5:
+            page.evaluate(f"document.querySelector({json.dumps(sys.argv[5])}).dispatchEvent("
+                          "new MouseEvent('click', {bubbles: true}))")
         page.screenshot(out)
         print(f"wrote {out}; errors: {page.errors or 'none'}")
