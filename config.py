@@ -153,8 +153,9 @@ class Config:
                 raise ValueError(f"--{name}: got {values!r}, expected one or more of {', '.join(allowed)}")
         if "none" in self.report_to and len(self.report_to) > 1:
             raise ValueError(f"--report_to: got {self.report_to}; 'none' cannot be combined with a tracker")
-        if missing_tracker(self.report_to):
-            raise ValueError(missing_tracker(self.report_to))
+        missing = missing_tracker(self.report_to)
+        if missing:
+            raise ValueError(missing)
         positive = ["n_base", "group_size", "max_new_tokens", "gen_batch_size", "branch_chunk_size",
                     "prompts_per_step", "mini_batch_size", "micro_batch_size", "ppo_epochs", "steps",
                     "max_tokens_per_micro_batch", "eval_k", "eval_max_new_tokens", "embed_batch_size",
