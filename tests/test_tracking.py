@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -174,6 +175,10 @@ def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     # the offline run file is a log of protobuf records: each key is stored next to its JSON value
+    # wandb's service process writes the file: under load it can still be flushing after finish() returns
+    deadline = time.monotonic() + 120
+    while b"eval/arith-test/avg@4" not in runs[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.5)
     raw = runs[0].read_bytes()
     assert re.search(rb"train/reward.{1,6}0\.25", raw, re.S) and re.search(rb"train/reward.{1,6}0\.75", raw, re.S)
     assert re.search(rb"eval/arith-test/avg@4.{1,6}0\.5", raw, re.S)
