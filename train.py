@@ -507,7 +507,8 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         if D.is_main() and tracking.trees_due(step + 1, cfg.log_trees_every):
             if embedder and alpha == 0:   # Div_sib is worth seeing even once α has annealed to 0
                 embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size)
-            tracking.write_trees(run_dir, step + 1, trees, tokenizer, advantages, embeddings, alpha, cfg.method)
+            tracking.write_trees(run_dir, step + 1, trees, tokenizer, advantages, embeddings, alpha, cfg.method,
+                                 cfg.value_estimate)
 
         # ---- Phase 4: policy update ----
         t0 = time.perf_counter()

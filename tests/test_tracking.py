@@ -139,6 +139,12 @@ def test_tree_record_by_hand(smollm_tokenizer):
     assert by["entropies"][0] == [0.5, 1.5] and by["token_ids"][3] == [510, 511, 512]
     assert rec["forks"] == [[2, 4], []] and rec["leaves"] == 4 and rec["trained"]
     assert tracking.tree_record(tr, smollm_tokenizer, None)["blocks"][0]["div_sib"] is None
+    # --value_estimate release: V(root) = mean of the base responses (b2, b5: 0), V(fork) = mean of its branches
+    # only (end of b0: b3 = 1; end of b1: b4 = 1)
+    rel = tracking.tree_record(tr, smollm_tokenizer, None, None, "release")
+    assert rel["value_estimate"] == "release"
+    assert [(b["v_start"], b["v_end"], b["base_advantage"]) for b in rel["blocks"]] == pytest.approx(
+        [(0, 1, 1), (1, 1, 0), (1, 0, -1), (1, 0, 0), (1, 0, 0), (0, 0, 0)])
 
 
 def test_evaluate_results_reach_tensorboard_at_the_checkpoint_step(tmp_path):
