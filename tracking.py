@@ -5,7 +5,8 @@
 
 One writer (`Log`) feeds every sink, so metrics.jsonl and the trackers always hold the same numbers under
 stable names (`tag`):
-  train/<key>            every numeric field of a step record of metrics.jsonl (train/reward, train/v_root, ...)
+  train/<key>            every numeric field of a step record of metrics.jsonl (train/reward, train/v_root, ...;
+                         nested ones by path: train/levels/3/leaves)
   eval/<data>/<key>      every numeric field of an evaluation record (eval/arith-test/avg@4, eval/math500/pass@8)
   config                 the run's Config (TensorBoard: a JSON text; W&B: the run config)
 The x-axis is the record's "step". `Log(..., enabled=False)` writes nothing (non-zero ranks of a
@@ -34,8 +35,19 @@ def tags(record: dict) -> dict[str, float]:
         prefix = f"eval/{record.get('data', record['eval'])}/"
     else:
         prefix = "train/"
-    return {prefix + key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    out: dict[str, float] = {}
+
+    def add(name: str, value) -> None:
+        if isinstance(value, dict):     # nested fields, e.g. "levels": {"3": {"leaves": ...}} → levels/3/leaves
+            for key, inner in value.items():
+                add(f"{name}/{key}", inner)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+
+    for key, value in record.items():
+        if key != "step":
+            add(prefix + key, value)
+    return out
 
 
 def _record_step(line: str) -> float:

@@ -41,8 +41,9 @@ def test_report_to_takes_several_trackers_and_rejects_bad_ones(monkeypatch):
 
 
 def test_tags_are_stable_names_of_numeric_fields():
-    assert tracking.tags({"step": 3, "reward": 0.5, "prompts": 8, "note": "x", "flag": True}) == \
-        {"train/reward": 0.5, "train/prompts": 8.0}
+    assert tracking.tags({"step": 3, "reward": 0.5, "prompts": 8, "note": "x", "flag": True,
+                          "levels": {"2": {"leaves": 12.5, "prompts": 3}}}) == \
+        {"train/reward": 0.5, "train/prompts": 8.0, "train/levels/2/leaves": 12.5, "train/levels/2/prompts": 3.0}
     assert tracking.tags({"step": 0, "eval": "before", "data": "arith-test", "avg@4": 0.25}) == \
         {"eval/arith-test/avg@4": 0.25}
 
@@ -77,6 +78,7 @@ def test_tensorboard_holds_every_metrics_jsonl_number(tiny_run):
         for tag, value in tracking.tags(record).items():
             expected.setdefault(tag, {})[record["step"]] = value
     assert "train/reward" in expected and "eval/arith-test/avg@2" in expected and "train/k_hat" in expected
+    assert any(tag.startswith("train/levels/") for tag in expected)          # nested per-level fields too
     assert set(scalars) == set(expected)
     for tag, by_step in expected.items():
         assert set(scalars[tag]) == set(by_step), tag
