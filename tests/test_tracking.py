@@ -207,12 +207,19 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_policy):
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_policy, layout):
     model, tok = tiny_policy
-    cfg = C.make_config("tiny", mini_batch_size=4, micro_batch_size=2, ppo_epochs=2)
+    cfg = C.make_config("tiny", mini_batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=24, ppo_epochs=2,
+                        train_layout=layout)
     gen = random.Random(1)
-    rows = [train.Row([gen.randrange(5, 2000) for _ in range(n_ctx + n_new)], n_ctx,
-                      [gen.uniform(-1, 1) for _ in range(n_new)]) for n_ctx, n_new in [(4, 5), (6, 3), (3, 7), (5, 4)]]
+    ids = lambda n: [gen.randrange(5, 2000) for _ in range(n)]  # noqa: E731
+    blocks = [T.Block(None, ids(4), [0.0] * 4, base=0, start=0),
+              T.Block(0, ids(5), [0.0] * 5, reward=0.0, base=0, start=4),
+              T.Block(0, ids(3), [0.0] * 3, reward=1.0, base=0, start=4, branch=True),
+              T.Block(None, ids(7), [0.0] * 7, reward=1.0, base=1, start=0)]
+    tr = T.Tree("p", ids(3), "a", blocks, v_root=0.5, k_hat=1, b_hat=1, forks=[[4], []])
+    trees = [train.train_tree(tr, [0.3, -0.6, 0.4, 0.5], "datpo")]
     grads, calls = [], []
     for checkpointing in (False, True):
         torch.manual_seed(0)
@@ -222,16 +229,15 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_poli
         count = [0]
         m.model.layers[0].mlp.register_forward_pre_hook(lambda *a: count.__setitem__(0, count[0] + 1))
         opt = RecordingSGD(m.parameters(), lr=1e-2)
-        train.ppo_update(m, opt, rows, cfg, tok.pad_token_id, "cpu", random.Random(0))
+        train.ppo_update(m, opt, trees, cfg, tok.pad_token_id, "cpu", random.Random(0))
         grads.append(opt.seen)
         calls.append(count[0])
-    assert len(grads[0]) == len(grads[1]) == 2          # 2 epochs × 1 mini-batch of 4 rows
+    assert len(grads[0]) == len(grads[1]) >= 2          # 2 epochs
     for plain, ckpt in zip(*grads):
         assert any(g.abs().sum() > 0 for g in plain)
         for a, b in zip(plain, ckpt):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
-    # the checkpointed layers ran again in every backward pass: 2 epochs × 2 micro-batches more forwards
-    assert calls[1] == calls[0] + 4
+    assert calls[1] > calls[0]                           # the checkpointed layers ran again in the backward passes
 
 
 def test_gradient_checkpointing_leaves_generation_alone(tiny_policy):
