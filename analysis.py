@@ -127,11 +127,11 @@ STUDY_SCALES: dict[str, dict[str, dict]] = {
         "tiny": dict(config=_TINY, bench=["arith-test"], k=2, limit=2),
     },
     "tree-vs-parallel": {   # App. C.2: AIME25, parallel M ∈ {4,8,16,32}, trees (N, 2, 2), N ∈ {2,4,8}
-        "paper": dict(config=dict(model=PAPER_MODEL), data="aime25", limit=0, levels=[], parallel=[4, 8, 16, 32],
+        "paper": dict(config=dict(model=PAPER_MODEL), data="aime25", limit=0, levels=[], parallel_m=[4, 8, 16, 32],
                       tree_n=[2, 4, 8], k=2, b=2, methods=["fixed-seg", "random"], repeats=1),
-        "demo": dict(config=_DEMO, data="arith-test", limit=4, levels=[2, 3], parallel=[4, 8, 16],
+        "demo": dict(config=_DEMO, data="arith-test", limit=4, levels=[2, 3], parallel_m=[4, 8, 16],
                      tree_n=[2, 4], k=2, b=2, methods=["fixed-seg", "random"], repeats=1),
-        "tiny": dict(config=_TINY, data="arith-test", limit=2, levels=[], parallel=[2, 4], tree_n=[1, 2], k=2, b=2,
+        "tiny": dict(config=_TINY, data="arith-test", limit=2, levels=[], parallel_m=[2, 4], tree_n=[1, 2], k=2, b=2,
                      methods=["fixed-seg", "random"], repeats=1),
     },
     "forks": {   # App. D.5: AIME26, one base rollout, K = 4 forks, B = 4 branches (17 leaves), 5 repeats
@@ -451,9 +451,9 @@ def run_tree_vs_parallel(study: Study) -> None:
 
     sampler = R.Sampler.from_config(model, tokenizer, cfg)
     ids = prompt_ids_of(problems, tokenizer, cfg)
-    m_max, n_max = max(o["parallel"]), max(o["tree_n"])
+    m_max, n_max = max(o["parallel_m"]), max(o["tree_n"])
     if n_max > m_max:
-        raise ValueError(f"--tree_n {n_max} > max --parallel {m_max}: trees take their bases from the parallel samples")
+        raise ValueError(f"--tree_n {n_max} > max --parallel_m {m_max}: trees take their bases from the parallel samples")
     rng = random.Random(cfg.seed)
     per_call = max(1, cfg.gen_batch_size // m_max)
     records = []   # one per (repeat, problem)
@@ -477,7 +477,7 @@ def run_tree_vs_parallel(study: Study) -> None:
             for g, index in enumerate(group):
                 rows = range(g * m_max, (g + 1) * m_max)
                 rec = {"repeat": repeat, "problem": index, "level": problems[index].get("level")}
-                for m in o["parallel"]:
+                for m in o["parallel_m"]:
                     rec[f"parallel/{m}"] = {"tokens": sum(len(base.tokens[r]) for r in rows[:m]),
                                             "pass_rate": pass_rate([rewards[r] for r in rows[:m]]), "leaves": m}
                 for method in o["methods"]:
@@ -491,7 +491,7 @@ def run_tree_vs_parallel(study: Study) -> None:
             del base
     bar.close()
 
-    curves = {"parallel": [(m, f"parallel/{m}") for m in o["parallel"]]}
+    curves = {"parallel": [(m, f"parallel/{m}") for m in o["parallel_m"]]}
     for method in o["methods"]:
         curves[f"tree {method}"] = [(n, f"{method}/{n}") for n in o["tree_n"]]
     summary, rows = {}, []
@@ -893,7 +893,7 @@ STUDY_FLAGS = {
     "bench": (str, "+", "benchmarks to evaluate on"),
     "k": (int, None, "samples per problem (report/dynamics) or forks per response (trees)"),
     "b": (int, None, "branches per fork"),
-    "parallel": (int, "+", "parallel sample counts M"),
+    "parallel_m": (int, "+", "parallel sample counts M (--parallel is the torchrun sharding mode)"),
     "tree_n": (int, "+", "tree base counts N"),
     "methods": (str, "+", "forking methods of the trees"),
     "repeats": (int, None, "independent repeats (paper 5 for forks)"),
