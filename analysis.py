@@ -274,8 +274,15 @@ def train_command(preset: str, scale: str, cfg: C.Config) -> str:
     """The train.py command line that rebuilds `cfg`: the preset and scale plus every field that differs."""
     import shlex
 
+    def flag_value(value) -> str:   # as train.py's parser reads it: true/false, list items space-separated
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, list):
+            return " ".join(shlex.quote(str(v)) for v in value)
+        return shlex.quote(str(value))
+
     default = C.make_config(preset, scale)
-    flags = [f"--{f.name} {shlex.quote(str(getattr(cfg, f.name)).lower() if isinstance(getattr(cfg, f.name), bool) else str(getattr(cfg, f.name)))}"
+    flags = [f"--{f.name} {flag_value(getattr(cfg, f.name))}"
              for f in dataclasses.fields(C.Config) if getattr(cfg, f.name) != getattr(default, f.name)]
     return " ".join(["python train.py --preset", preset, "--scale", scale, *flags])
 

@@ -127,9 +127,11 @@ class FakeGrader:
 
 
 def test_train_command_rebuilds_the_config():
-    cfg = C.make_config("grpo-g8", "demo", steps=3, few_shot=False, max_new_tokens=40, out_dir="runs/x y")
+    cfg = C.make_config("grpo-g8", "demo", steps=3, few_shot=False, max_new_tokens=40, out_dir="runs/x y",
+                        report_to=["tensorboard"])
     command = A.train_command("grpo-g8", "demo", cfg)
     assert "--steps 3" in command and "--few_shot false" in command and "'runs/x y'" in command
+    assert "--report_to tensorboard" in command                 # a list field: its items, not "['tensorboard']"
     import shlex
     assert C.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
 
