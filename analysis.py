@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import config as C
+import faults
 
 # --------------------------------------------------------------------------------------------------------
 # Metrics: pure functions (App. C.2 PassRate, App. D.2 localization, App. B difficulty buckets)
@@ -944,7 +945,7 @@ def make_study(name: str, argv: list[str]) -> Study:
         opts.setdefault("from_dir", str(out.parent / "difficulty"))
     if name == "dynamics":
         opts.setdefault("runs", [])
-    out.mkdir(parents=True, exist_ok=True)
+    faults.check_writable(out)          # a UserError naming --out_dir, not a traceback
     return Study(name, cfg, opts, out, scale)
 
 
@@ -961,4 +962,4 @@ def main(argv: list[str] | None = None) -> Study:
 
 
 if __name__ == "__main__":
-    main()
+    faults.main_guard(main)   # user mistakes: one line, exit 2 (--debug: traceback)

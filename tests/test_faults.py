@@ -80,6 +80,15 @@ def test_evaluate_bad_inputs_are_one_line(files, capsys):
     assert "arith-test problem 1: the prompt is" in err and "context of 2048 tokens" in err
 
 
+def test_analysis_bad_inputs_are_one_line(files, capsys):
+    import analysis
+
+    assert "cannot write there" in one_line_error(
+        capsys, analysis.main, ["forks", "--scale", "tiny", "--out_dir", str(files / "a_file" / "x")])
+    assert "unrecognized arguments: --bogus 1" in one_line_error(
+        capsys, analysis.main, ["forks", "--scale", "tiny", "--bogus", "1"])
+
+
 def test_debug_shows_the_traceback(files):
     with pytest.raises(faults.UserError):
         faults.main_guard(train.main, ["--preset", "tiny", "--train_data", str(files / "empty.jsonl"),
