@@ -224,6 +224,17 @@ def load_policy(cfg: C.Config):
     return model.eval(), tokenizer, device
 
 
+def sampling_setup(study):
+    """What the sampling studies share: the study's problems, the policy, a rollout.Sampler and prompt ids."""
+    import rollout as R
+
+    cfg, o = study.cfg, study.opts
+    problems = load_study_problems(o["data"], o["limit"], o["levels"])
+    model, tokenizer, device = load_policy(cfg)
+    return problems, model, tokenizer, device, R.Sampler.from_config(model, tokenizer, cfg), \
+        prompt_ids_of(problems, tokenizer, cfg)
+
+
 def prompt_ids_of(problems, tokenizer, cfg) -> list[list[int]]:
     import data
 
@@ -453,12 +464,8 @@ def run_tree_vs_parallel(study: Study) -> None:
 
     t0 = time.perf_counter()
     cfg, o = study.cfg, study.opts
-    problems = load_study_problems(o["data"], o["limit"], o["levels"])
-    model, tokenizer, device = load_policy(cfg)
+    problems, model, tokenizer, device, sampler, ids = sampling_setup(study)
     import models
-
-    sampler = R.Sampler.from_config(model, tokenizer, cfg)
-    ids = prompt_ids_of(problems, tokenizer, cfg)
     m_max, n_max = max(o["parallel_m"]), max(o["tree_n"])
     if n_max > m_max:
         raise ValueError(f"--tree_n {n_max} > max --parallel_m {m_max}: trees take their bases from the parallel samples")
@@ -560,11 +567,8 @@ def run_forks(study: Study) -> None:
 
     t0 = time.perf_counter()
     cfg, o = study.cfg, study.opts
-    problems = load_study_problems(o["data"], o["limit"], o["levels"])
-    model, tokenizer, device = load_policy(cfg)
+    problems, model, tokenizer, device, sampler, ids = sampling_setup(study)
     embedder = models.load_embedder(cfg.embed_model, device)
-    sampler = R.Sampler.from_config(model, tokenizer, cfg)
-    ids = prompt_ids_of(problems, tokenizer, cfg)
     strategies = [s for s in FORK_STRATEGIES if s[0] in o["strategies"]] if o.get("strategies") else FORK_STRATEGIES
     rng = random.Random(cfg.seed)
     records = []
@@ -750,10 +754,7 @@ def run_show_forks(study: Study) -> None:
 
     t0 = time.perf_counter()
     cfg, o = study.cfg, study.opts
-    problems = load_study_problems(o["data"], o["limit"], o["levels"])
-    model, tokenizer, device = load_policy(cfg)
-    sampler = R.Sampler.from_config(model, tokenizer, cfg)
-    ids = prompt_ids_of(problems, tokenizer, cfg)
+    problems, model, tokenizer, device, sampler, ids = sampling_setup(study)
     with torch.no_grad(), models.autocast(device, cfg.precision):
         base = R.sample_base(sampler, ids, o["candidates"], cfg.max_new_tokens)
     row = max(range(len(base.tokens)), key=lambda r: len(base.tokens[r]))
