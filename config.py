@@ -137,6 +137,7 @@ class Config:
     out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
     resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0) or checkpoint
+    overwrite: bool = False                 # a fresh run into a folder holding a run replaces it (else an error)
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp (distributed.py)
     report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb (several: a list)

@@ -142,6 +142,39 @@ def check_model(name: str, flag: str = "--model", embedded: tuple[str, ...] = EM
                         f"({blocked}); {expected} reachable online")
 
 
+RUN_FILES = ("metrics.jsonl", "checkpoints", "trees", "tensorboard", "wandb", "training.png", "config.json",
+             "git_commit.txt")   # what train.py writes into a run folder (--overwrite removes exactly these)
+
+
+def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> None:
+    """A fresh run (no --resume) must not mix its records with an earlier run's: a folder holding metrics or
+    checkpoints is a UserError saying how to continue, move or replace it; --overwrite true deletes the
+    earlier run's files (RUN_FILES) first and nothing else (`delete`: torchrun's rank 0 only; every rank
+    checks, so all of them stop with the same error)."""
+    metrics = run_dir / "metrics.jsonl"
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() \
+        else []
+    records = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
+    if not records and not steps:
+        return
+    if overwrite:
+        if not delete:
+            return
+        import shutil
+
+        for name in RUN_FILES:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        return
+    held = ", ".join(part for part in (f"metrics.jsonl with {records} record{'s' * (records != 1)}" if records else "",
+                                       f"checkpoints up to {steps[-1]}" if steps else "") if part)
+    raise UserError(f"--out_dir {run_dir}: already holds a run ({held}); --resume {run_dir} continues it, "
+                    f"another --out_dir starts a new one, --overwrite true replaces it")
+
+
 def resume_source(resume: str) -> str | None:
     """--resume: the checkpoint folder to continue from, or None when the run folder has no checkpoint yet
     (start at step 0). A path that does not exist is a UserError."""

@@ -401,6 +401,9 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         torch.set_num_threads(cfg.threads)
     # ---- pre-flight: every user mistake is one line (faults.UserError) before anything slow runs ----
     run_dir = faults.check_writable(cfg.out_dir)
+    if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
+        faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
+        D.barrier()
     log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
     checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
     if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script

@@ -68,6 +68,11 @@ def test_train_bad_inputs_are_one_line(files, capsys, monkeypatch):
     (files / "run0" / "metrics.jsonl").write_text("")
     assert "a run folder with no checkpoint yet" in one_line_error(
         capsys, train.main, out + ["--model", str(files / "run0")])
+    # a fresh run into a folder that already holds one
+    (files / "run1").mkdir()
+    (files / "run1" / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert "already holds a run (metrics.jsonl with 1 record); --resume" in one_line_error(
+        capsys, train.main, ["--preset", "tiny", "--out_dir", str(files / "run1")])
 
 
 def test_evaluate_bad_inputs_are_one_line(files, capsys):
@@ -107,6 +112,26 @@ def test_resume_source(tmp_path):
     (ckpt / ".tmp_step_000003").mkdir()                                  # a half-written one never counts
     (ckpt / "latest").write_text("step_000001")                          # killed before the pointer moved
     assert faults.resume_source(str(tmp_path / "run")) == str(ckpt / "step_000002")
+
+
+def test_fresh_run_into_a_folder_holding_a_run_is_refused_or_replaced(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")                               # not a run file: never touched
+    faults.check_new_run(run, overwrite=False)                           # no records yet: fine
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "trees").mkdir()
+    with pytest.raises(faults.UserError) as err:
+        faults.check_new_run(run, overwrite=False)
+    assert str(err.value) == (f"--out_dir {run}: already holds a run (metrics.jsonl with 2 records, checkpoints "
+                              f"up to step_000001); --resume {run} continues it, another --out_dir starts a new "
+                              f"one, --overwrite true replaces it")
+    assert (run / "metrics.jsonl").exists()                              # the refusal deletes nothing
+    faults.check_new_run(run, overwrite=True, delete=False)              # torchrun: ranks > 0 leave it to rank 0
+    assert (run / "checkpoints").exists()
+    faults.check_new_run(run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
 
 
 def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
