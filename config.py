@@ -30,7 +30,7 @@ BRANCH_BUDGETS = ("full", "remaining")
 VALUE_ESTIMATES = ("paper", "release")
 TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
-ATTENTION_KERNELS = ("auto", "dense", "flex")
+ATTENTION_KERNELS = ("auto", "tree", "dense", "flex")
 PARALLELS = ("fsdp", "hsdp", "ddp")
 REPORTERS = ("none", "tensorboard", "wandb")   # --report_to: experiment trackers (tracking.py)
 
@@ -117,7 +117,8 @@ class Config:
     train_layout: str = "packed"            # packed: each tree once under a tree mask; rows: a row per leaf
     max_tokens_per_micro_batch: int = 8192  # packed layout: tokens per forward/backward (gradient accumulation)
     micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. E.2: 2)
-    packed_attention: str = "auto"          # auto: flex_attention block-sparse on CUDA, dense SDPA mask on CPU
+    packed_attention: str = "auto"          # auto: flex_attention on CUDA, else tree (SDPA per segment over its
+                                            # ancestors); dense: one [L, L] mask (the reference path)
     precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
                                             # meant there) | bf16-autocast (fp32 master weights) | fp32
     gradient_checkpointing: bool = False    # recompute activations in backward: less memory, ~1/3 more compute
@@ -219,7 +220,7 @@ SCALES: dict[str, dict] = {
         model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True, prompt_style="chat",
         embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
         max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
-        max_tokens_per_micro_batch=1024,   # ~2 demo trees: the dense CPU mask costs O(L²) attention
+        max_tokens_per_micro_batch=2048,   # ~2.5 demo trees: forwarded/unique ≤ 1.05 (bench/bench_update.py)
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
         eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2, log_trees_every=4,
         precision="fp32",   # this CPU has no AMX: bf16 matmuls run slower than fp32 here (measured)

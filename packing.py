@@ -18,9 +18,12 @@ Paper map:
 
 Depth-first order makes the mask an interval test: the tokens of the subtree of a block are contiguous, so key k
 is visible from query q iff k ≤ q < subtree_end[k] (subtree_end = where the subtree of k's block ends; for a
-prompt token, where its tree ends). One integer per token describes the whole mask: a dense [L, L] boolean for
-SDPA (the reference and CPU path) or a block-sparse flex_attention BlockMask on CUDA, whose cost follows the
-tree instead of L².
+prompt token, where its tree ends). One integer per token describes the whole mask, run by one of three kernels
+(`--packed_attention`):
+  tree   SDPA segment by segment: each block attends to its ancestors' keys gathered + itself causally, blocks of
+         similar length batched (tree_buckets). Work Σ |block|·|path|, what the tree needs; the CPU default.
+  flex   a flex_attention BlockMask (128×128 tiles nobody sees are skipped); the CUDA default.
+  dense  one [L, L] boolean mask through SDPA: O(L²) work and memory; the reference path.
 """
 from __future__ import annotations
 
@@ -354,6 +357,103 @@ def flex_available(device) -> bool:
     return True
 
 
+# ---- "tree" kernel: SDPA per segment over that segment's ancestors (the CPU default) ----------------------
+@dataclass
+class SegmentBucket:
+    """Segments of similar length attended in one SDPA call: queries [n, q_len], keys [n, k_len] (indices into
+    the packed sequence, padded with 0) and the boolean mask [n, 1, q_len, k_len] (True = attend)."""
+    q_index: torch.Tensor
+    q_valid: torch.Tensor
+    k_index: torch.Tensor
+    mask: torch.Tensor
+
+
+def tree_segments(subtree_end: list[int]) -> list[tuple[int, int, list[int]]]:
+    """The packed sequence as segments [start, end) of tokens that see the same earlier tokens: a maximal run
+    with one subtree_end (a block — with a chain of single children — or a prompt). Each comes with its
+    context: the earlier keys it sees, those k < start whose subtree is still open (subtree_end[k] > start).
+    Within a segment attention is causal, so segment + context is exactly the tree mask, row by row."""
+    segments, start = [], 0
+    length = len(subtree_end)
+    open_ranges: list[tuple[int, int, int]] = []      # (start, end, subtree_end) of the segments on the path
+    for i in range(1, length + 1):
+        if i == length or subtree_end[i] != subtree_end[start]:
+            open_ranges = [r for r in open_ranges if r[2] > start]
+            context = [k for a, b, _ in open_ranges for k in range(a, b)]
+            segments.append((start, i, context))
+            open_ranges.append((start, i, subtree_end[start]))
+            start = i
+    return segments
+
+
+def tree_buckets(subtree_end: list[int], device) -> list[SegmentBucket]:
+    """Segments grouped by their length rounded up to a power of two (padding at most doubles a bucket's
+    queries), each group one padded SDPA call: the attention work is Σ segment × (context + segment) — what
+    the tree needs — instead of L² for the dense mask."""
+    groups: dict[int, list] = {}
+    for seg in tree_segments(subtree_end):
+        groups.setdefault(1 << max(seg[1] - seg[0] - 1, 0).bit_length(), []).append(seg)
+    buckets = []
+    for segs in groups.values():
+        q_len = max(e - s for s, e, _ in segs)
+        k_len = max(len(c) + e - s for s, e, c in segs)
+        q_index = torch.zeros(len(segs), q_len, dtype=torch.long)
+        q_valid = torch.zeros(len(segs), q_len, dtype=torch.bool)
+        k_index = torch.zeros(len(segs), k_len, dtype=torch.long)
+        mask = torch.zeros(len(segs), 1, q_len, k_len, dtype=torch.bool)
+        for j, (s, e, context) in enumerate(segs):
+            n, c = e - s, len(context)
+            q_index[j, :n] = torch.arange(s, e)
+            q_valid[j, :n] = True
+            k_index[j, :c + n] = torch.tensor(context + list(range(s, e)), dtype=torch.long)
+            mask[j, 0, :n, :c] = True
+            mask[j, 0, :n, c:c + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            mask[j, 0, n:, 0] = True      # padded queries see one key (no all-masked row); their output is dropped
+        buckets.append(SegmentBucket(q_index.to(device), q_valid.to(device), k_index.to(device), mask.to(device)))
+    return buckets
+
+
+def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, tree_buckets=None,
+                   **kwargs):
+    """An HF attention function (registered as "datpo_tree"): exact tree attention, bucket by bucket. query
+    [1, H, L, d], key/value [1, H_kv, L, d] → output [1, L, H, d] as HF's attention functions return it. The
+    tree comes as `tree_buckets` (a forward kwarg that HF passes down to every attention call, so activation
+    checkpointing's recomputation gets it too); `attention_mask` is then a placeholder. Without tree_buckets
+    (any other forward while the backend is set, e.g. torchrun's zero-gradient pass) it is plain SDPA."""
+    if tree_buckets is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    q, k, v = query[0], key[0], value[0]                           # [H, L, d], [H_kv, L, d]
+    out = None                                                     # [L, H, d], in SDPA's dtype (autocast: bf16)
+    for b in tree_buckets:
+        n, q_len = b.q_index.shape
+        qs = q[:, b.q_index.reshape(-1)].unflatten(1, (n, q_len)).transpose(0, 1)       # [n, H, q_len, d]
+        ks = k[:, b.k_index.reshape(-1)].unflatten(1, (n, -1)).transpose(0, 1)          # [n, H_kv, k_len, d]
+        vs = v[:, b.k_index.reshape(-1)].unflatten(1, (n, -1)).transpose(0, 1)
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=b.mask, scale=scaling,
+                                                             dropout_p=dropout)       # [n, H, q_len, d]
+        if out is None:
+            out = o.new_zeros(q.shape[1], q.shape[0], q.shape[2])
+        out = out.index_put((b.q_index[b.q_valid],), o.transpose(1, 2)[b.q_valid])
+    return out[None], None
+
+
+def register_tree_attention() -> str:
+    """Make "datpo_tree" an attention implementation HF models can run (idempotent); masks for forwards without
+    tree_buckets are built as for SDPA."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("datpo_tree", tree_attention)
+    AttentionMaskInterface.register("datpo_tree", sdpa_mask)
+    return "datpo_tree"
+
+
 @contextlib.contextmanager
 def attention_implementation(model, name: str):
     """Run the model with another attention backend for a while (the rollout keeps SDPA for generation).
@@ -369,12 +469,25 @@ def attention_implementation(model, name: str):
         model.config._attn_implementation = old
 
 
+def kernel_backend(model, kernel: str):
+    """The model's attention backend for a packed kernel, for as long as the context lasts: flex_attention,
+    datpo_tree (registered here), or the model's own (dense). With activation checkpointing the forward is
+    recomputed during backward, so the caller of backward keeps it open until then (train.ppo_update does)."""
+    if kernel == "tree":
+        return attention_implementation(model, register_tree_attention())
+    if kernel == "flex":
+        return attention_implementation(model, "flex_attention")
+    return contextlib.nullcontext()
+
+
 def tree_attention_mask(model, subtree_end: torch.Tensor, kernel: str):
     """The 4D mask the HF model takes as-is (transformers 5 returns a 4D mask untouched from its mask
     creation): a BlockMask for flex; a boolean [1, 1, L, L] for SDPA (True = attend); an additive float mask
     for eager attention, which adds the mask to the scores (a boolean there would be added as 0/1)."""
     if kernel == "flex":
         return flex_block_mask(subtree_end)
+    if kernel == "tree":     # the tree travels as tree_buckets; a 4D tensor makes HF skip its mask creation
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=subtree_end.device)
     mask = dense_mask(subtree_end)[None, None]
     if model.config._attn_implementation == "eager":
         dtype = next(model.parameters()).dtype
@@ -422,17 +535,18 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     targets = torch.tensor(packed.target_ids, device=device)
     inner = D.unwrap(model)
     mask = tree_attention_mask(inner, ends, kernel)
-    with attention_implementation(inner, "flex_attention") if kernel == "flex" else contextlib.nullcontext():
+    extra = {"tree_buckets": tree_buckets(packed.subtree_end, device)} if kernel == "tree" else {}
+    with kernel_backend(inner, kernel):
         if D.active():
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                           logits_to_keep=pred_index).logits[0]
+                           logits_to_keep=pred_index, **extra).logits[0]
             parts = [checkpoint(_logits_logprobs, logits[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
                      if torch.is_grad_enabled() and logits.requires_grad
                      else _logits_logprobs(logits[s:s + chunk], targets[s:s + chunk])
                      for s in range(0, len(targets), chunk)]
             return torch.cat(parts) if parts else logits.new_zeros(0)
         hidden = inner.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                     use_cache=False).last_hidden_state[0]
+                                     use_cache=False, **extra).last_hidden_state[0]
     return chunked_logprobs(inner.get_output_embeddings(), hidden, pred_index, targets, chunk)
 
 

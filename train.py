@@ -169,9 +169,10 @@ def max_row_targets(cfg) -> int:
 
 
 def attention_kernel(cfg, device) -> str:
-    """flex (block-sparse, cost follows the tree) on CUDA when available, dense SDPA otherwise."""
+    """flex (block-sparse, cost follows the tree) on CUDA when available, else tree (SDPA segment by segment
+    over each segment's ancestors: cost follows the tree too); dense (one L × L mask) only when asked."""
     if cfg.packed_attention == "auto":
-        return "flex" if P.flex_available(device) else "dense"
+        return "flex" if P.flex_available(device) else "tree"
     return cfg.packed_attention
 
 
@@ -184,12 +185,20 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     Old log-probs: θ_old = θ until the first optimizer step, so the first mini-batch of the first epoch
     uses its own detached log-probs; every other block gets a no-grad forward with the same packing first.
     """
+    kernel = attention_kernel(cfg, device)
+    # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
+    # recomputes the forward there); the rows layout runs the model as it is
+    with P.kernel_backend(D.unwrap(model), kernel if cfg.train_layout == "packed" else "dense"):
+        return _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel)
+
+
+def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> dict:
+    """ppo_update's epochs (see its docstring), inside the packed kernel's attention backend."""
     offsets = P.token_offsets(trees)
     adv = torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
                        dtype=torch.float32, device=device)
     old = torch.zeros_like(adv)
     have_old = torch.zeros(len(adv), dtype=torch.bool, device=device)
-    kernel = attention_kernel(cfg, device)
 
     def micro_batches(units):
         return P.layout_micro_batches(trees, units, offsets, cfg.train_layout, cfg.max_tokens_per_micro_batch,

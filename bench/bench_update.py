@@ -48,39 +48,54 @@ def forwarded_per_unique(trees: list[P.TrainTree], cfg, layout: str, grouping: s
     return forwarded / sum(t.unique_tokens for t in live if t.trained)
 
 
-def timed_updates(model, trees, cfg, pad_id, budgets=()) -> dict:
+def timed_updates(model, trees, cfg, pad_id, budgets=(), kernels=("tree", "dense")) -> dict:
     """One ppo_update per layout on copies of the model: same trees, same seed → (seconds, loss, steps).
-    The packed layout once per token budget in `budgets` (default: the config's)."""
+    The packed layout at the config's token budget and at each of `budgets`, under each attention kernel
+    (tree: SDPA per segment over its ancestors; dense: one [L, L] mask)."""
     out = {}
-    for layout, budget in [("rows", None)] + [("packed", b) for b in (budgets or [cfg.max_tokens_per_micro_batch])]:
+    with torch.no_grad():      # warm-up, so the first timed layout does not pay for one-off allocations
+        model(input_ids=torch.tensor([trees[0].prompt_ids[:32]]))
+    runs = [("rows", None, None)] + [("packed", b, k) for k in kernels
+                                     for b in sorted({cfg.max_tokens_per_micro_batch, *budgets})]
+    for layout, budget, kernel in runs:
         cfg.train_layout = layout
         if budget:
             cfg.max_tokens_per_micro_batch = budget
+            cfg.packed_attention = kernel
         copy_ = copy.deepcopy(model).train()
         optimizer = torch.optim.AdamW(copy_.parameters(), lr=cfg.lr)
         t0 = time.perf_counter()
         stats = train.ppo_update(copy_, optimizer, trees, cfg, pad_id, "cpu", random.Random(0))
-        out[layout if budget is None else f"packed {budget}"] = (time.perf_counter() - t0, stats["loss"],
-                                                                 stats["optimizer_steps"])
+        out[layout if budget is None else f"packed {budget} {kernel}"] = (time.perf_counter() - t0,
+                                                                        stats["loss"], stats["optimizer_steps"])
         del copy_, optimizer
     return out
 
 
-def count_table(label: str, trees, cfg) -> None:
+def count_table(label: str, trees, cfg, budgets=()) -> None:
+    """forwarded / unique for rows, packed at the config's token budget (and at each of `budgets`: a smaller
+    budget cuts more trees, whose ancestors are forwarded again), and packed with random-block mini-batches."""
     rows = forwarded_per_unique(trees, cfg, "rows", "trees")
-    packed = forwarded_per_unique(trees, cfg, "packed", "trees")
+    own = cfg.max_tokens_per_micro_batch
+    packed = {}
+    for budget in sorted({own, *budgets}):
+        cfg.max_tokens_per_micro_batch = budget
+        packed[budget] = forwarded_per_unique(trees, cfg, "packed", "trees")
+    cfg.max_tokens_per_micro_batch = own
     blocks = forwarded_per_unique(trees, cfg, "packed", "blocks")
     unique = sum(t.unique_tokens for t in trees if t.trained)
-    print(f"  {label:10s} unique {unique:8d}   forwarded/unique: rows {rows:5.2f}   packed {packed:5.3f}   "
-          f"packed+random blocks {blocks:5.2f}", flush=True)
+    per_budget = "  ".join(f"{b}{'*' if b == own else ''}: {v:5.3f}" for b, v in packed.items())
+    print(f"  {label:10s} unique {unique:8d}   forwarded/unique: rows {rows:5.2f}   packed ({per_budget})   "
+          f"packed+random blocks {blocks:5.2f}   (* = the preset's budget)", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------
 def demo_part(args) -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = models.load_policy("smollm2-135m", "cpu")
-    print(f"demo shape: SmolLM2-135M, {args.prompts} prompts, 64 new tokens, fp32, {args.threads} threads "
-          f"(CPU shared with other jobs: timings are contended; ratios come from one run)", flush=True)
+    print(f"demo shape: SmolLM2-135M, {args.prompts} prompts, 64 new tokens, fp32, {args.threads} threads, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start (ratios come from one run)",
+          flush=True)
     for preset in args.methods:
         cfg = C.make_config(preset, "demo", threads=args.threads, prompts_per_step=args.prompts)
         problems = data.load_problems(cfg.train_data)
@@ -104,13 +119,13 @@ def demo_part(args) -> None:
                for tr in kept]
         print(f"[{preset}] {len(kept)} trees, {sum(len(t.tokens) for t in tts)} blocks, generation {t_gen:.0f} s",
               flush=True)
-        count_table(preset, tts, cfg)
+        count_table(preset, tts, cfg, args.demo_tokens)
         if preset in args.time:
-            res = timed_updates(model, tts, cfg, tokenizer.pad_token_id, args.demo_tokens)
+            res = timed_updates(model, tts, cfg, tokenizer.pad_token_id, args.demo_tokens, args.kernels)
             rows_s, rows_loss, steps = res.pop("rows")
             print(f"  update seconds: rows {rows_s:.1f} (loss {rows_loss:.6f}, {steps} optimizer steps)", flush=True)
             for name, (sec, loss, _) in res.items():
-                print(f"                  {name:12s} {sec:.1f}   rows/packed {rows_s / sec:.2f}   (loss {loss:.6f})",
+                print(f"                  {name:18s} {sec:.1f}   rows/packed {rows_s / sec:.2f}   (loss {loss:.6f})",
                       flush=True)
 
 
@@ -150,7 +165,7 @@ def paper_part(args) -> None:
                for tr in trees if train.trainable(tr, cfg.method)]
         print(f"[{preset}] (N, K, B) = {(n, k, b)}, {len(tts)} trees, {sum(len(t.tokens) for t in tts)} blocks, "
               f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch}", flush=True)
-        count_table(preset, tts, cfg)
+        count_table(preset, tts, cfg, args.paper_budgets)
         if preset in args.time_paper:
             small = small or models.tiny_random_model(args.vocab, seed=0, hidden_size=64, intermediate_size=128,
                                                       num_hidden_layers=2, num_attention_heads=4,
@@ -158,11 +173,12 @@ def paper_part(args) -> None:
             cfg = C.make_config(preset, precision="fp32", max_tokens_per_micro_batch=args.cpu_tokens,
                                 micro_batch_size=args.rows_per_micro, ppo_epochs=1)
             few = tts[:args.timed_trees]
-            res = timed_updates(small, few, cfg, pad_id=0)
-            (tr_, _, _), (tp_, _, _) = res["rows"], res[f"packed {args.cpu_tokens}"]
-            print(f"  update seconds, small model (64 wide, 2 layers, vocab {args.vocab}), {len(few)} trees, packed "
-                  f"{args.cpu_tokens} tokens / dense SDPA on CPU vs rows {args.rows_per_micro} / micro-batch: "
-                  f"rows {tr_:.1f}   packed {tp_:.1f}   rows/packed {tr_ / tp_:.2f}", flush=True)
+            res = timed_updates(small, few, cfg, pad_id=0, kernels=args.kernels)
+            rows_s = res.pop("rows")[0]
+            print(f"  update seconds, small model (64 wide, 2 layers, vocab {args.vocab}), {len(few)} trees, rows "
+                  f"{args.rows_per_micro} per micro-batch: rows {rows_s:.1f}", flush=True)
+            for name, (sec, _, _) in res.items():
+                print(f"                  {name:18s} {sec:.1f}   rows/packed {rows_s / sec:.2f}", flush=True)
     memory_table()
 
 
@@ -195,7 +211,9 @@ def main():
     parser.add_argument("--time_paper", nargs="*", default=["paper"], help="paper-shape presets timed")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--demo_tokens", type=int, nargs="*", default=[],
-                        help="packed budgets timed at the demo shape (default: the demo preset's)")
+                        help="packed budgets timed (and counted) at the demo shape, besides the demo preset's")
+    parser.add_argument("--kernels", nargs="+", default=["tree", "dense"], choices=["tree", "dense"],
+                        help="packed attention kernels timed (flex needs CUDA)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", default="runs/bench_update", help="rollouts are saved here and reused ('' = off)")
     parser.add_argument("--prompt_len", type=int, default=150)
@@ -203,6 +221,8 @@ def main():
     parser.add_argument("--paper_prompts", type=int, default=16)
     parser.add_argument("--paper_tokens", type=int, default=0, help="packed budget for the paper-shape counts "
                         "(0 = the preset's max_tokens_per_micro_batch)")
+    parser.add_argument("--paper_budgets", type=int, nargs="*", default=[2048, 4096],
+                        help="more packed budgets whose forwarded/unique is printed at the paper shape")
     parser.add_argument("--timed_trees", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--cpu_tokens", type=int, default=2048, help="packed micro-batch budget for CPU timing")

@@ -89,8 +89,11 @@ def test_pack_by_hand():
     assert visible(pk.input_ids.index(41)) == [5, 6, 7, 40, 41]
 
 
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager")])
-def test_packed_logprobs_equal_separate_root_to_leaf_forwards(family, attn):
+@pytest.mark.parametrize("family,attn,kernel", [("llama", "sdpa", "dense"), ("qwen2", "sdpa", "dense"),
+                                                ("qwen3", "sdpa", "dense"), ("llama", "eager", "dense"),
+                                                ("llama", "sdpa", "tree"), ("qwen2", "sdpa", "tree"),
+                                                ("qwen3", "sdpa", "tree")])
+def test_packed_logprobs_equal_separate_root_to_leaf_forwards(family, attn, kernel):
     model = tiny(family, attn)
     trees = [datpo_tree(), grpo_group(), deep_tree()]
     offsets = P.token_offsets(trees)
@@ -109,7 +112,7 @@ def test_packed_logprobs_equal_separate_root_to_leaf_forwards(family, attn):
             pk = P.pack(trees, items, offsets)
             assert len(pk) <= budget or len(items) == 1
             with torch.no_grad():
-                got = P.packed_logprobs(model, pk, "cpu", chunk=5)
+                got = P.packed_logprobs(model, pk, "cpu", kernel=kernel, chunk=5)
             want = torch.tensor([reference[g] for g in pk.target_gidx])
             assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
             seen += pk.target_gidx
@@ -130,6 +133,54 @@ def test_transformers_takes_a_4d_mask_as_is():
         tree = model(ids, attention_mask=P.dense_mask(ends)[None, None], position_ids=positions).logits
         alone = model(torch.tensor([[5, 6, 8]])).logits
     assert torch.allclose(tree[0, 3], alone[0, 2], atol=1e-5)
+
+
+def test_tree_segments_are_the_dense_mask_row_by_row():
+    """Segment + its context, causal inside the segment, is exactly the tree mask: rebuilt from the buckets
+    (padding dropped) it equals dense_mask for packs with several trees, forks inside blocks and chains."""
+    trees = [datpo_tree(), grpo_group(), deep_tree()]
+    offsets = P.token_offsets(trees)
+    units = [(t, tuple(tr.trained)) for t, tr in enumerate(trees)]
+    for budget in (1000, 12):
+        for items in P.micro_batches(trees, units, budget):
+            ends = P.pack(trees, items, offsets).subtree_end
+            rebuilt = torch.zeros(len(ends), len(ends), dtype=torch.bool)
+            for b in P.tree_buckets(ends, "cpu"):
+                for j in range(len(b.q_index)):
+                    for i in range(len(b.q_index[j])):
+                        if b.q_valid[j, i]:
+                            rebuilt[b.q_index[j, i], b.k_index[j][b.mask[j, 0, i]]] = True
+            assert torch.equal(rebuilt, P.dense_mask(torch.tensor(ends))), budget
+    # segments of the hand-packed datpo tree: prompt, then the blocks depth-first; a block's context is the
+    # prompt and the blocks on its path (0 → 1 → 2 is one base response cut at its forks)
+    (items,) = P.micro_batches([datpo_tree()], [(0, tuple(range(7)))], 1000)
+    pk = P.pack([datpo_tree()], items, P.token_offsets([datpo_tree()]))
+    segs = [(pk.input_ids[s:e], [pk.input_ids[k] for k in ctx]) for s, e, ctx in P.tree_segments(pk.subtree_end)]
+    assert segs[:3] == [([5, 6, 7], []), ([10, 11, 12], [5, 6, 7]), ([13, 14], [5, 6, 7, 10, 11, 12])]
+    assert ([30], [5, 6, 7, 10, 11, 12, 13, 14]) in segs and ([40, 41, 42, 43], [5, 6, 7]) in segs
+
+
+def test_tree_kernel_gradients_equal_dense():
+    model = tiny("qwen2")
+    trees = [datpo_tree(), grpo_group(), deep_tree()]
+    (items,) = P.micro_batches(trees, [(t, tuple(tr.trained)) for t, tr in enumerate(trees)], 1000)
+    pk = P.pack(trees, items, P.token_offsets(trees))
+    grads = {}
+    for kernel in ("dense", "tree"):
+        model.zero_grad()
+        logp = P.packed_logprobs(model, pk, "cpu", kernel=kernel)
+        (logp * torch.linspace(-1, 1, len(logp))).sum().backward()
+        grads[kernel] = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(grads["dense"], grads["tree"]))
+    assert model.config._attn_implementation == "sdpa"            # restored for the rollout
+    # a plain forward (left padding, no tree) while the backend is set is the model's own SDPA forward
+    ids, mask = torch.tensor([[EOS, EOS, 5, 6, 7], [8, 9, 10, 11, 12]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        with P.kernel_backend(model, "tree"):
+            assert model.config._attn_implementation == "datpo_tree"
+            same = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(plain[:, 2:], same[:, 2:], atol=1e-6) and torch.allclose(plain[1], same[1], atol=1e-6)
 
 
 def test_chunked_logprobs_values_and_gradients_match_one_chunk():
@@ -190,13 +241,13 @@ def _update(model, trees, cfg, opt_lr=0.05):
     return train.ppo_update(model, optimizer, trees, cfg, EOS, "cpu", random.Random(3))
 
 
-@pytest.mark.parametrize("grouping", ["trees", "blocks"])
-def test_one_update_packed_equals_rows(grouping):
+@pytest.mark.parametrize("grouping,kernel", [("trees", "dense"), ("blocks", "dense"), ("trees", "tree")])
+def test_one_update_packed_equals_rows(grouping, kernel):
     """Same trees, same mini-batch partition (same seed): same loss and same weights after the step.
     SGD, because Adam's first step is ±lr wherever a gradient is non-zero, so float noise in a gradient
     that should be exactly zero would show as a full-size difference."""
     cfg = C.make_config("tiny", mini_batch_size=6, micro_batch_size=2, ppo_epochs=2, max_grad_norm=1e9,
-                        max_tokens_per_micro_batch=20, mini_batch_grouping=grouping)
+                        max_tokens_per_micro_batch=20, mini_batch_grouping=grouping, packed_attention=kernel)
     trees = [datpo_tree(), grpo_group(), deep_tree()]
     trees[0].advantages[5] = 0.0
     base = tiny("qwen3")

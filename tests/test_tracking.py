@@ -207,11 +207,13 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-@pytest.mark.parametrize("layout", ["packed", "rows"])
-def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_policy, layout):
+@pytest.mark.parametrize("layout,kernel", [("packed", "tree"), ("packed", "dense"), ("rows", "auto")])
+def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_policy, layout, kernel):
+    """The recomputation in backward runs the same attention as the forward (the tree kernel's backend stays
+    set until the backward is done)."""
     model, tok = tiny_policy
     cfg = C.make_config("tiny", mini_batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=24, ppo_epochs=2,
-                        train_layout=layout)
+                        train_layout=layout, packed_attention=kernel)
     gen = random.Random(1)
     ids = lambda n: [gen.randrange(5, 2000) for _ in range(n)]  # noqa: E731
     blocks = [T.Block(None, ids(4), [0.0] * 4, base=0, start=0),
