@@ -347,7 +347,7 @@ def flex_block_mask(subtree_end: torch.Tensor):
 
 
 def flex_available(device) -> bool:
-    """flex_attention is used on CUDA when this torch has it; CPU keeps the dense SDPA reference path."""
+    """flex_attention is used on CUDA when this torch has it; elsewhere the tree kernel (tree_attention)."""
     if torch.device(device).type != "cuda":
         return False
     try:

@@ -1,12 +1,16 @@
 """Tree-packed update vs rows, one run: tokens forwarded per unique tree token and update seconds.
 
-    python bench/bench_update.py                         # both parts below (~10 min on 2 CPU cores)
-    python bench/bench_update.py --part demo --time paper grpo
-    python bench/bench_update.py --part paper
+    python bench/bench_update.py                         # both parts below (~15 min on 2 idle CPU cores)
+    python bench/bench_update.py --part demo --methods paper grpo treerl --time paper grpo treerl --demo_tokens 2048 4096
+    python bench/bench_update.py --part paper --methods paper grpo --time_paper paper grpo --cpu_tokens 8192 --timed_trees 4
+
+Run it alone on the machine: two PyTorch processes sharing 2 cores slow each other unevenly (the load
+average at the start is printed).
 
 demo:  the project's own rollouts (SmolLM2-135M, demo scale: 8 prompts, 64 new tokens) for each method's
-       preset; forwarded / unique tokens for packed (trees and blocks grouping) and rows, then one ppo_update
-       per layout on copies of the model, same trees and seed (update seconds, loss).
+       preset; forwarded / unique tokens for packed (trees and blocks grouping, at several token budgets) and
+       rows, then one ppo_update per layout, budget and attention kernel (tree, dense) on copies of the
+       model, same trees and seed (update seconds, loss).
 paper: synthetic trees of paper-like lengths (prompt ≈ 150, responses ≈ 600, DATPO (N, K, B) = (4, 3, 4);
        GRPO G = 16; TreeRL/AttnRL (6, 2, 2)), token counts at the paper's micro-batch budget, update seconds
        with a small random model, and the computed peak memory of the paper's run on one 80 GB GPU.
