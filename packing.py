@@ -427,7 +427,7 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
                                       **kwargs)
     groups = query.shape[1] // key.shape[1]
     q, k, v = query[0], key[0], value[0]                           # [H, L, d], [H_kv, L, d]
-    out = None                                                     # [L, H, d], in SDPA's dtype (autocast: bf16)
+    outputs, positions = [], []
     for b in tree_buckets:
         n, q_len = b.q_index.shape
         qs = q[:, b.q_index.reshape(-1)].unflatten(1, (n, q_len)).transpose(0, 1)       # [n, H, q_len, d]
@@ -437,10 +437,10 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
             ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=b.mask, scale=scaling,
                                                              dropout_p=dropout)       # [n, H, q_len, d]
-        if out is None:
-            out = o.new_zeros(q.shape[1], q.shape[0], q.shape[2])
-        out = out.index_put((b.q_index[b.q_valid],), o.transpose(1, 2)[b.q_valid])
-    return out[None], None
+        outputs.append(o.transpose(1, 2)[b.q_valid])                                    # [tokens, H, d]
+        positions.append(b.q_index[b.q_valid])
+    # the segments cover every token once, so the bucket outputs are the sequence in another order
+    return torch.cat(outputs)[torch.argsort(torch.cat(positions))][None], None
 
 
 def register_tree_attention() -> str:
