@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -152,27 +153,22 @@ def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> None:
     earlier run's files (RUN_FILES) first and nothing else (`delete`: torchrun's rank 0 only; every rank
     checks, so all of them stop with the same error)."""
     metrics = run_dir / "metrics.jsonl"
-    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").is_dir() \
-        else []
     records = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     if not records and not steps:
         return
     if overwrite:
-        if not delete:
-            return
-        import shutil
-
-        for name in RUN_FILES:
+        for name in RUN_FILES if delete else ():
             path = run_dir / name
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
         return
-    held = ", ".join(part for part in (f"metrics.jsonl with {records} record{'s' * (records != 1)}" if records else "",
-                                       f"checkpoints up to {steps[-1]}" if steps else "") if part)
-    raise UserError(f"--out_dir {run_dir}: already holds a run ({held}); --resume {run_dir} continues it, "
-                    f"another --out_dir starts a new one, --overwrite true replaces it")
+    held = [f"metrics.jsonl with {records} record{'s' * (records != 1)}"] if records else []
+    held += [f"checkpoints up to {steps[-1]}"] if steps else []
+    raise UserError(f"--out_dir {run_dir}: already holds a run ({', '.join(held)}); --resume {run_dir} continues "
+                    f"it, another --out_dir starts a new one, --overwrite true replaces it")
 
 
 def resume_source(resume: str) -> str | None:
