@@ -235,15 +235,21 @@ def split_items(tr: TrainTree, tree_index: int, trained: list[int], max_tokens: 
     return items
 
 
-def item_cost(trees: list[TrainTree], items: list[Item]) -> int:
-    """Tokens a packed sequence of these items forwards: per tree its prompt once and each needed block once."""
+def needed_blocks(trees: list[TrainTree], items: list[Item]) -> dict[int, set[int]]:
+    """Per tree, the blocks a packed sequence of these items forwards: the items' blocks and their ancestors."""
     per_tree: dict[int, set[int]] = {}
     for it in items:
         need = per_tree.setdefault(it.tree, set())
         for b in it.blocks:
             need.add(b)
             need.update(ancestors(trees[it.tree].parents, b))
-    return sum(len(trees[t].prompt_ids) + sum(len(trees[t].tokens[b]) for b in need) for t, need in per_tree.items())
+    return per_tree
+
+
+def item_cost(trees: list[TrainTree], items: list[Item]) -> int:
+    """Tokens a packed sequence of these items forwards: per tree its prompt once and each needed block once."""
+    return sum(len(trees[t].prompt_ids) + sum(len(trees[t].tokens[b]) for b in need)
+               for t, need in needed_blocks(trees, items).items())
 
 
 def micro_batches(trees: list[TrainTree], units: list[Unit], max_tokens: int) -> list[list[Item]]:
@@ -286,15 +292,12 @@ def pack(trees: list[TrainTree], items: list[Item], offsets: list[list[int]]) ->
     (the items' blocks and their ancestors) depth-first; targets are the tokens of the items' trained blocks.
     Trees follow each other block-diagonally (a prompt's subtree ends where its tree ends)."""
     out = Packed()
-    per_tree: dict[int, tuple[set[int], set[int]]] = {}
+    needed = needed_blocks(trees, items)
+    trained_in: dict[int, set[int]] = {}
     for it in items:
-        need, trained = per_tree.setdefault(it.tree, (set(), set()))
-        trained.update(it.trained)
-        for b in it.blocks:
-            need.add(b)
-            need.update(ancestors(trees[it.tree].parents, b))
-    for t in sorted(per_tree):
-        need, trained = per_tree[t]
+        trained_in.setdefault(it.tree, set()).update(it.trained)
+    for t in sorted(needed):
+        need, trained = needed[t], trained_in[t]
         tr = trees[t]
         kids = children_of(tr.parents)
         start = len(out)
