@@ -12,10 +12,11 @@
   trees       the step's trees and block advantages are all-gathered (`gather_lists`), so every rank holds the
               whole step in prompt order: metrics, AttnRL's dynamic batch size and the skipped-prompt count
               are global, and every rank forms the same PPO mini-batches as one process would;
-  update      each global mini-batch's micro-batches are dealt to ranks (`my_share`); a rank with fewer runs a
-              zero-gradient pass (`idle_pass`) so every rank joins every collective and takes the same
+  update      each global mini-batch's micro-batches are dealt to ranks (`deal`, over `my_share`); a rank with
+              fewer runs a zero-gradient pass (`idle_pass`) so every rank joins every collective and takes the same
               optimizer steps; the loss normaliser is the global mini-batch's token count (every rank knows all
-              its rows), and the loss is scaled by the world size because DDP and FSDP average gradients;
+              its rows), and the loss is scaled by the world size because DDP and FSDP average gradients
+              (`backward`);
   model       FSDP2 `fully_shard` (parameters, gradients and AdamW states sharded; per-decoder-layer units;
               MixedPrecisionPolicy from --precision) or DDP (`--parallel ddp`): `wrap`;
   generation  rollouts, old log-probs and evaluation run on gathered parameters (`full_params`), so ranks may
@@ -284,6 +285,31 @@ def idle_pass(policy: torch.nn.Module, pad_id: int, device) -> None:
     ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
     logits = policy(input_ids=ids, logits_to_keep=1).logits
     (logits.float().sum() * 0.0).backward()
+
+
+def deal(policy: torch.nn.Module, micro_batches: list, pad_id: int, device):
+    """The micro-batches of one global mini-batch that this rank trains on, for gradient accumulation: what
+    the update loops over. One process: all of them. Under torchrun: this rank's share (`my_share`); where it
+    has fewer than another rank, a zero-gradient `idle_pass` runs in their place so every rank joins every
+    collective; DDP all-reduces gradients in the backward of the last one only (`sync_gradients`)."""
+    share = my_share(micro_batches)
+    for j, micro in enumerate(share):
+        sync_gradients(policy, now=j == len(share) - 1)
+        if micro is None:
+            idle_pass(policy, pad_id, device)
+            continue
+        yield micro
+
+
+def mine(micro_batches: list) -> list:
+    """This rank's share of the micro-batches for no-grad passes (nothing to join): no padding."""
+    return [micro for micro in my_share(micro_batches) if micro is not None]
+
+
+def backward(loss: torch.Tensor) -> None:
+    """loss.backward() for an objective summed over the global mini-batch: under torchrun scaled by the world
+    size (`grad_scale`), because DDP and FSDP average gradients over ranks."""
+    (loss * grad_scale()).backward()
 
 
 # --------------------------------------------------------------------------------------------------------
