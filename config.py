@@ -20,14 +20,20 @@ import sys
 import typing
 from dataclasses import dataclass, field
 
-METHODS = ("datpo", "grpo", "drgrpo", "treerl", "attnrl")
-FORKS = ("random", "fixed-seg", "atb", "tok-entropy", "sent-entropy")
+import advantage as A
+import methods as M
+import tree as T
+
+# The stages own their choice lists (one source each): methods.py's table, tree.py's forking strategies and
+# branch budgets, advantage.py's value estimates.
+METHODS = tuple(M.METHODS)                  # datpo, grpo, drgrpo, treerl, attnrl: one row each in methods.py
+FORKS = T.FORK_METHODS
 ALPHA_SCOPES = ("positive", "all")
 PRECISIONS = ("bf16-autocast", "bf16", "fp32")
 PROMPT_STYLES = ("release", "chat", "plain")
 LOSS_NORMS = ("token", "constant")
-BRANCH_BUDGETS = ("full", "remaining")
-VALUE_ESTIMATES = ("paper", "release")
+BRANCH_BUDGETS = T.BRANCH_BUDGETS
+VALUE_ESTIMATES = A.VALUE_ESTIMATES
 TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "tree", "dense", "flex")
@@ -185,7 +191,7 @@ class Config:
         if self.micro_batch_size > self.mini_batch_size:
             raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be <= "
                              f"--mini_batch_size ({self.mini_batch_size})")
-        if self.loss_norm == "constant" and self.method in ("treerl", "attnrl") and self.mini_batch_grouping == "blocks":
+        if self.loss_norm == "constant" and M.METHODS[self.method].paths and self.mini_batch_grouping == "blocks":
             raise ValueError("--loss_norm constant counts TreeRL/AttnRL's root-to-leaf paths per mini-batch; a "
                              "mini-batch of random blocks may hold none: expected --mini_batch_grouping trees")
         return self
@@ -215,7 +221,8 @@ SCALES: dict[str, dict] = {
     # The paper's runs on one A100: the dataclass defaults.
     "paper": {},
     # Two CPU cores, offline: the embedded SmolLM2-135M-Instruct and MiniLM embedder on synthetic arithmetic
-    # it can learn (NOTES.md: one worked example gives it a reward signal; lr 1e-5 was steady, 3e-5 not).
+    # it can learn (measured: one worked example gives it a reward signal; with a plain GRPO loop lr 1e-5 was
+    # steady, 3e-5 peaked early then drifted).
     "demo": dict(
         model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True, prompt_style="chat",
         embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
@@ -308,7 +315,8 @@ def make_config(preset: str = "paper", scale: str | None = None, **overrides) ->
 # ---------------------------------------------------------------------------------------------------------
 # Command line: --preset NAME then --<field> VALUE for every field.
 # ---------------------------------------------------------------------------------------------------------
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """A command-line boolean: 1/true/yes/on or 0/false/no/off (any case)."""
     lowered = text.lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -342,7 +350,7 @@ def build_parser(description: str = "DATPO training") -> argparse.ArgumentParser
             item = typing.get_args(kind)[0]
             kwargs.update(type=item, nargs="+", metavar=item.__name__.upper())
         else:
-            kwargs.update(type=_parse_bool if kind is bool else kind, metavar=kind.__name__.upper())
+            kwargs.update(type=parse_bool if kind is bool else kind, metavar=kind.__name__.upper())
         if f.name in CHOICES or f.name in LIST_CHOICES:
             kwargs.update(choices={**CHOICES, **LIST_CHOICES}[f.name], metavar=None)
         parser.add_argument(f"--{f.name}", **kwargs)

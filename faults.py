@@ -110,7 +110,7 @@ def hub_blocked() -> str | None:
     """Why the HF hub cannot be reached now (a short probe), or None."""
     import data
 
-    return data._hub_blocked()
+    return data.hub_blocked()
 
 
 def check_model(name: str, flag: str = "--model", embedded: tuple[str, ...] = EMBEDDED_MODELS) -> None:
@@ -215,12 +215,14 @@ def model_context(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-def check_prompt_fits(n_prompt: int, max_new_tokens: int, context: int | None, where: str) -> None:
-    """A prompt plus its generation budget must fit in the model's context."""
-    if context and n_prompt + max_new_tokens > context:
-        raise UserError(f"{where}: the prompt is {n_prompt} tokens and up to {max_new_tokens} new tokens "
-                        f"follow, longer than the model's context of {context} tokens; expected a shorter "
-                        f"problem or a smaller --max_new_tokens")
+def check_prompt_fits(n_prompt: int, new_tokens: int, context: int | None, where: str, flags: str = "",
+                      fix: str = "a shorter problem or a smaller --max_new_tokens") -> None:
+    """A prompt plus the most tokens generated after it must fit in the model's context: one response when
+    evaluating, a whole root-to-leaf path of a tree when training (train.check_fits). flags: the settings
+    that set new_tokens, shown in parentheses; fix: what to do instead."""
+    if context and n_prompt + new_tokens > context:
+        raise UserError(f"{where}: the prompt is {n_prompt} tokens and up to {new_tokens} new tokens follow"
+                        f"{flags}, which exceeds the model's context of {context} tokens; expected {fix}")
 
 
 # --------------------------------------------------------------------------------------------------------

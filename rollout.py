@@ -31,6 +31,7 @@ from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, Logit
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 import faults
+import methods as M
 import tree as T
 from reward import compute_reward
 
@@ -412,19 +413,16 @@ def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entr
 
 
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
-                  budget=None, n_base: int | None = None, levels: list | None = None, expand=None,
+                  method: M.Method | None = None, levels: list | None = None,
                   progress=None) -> tuple[list[T.Tree], RolloutStats]:
     """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
 
-    budget: v_root -> (K, B); default is DATPO's adaptive_budget(v, k_max, b_max), or fixed (k_max, b_max)
-    when cfg.adaptive is False. n_base overrides cfg.n_base (GRPO samples G parallel responses, no branches).
-    expand: (rewards of a prompt's N base responses, rng) -> indices of the responses that get forks;
-    default all of them (AttnRL passes tree.attnrl_expansion).
+    method: the methods.py row whose rollout this is (default: cfg.method's). Its `rollout_shape` gives the
+    responses per prompt (GRPO: G parallel responses, no branches), the budget v_root -> (K, B) (DATPO's
+    adaptive_budget(v, k_max, b_max), or fixed (k_max, b_max)), and which base responses get forks (all, or
+    AttnRL's tree.attnrl_expansion).
     """
-    n = n_base or cfg.n_base
-    if budget is None:
-        budget = (lambda v: T.adaptive_budget(v, cfg.k_max, cfg.b_max)) if cfg.adaptive else \
-                 (lambda v: (cfg.k_max, cfg.b_max))
+    n, budget, expand = (method or M.method_of(cfg)).rollout_shape(cfg)
     sampler = Sampler.from_config(model, tokenizer, cfg)
     stats = RolloutStats()
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]

@@ -4,18 +4,21 @@
     python train.py --preset demo                    # 2 CPU cores, offline, SmolLM2-135M on arithmetic
     python train.py --preset tiny --steps 2          # tests
 
-One step (Algorithm DATPO):
+One step (`train_step`, Algorithm DATPO):
   sample prompts q ~ Q
   Phase 1+2  tree rollouts: N base responses, V(root), K̂/B̂, forks, branches        (rollout.py, tree.py)
   Phase 3    block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b)            (advantage.py)
   Phase 4    old log-probs (no grad) → PPO epochs over mini-batches of blocks (whole trees, re-shuffled every
              epoch), micro-batches sized in tokens with gradient accumulation → clipped token-level objective
              (Eq. DATPO, separate clip low/high, no KL) → grad-norm clip → AdamW; then anneal α.
-The update forwards each tree once as a packed sequence under a tree attention mask (packing.py): the prompt
-once, every block once, each token attending to its own root-to-leaf path, so every token of the tree is
+What differs between DATPO and the baselines is one row of methods.py (rollout shape, advantages, path weighting,
+embeddings). The update forwards each tree once as a packed sequence under a tree attention mask (packing.py): the
+prompt once, every block once, each token attending to its own root-to-leaf path, so every token of the tree is
 trained exactly once. TreeRL/AttnRL's root-to-leaf flattening (App. F.4) is reproduced by weighting each token
 by the number of trained paths through it. `--train_layout rows` forwards each leaf's new tokens as a row with
 its whole prefix as context instead (the simple path, and the tests' oracle).
+The harness around the step — setup, the non-finite guard, evaluation, checkpoints, stop signals — is in `train`
+below it; torchrun (several GPUs) is a handful of `D.` calls (distributed.py).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import random
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +43,7 @@ import data
 import distributed as D
 import evaluate
 import faults
+import methods as M
 import models
 import packing as P
 import rollout as R
@@ -49,7 +53,7 @@ from tracking import Log
 
 
 # --------------------------------------------------------------------------------------------------------
-# Phase 3: advantages per method
+# Phase 3: advantages per method (the method's row in methods.py)
 # --------------------------------------------------------------------------------------------------------
 def embed_blocks(embedder, trees: list[T.Tree], batch_size: int) -> list[np.ndarray | None]:
     """Block embeddings for the sibling-diversity term, once per step and batched over the whole batch.
@@ -73,68 +77,28 @@ def embed_blocks(embedder, trees: list[T.Tree], batch_size: int) -> list[np.ndar
     return out
 
 
+
 def tree_advantages(method: str, tr: T.Tree, alpha: float, scope: str, embeddings,
                     value_estimate: str = "paper") -> list[float]:
-    """One advantage per block of the tree, by the method's formula (advantage.py)."""
-    if method == "datpo":
-        return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope, value_estimate,
-                                  tr.branch_flags)
-    if method == "grpo":
-        return A.grpo_advantages(tr.rewards)
-    if method == "drgrpo":
-        return A.drgrpo_advantages(tr.rewards)
-    if method in ("treerl", "attnrl"):
-        return A.treerl_advantages(tr.parents, tr.rewards)
-    raise ValueError(f"unknown method {method!r}")
+    """One advantage per block of the tree, by the method's formula (methods.METHODS, advantage.py)."""
+    if method not in M.METHODS:
+        raise ValueError(f"unknown method {method!r}")
+    return M.METHODS[method].advantages(tr, alpha, embeddings, scope, value_estimate)
 
 
-# --------------------------------------------------------------------------------------------------------
-# What the update trains: one TrainTree per prompt
-# --------------------------------------------------------------------------------------------------------
 def train_tree(tr: T.Tree, adv: list[float], method: str) -> P.TrainTree:
     """The tree with one advantage per block. DATPO and the parallel baselines train every tree token once
     (weight 1). TreeRL/AttnRL train root-to-leaf paths (App. F.4): a block counts once per trained path
     through it — AttnRL's paths are the branched ones only; unbranched responses still count in V(root)."""
-    paths = None
-    weights = [1.0] * len(tr.blocks)
-    if method in ("treerl", "attnrl"):
-        paths = [T.path_to(tr.blocks, leaf) for leaf, b in enumerate(tr.blocks) if b.terminal]
-        if method == "attnrl":
-            paths = [p for p in paths if len(p) > 1]
-        weights = [float(m) for m in P.path_multiplicity(tr.parents, paths)]
+    paths_of = M.METHODS[method].paths
+    paths = paths_of(tr) if paths_of else None
+    weights = [float(m) for m in P.path_multiplicity(tr.parents, paths)] if paths_of else [1.0] * len(tr.blocks)
     return P.TrainTree(tr.prompt_ids, tr.parents, [b.token_ids for b in tr.blocks], list(adv), weights, paths)
 
 
-def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
-    """A prompt is never skipped by default (the release defines max_prompt_len but never applies it), but
-    one whose longest root-to-leaf sequence cannot fit the model's context is an error naming it."""
-    generated = cfg.max_new_tokens if cfg.method in ("grpo", "drgrpo") else \
-        T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
-    if context and n_prompt + generated > context:
-        raise faults.UserError(f"{where}: a prompt of {n_prompt} tokens + up to {generated} generated tokens "
-                         f"(--max_new_tokens {cfg.max_new_tokens}, --branch_budget {cfg.branch_budget}) exceeds "
-                         f"the model's context of {context} tokens; skip long prompts with --max_prompt_tokens N, "
-                         f"or lower --max_new_tokens / use --branch_budget remaining")
-
-
-def rollout_shape(cfg) -> dict:
-    """rollout_trees arguments per method: GRPO/Dr.GRPO sample G parallel responses (no branches); AttnRL
-    branches (K, B) on the responses its adaptive sampling picks; DATPO/TreeRL use adaptive_budget, or fixed
-    (K, B) when cfg.adaptive is False."""
-    if cfg.method in ("grpo", "drgrpo"):
-        return dict(n_base=cfg.group_size, budget=lambda v: (0, 0))
-    if cfg.method == "attnrl":
-        return dict(budget=lambda v: (cfg.k_max, cfg.b_max), expand=T.attnrl_expansion)
-    return {}
-
-
 def trainable(tr: T.Tree, method: str) -> bool:
-    """AttnRL drops trees whose leaves all have the same reward (no signal: all-correct or all-wrong
-    prompts) before the update, so they do not count in the loss normaliser or the batch. The other methods
-    keep every tree: a zero-advantage row costs no compute but counts in Eq. DATPO's normaliser."""
-    if method != "attnrl":
-        return True
-    return len({b.reward for b in tr.blocks if b.terminal}) > 1
+    """Whether the update trains this tree (AttnRL drops trees with no signal: methods.Method.trainable)."""
+    return M.METHODS[method].trainable(tr)
 
 
 def attnrl_batch_size(batch: int, kept_leaves: int, target_leaves: int, lam: float, cap: int) -> int:
@@ -160,12 +124,8 @@ def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
 
 
 def max_row_targets(cfg) -> int:
-    """The most target tokens a trained sequence can hold: a block (≤ max_new_tokens, tree.branch_limit),
-    or for TreeRL/AttnRL a whole root-to-leaf path, which with --branch_budget full can reach
-    tree.max_path_tokens = 2·max_new_tokens − 1. Dr.GRPO's constant normaliser is this per sequence."""
-    if cfg.method in ("treerl", "attnrl"):
-        return T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
-    return cfg.max_new_tokens
+    """The most target tokens a trained sequence can hold (methods.Method.max_row_targets)."""
+    return M.method_of(cfg).max_row_targets(cfg)
 
 
 def attention_kernel(cfg, device) -> str:
@@ -182,23 +142,13 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     Each epoch re-shuffles the mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping); each
     mini-batch's loss is −Σ w·min(ρA, clip(ρ)A) / normaliser, the normaliser computed from its units alone.
     Blocks whose advantage is zero count in the normaliser but cost no forward or backward.
-    Old log-probs: θ_old = θ until the first optimizer step, so the first mini-batch of the first epoch
-    uses its own detached log-probs; every other block gets a no-grad forward with the same packing first.
+    Under torchrun `D.deal` gives this rank its share of each mini-batch's micro-batches (and the passes and
+    gradient syncs that keep ranks in step) and `D.backward` scales the loss for DDP/FSDP's gradient mean.
     """
     kernel = attention_kernel(cfg, device)
-    # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
-    # recomputes the forward there); the rows layout runs the model as it is
-    with P.kernel_backend(D.unwrap(model), kernel if cfg.train_layout == "packed" else "dense"):
-        return _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel)
-
-
-def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> dict:
-    """ppo_update's epochs (see its docstring), inside the packed kernel's attention backend."""
     offsets = P.token_offsets(trees)
     adv = torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
                        dtype=torch.float32, device=device)
-    old = torch.zeros_like(adv)
-    have_old = torch.zeros(len(adv), dtype=torch.bool, device=device)
 
     def micro_batches(units):
         return P.layout_micro_batches(trees, units, offsets, cfg.train_layout, cfg.max_tokens_per_micro_batch,
@@ -207,68 +157,424 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
     def logprobs(micro):
         return P.micro_logprobs(model, micro, pad_id, device, kernel)
 
-    first_epoch = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
+    stats = UpdateStats(trees)
+    # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
+    # recomputes the forward there); the rows layout runs the model as it is
+    with P.kernel_backend(D.unwrap(model), kernel if cfg.train_layout == "packed" else "dense"):
+        minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
+        old, have_old = old_logprobs(model, minibatches, micro_batches, logprobs, len(adv), cfg, device)
+        for epoch in range(cfg.ppo_epochs):
+            if epoch > 0:
+                minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
+            for units in minibatches:
+                norm = P.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, max_row_targets(cfg))
+                micros = micro_batches(units)
+                if not micros:
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                mb_loss = 0.0
+                for micro in D.deal(model, micros, pad_id, device):   # one process: every micro-batch
+                    with models.autocast(device, cfg.precision):
+                        new = logprobs(micro).float()
+                    gidx = torch.tensor(micro.gidx, device=device)
+                    old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
+                    objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
+                    weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
+                    loss = -(weights * objective).sum() / norm
+                    D.backward(loss)                                   # torchrun: × world size
+                    mb_loss += loss.item()
+                    stats.add_micro_batch(active, micro)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
+                    stats.nonfinite_minibatches += 1
+                    continue
+                optimizer.step()
+                stats.add_optimizer_step(mb_loss, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return stats.result(cfg.ppo_epochs)
+
+
+def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg, device):
+    """θ_old's log-prob of every token (no grad) and a mask of the ones computed. θ_old = θ until the first
+    optimizer step, so the first mini-batch of a one-epoch update needs none: it uses its own detached
+    log-probs; every other block gets a no-grad forward with the same packing first."""
+    old = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    have_old = torch.zeros(n_tokens, dtype=torch.bool, device=device)
     model.eval()  # no dropout: old and new log-probs must come from the same function
     with torch.no_grad(), models.autocast(device, cfg.precision), D.full_params(model):
         for k, units in enumerate(first_epoch):
             if k > 0 or cfg.ppo_epochs > 1:
-                for micro in D.my_share(micro_batches(units)):   # torchrun: only this rank's micro-batches
-                    if micro is None:
-                        continue
+                for micro in D.mine(micro_batches(units)):   # torchrun: only this rank's micro-batches
                     gidx = torch.tensor(micro.gidx, device=device)
                     old[gidx] = logprobs(micro).float()
                     have_old[gidx] = True
-    old, have_old = D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
+    return D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
 
-    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0,
-             "trained_blocks": sum(len(P.live_blocks(tr, tr.trained)) for tr in trees), "nonfinite_minibatches": 0,
-             "forwarded_tokens": 0, "unique_tokens": sum(tr.unique_tokens for tr in trees if tr.trained)}
-    clip_tokens = total_tokens = forwarded = 0
-    for epoch in range(cfg.ppo_epochs):
-        epoch_minibatches = first_epoch if epoch == 0 else P.minibatches(
-            trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
-        for units in epoch_minibatches:
-            norm = P.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, max_row_targets(cfg))
-            micros = micro_batches(units)
-            if not micros:
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            mb_loss = 0.0
-            mine = D.my_share(micros)          # one process: all of them; torchrun: this rank's, padded
-            for j, micro in enumerate(mine):
-                D.sync_gradients(model, now=j == len(mine) - 1)   # DDP: one all-reduce per optimizer step
-                if micro is None:              # no units left here: a zero-gradient pass joins the collectives
-                    D.idle_pass(model, pad_id, device)
-                    continue
-                with models.autocast(device, cfg.precision):
-                    new = logprobs(micro).float()
-                gidx = torch.tensor(micro.gidx, device=device)
-                old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
-                objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
-                weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
-                loss = -(weights * objective).sum() / norm
-                (loss * D.grad_scale()).backward()   # × world size: DDP/FSDP average gradients over ranks
-                mb_loss += loss.item()
-                clip_tokens += int(active.sum())
-                total_tokens += active.numel()
-                forwarded += micro.forwarded
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
-                stats["nonfinite_minibatches"] += 1
-                continue
-            optimizer.step()
-            stats["loss"] += mb_loss
-            stats["grad_norm"] += float(grad_norm)
-            stats["optimizer_steps"] += 1
-    stats["loss"], clip_tokens, total_tokens, forwarded = D.all_reduce([stats["loss"], clip_tokens, total_tokens,
-                                                                        forwarded])   # torchrun: over ranks
-    steps = max(stats["optimizer_steps"], 1)
-    stats["loss"] /= steps
-    stats["grad_norm"] /= steps
-    stats["clip_frac"] = clip_tokens / max(total_tokens, 1)
-    stats["forwarded_tokens"] = forwarded / cfg.ppo_epochs      # per pass over the batch
-    optimizer.zero_grad(set_to_none=True)
-    return stats
+
+class UpdateStats:
+    """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of tokens,
+    tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained."""
+
+    def __init__(self, trees: list[P.TrainTree]):
+        self.loss = self.grad_norm = 0.0
+        self.optimizer_steps = self.nonfinite_minibatches = 0
+        self.clip_tokens = self.total_tokens = self.forwarded = 0
+        self.trained_blocks = sum(len(P.live_blocks(tr, tr.trained)) for tr in trees)
+        self.unique_tokens = sum(tr.unique_tokens for tr in trees if tr.trained)
+
+    def add_micro_batch(self, active: torch.Tensor, micro) -> None:
+        self.clip_tokens += int(active.sum())
+        self.total_tokens += active.numel()
+        self.forwarded += micro.forwarded
+
+    def add_optimizer_step(self, loss: float, grad_norm) -> None:
+        self.loss += loss
+        self.grad_norm += float(grad_norm)
+        self.optimizer_steps += 1
+
+    def result(self, ppo_epochs: int) -> dict:
+        loss, clip_tokens, total_tokens, forwarded = D.all_reduce(
+            [self.loss, self.clip_tokens, self.total_tokens, self.forwarded])   # torchrun: over ranks
+        steps = max(self.optimizer_steps, 1)
+        return {"loss": loss / steps, "clip_frac": clip_tokens / max(total_tokens, 1),
+                "grad_norm": self.grad_norm / steps, "optimizer_steps": self.optimizer_steps,
+                "trained_blocks": self.trained_blocks, "nonfinite_minibatches": self.nonfinite_minibatches,
+                "forwarded_tokens": forwarded / ppo_epochs,      # per pass over the batch
+                "unique_tokens": self.unique_tokens}
+
+
+# --------------------------------------------------------------------------------------------------------
+# One step of Algorithm DATPO
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    """What the loop carries from one step to the next; a checkpoint saves and restores it whole."""
+    step: int = 0                   # steps done
+    cursor: int = 0                 # position in the endless stream of shuffled problems (problem_index)
+    skipped_prompts: int = 0        # prompts longer than --max_prompt_tokens, so far
+    batch_size: int = 0             # prompts per step: cfg.prompts_per_step, or AttnRL's dynamic batch size
+    bad_steps_in_a_row: int = 0     # steps with a non-finite loss or gradient (nonfinite_guard)
+    rng: random.Random = field(default_factory=random.Random)   # fork choice, mini-batch order
+
+    def trainer_state(self) -> dict:
+        """The checkpoint's trainer_state.pt fields (besides the optimizer and the config)."""
+        return {"step": self.step, "cursor": self.cursor, "skipped_prompts": self.skipped_prompts,
+                "batch_size": self.batch_size, "bad_steps_in_a_row": self.bad_steps_in_a_row,
+                "rng": rng_state(self.rng)}
+
+    def restore(self, state: dict) -> None:
+        """Back to a checkpoint's trainer state (older checkpoints lack the later fields)."""
+        self.step, self.cursor = state["step"], state["cursor"]
+        self.skipped_prompts = state.get("skipped_prompts", 0)
+        self.batch_size = state.get("batch_size", self.batch_size)
+        self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)
+        set_rng_state(self.rng, state["rng"])
+
+
+@dataclass
+class Setup:
+    """What every step uses and none changes: the config and its method row, the models, the data, the run."""
+    cfg: C.Config
+    method: M.Method
+    device: torch.device
+    run_dir: Path
+    log: Log
+    model: torch.nn.Module          # the HF model (generation, evaluation, checkpoints)
+    policy: torch.nn.Module         # what the update runs: `model`, or under torchrun its FSDP2/DDP form
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
+    problems: list[dict]
+    eval_problems: list[dict]
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+
+def train_step(s: Setup, run: RunState) -> dict:
+    """One step of Algorithm DATPO (App. F), or of the method's baseline; returns its metrics record."""
+    cfg, method, step, t_step = s.cfg, s.method, run.step, time.perf_counter()
+    prompts, answers, levels = sample_prompts(s, run)                      # q ~ Q
+
+    # ---- Phase 1+2: tree rollouts (torchrun: this rank's share of the prompts, its own RNG stream) ----
+    s.model.eval()
+    lo, hi = D.shard_range(len(prompts))
+    with models.autocast(s.device, cfg.precision), D.full_params(s.policy):
+        trees, rollout_stats = R.rollout_trees(s.model, s.tokenizer, prompts[lo:hi], answers[lo:hi], cfg,
+                                               D.rollout_rng(run.rng, cfg.seed, step), method=method,
+                                               levels=levels[lo:hi])
+
+    # ---- Phase 3: block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) ----
+    t0 = time.perf_counter()
+    alpha = A.alpha_at(step, cfg.steps, cfg.alpha_start, cfg.alpha_end) if method.embeds else 0.0
+    embeddings = embed_blocks(s.embedder, trees, cfg.embed_batch_size) if (s.embedder and alpha != 0) \
+        else [None] * len(trees)
+    t_embed = time.perf_counter() - t0
+    # torchrun: every rank now holds the whole step (all ranks' trees in prompt order), so metrics stay
+    # global and every rank forms the same mini-batches as one process would
+    trees, embeddings, rank_stats = D.gather_lists(trees, embeddings, [rollout_stats])
+    advantages = [method.advantages(tr, alpha, emb, cfg.alpha_scope, cfg.value_estimate)
+                  if method.trainable(tr) else None for tr, emb in zip(trees, embeddings)]
+    train_trees = [train_tree(tr, adv, method.name) for tr, adv in zip(trees, advantages) if adv is not None]
+    log_trees(s, step + 1, trees, advantages, embeddings, alpha)
+
+    # ---- Phase 4: policy update (PPO-clip, token level) ----
+    t0 = time.perf_counter()
+    s.model.train()
+    update = ppo_update(s.policy, s.optimizer, train_trees, cfg, s.pad_id, s.device, run.rng)
+    t_update = time.perf_counter() - t0
+
+    if method.dynamic_batch:   # AttnRL: aim the surviving leaves at the initial batch's
+        kept_leaves = sum(tr.leaves for tr, adv in zip(trees, advantages) if adv is not None)
+        target = cfg.prompts_per_step * cfg.n_base * (1 + cfg.k_max * cfg.b_max)
+        run.batch_size = attnrl_batch_size(run.batch_size, kept_leaves, target, cfg.attnrl_lambda,
+                                           cap=4 * cfg.prompts_per_step)
+    run.step = step + 1
+    t_gen = max(r.seconds_base + r.seconds_forks + r.seconds_branches for r in rank_stats)
+    return step_record(run, trees, train_trees, update, alpha, rank_stats,
+                       {"generation": t_gen, "embedding": t_embed, "update": t_update}, t_step)
+
+
+def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]:
+    """The step's prompts, answers and difficulty levels, drawn from the data stream at run.cursor. With
+    --max_prompt_tokens > 0 longer prompts are skipped and counted; a prompt that cannot fit the model's
+    context is an error (check_fits)."""
+    cfg, tokenizer = s.cfg, s.tokenizer
+    context = faults.model_context(s.model)
+    prompts, answers, levels = [], [], []
+    misses = 0
+    while len(prompts) < run.batch_size:
+        index = problem_index(len(s.problems), run.cursor, cfg.seed)
+        problem = s.problems[index]
+        run.cursor += 1
+        prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
+        n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+        if cfg.max_prompt_tokens and n_prompt > cfg.max_prompt_tokens:
+            run.skipped_prompts += 1
+            misses += 1
+            if misses > len(s.problems):
+                raise faults.UserError(
+                    f"--train_data {cfg.train_data}: every prompt is longer than --max_prompt_tokens "
+                    f"{cfg.max_prompt_tokens}; expected problems that fit, or a larger --max_prompt_tokens")
+            continue
+        check_fits(n_prompt, cfg, context, f"{cfg.train_data} problem #{index}")
+        prompts.append(prompt)
+        answers.append(problem["answer"])
+        levels.append(problem.get("level"))
+    return prompts, answers, levels
+
+
+def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
+    """A prompt is never skipped by default (the release defines max_prompt_len but never applies it), but
+    one whose longest root-to-leaf sequence cannot fit the model's context is an error naming it."""
+    faults.check_prompt_fits(
+        n_prompt, M.method_of(cfg).longest_response(cfg), context, where,
+        flags=f" (--max_new_tokens {cfg.max_new_tokens}, --branch_budget {cfg.branch_budget})",
+        fix="problems that fit: skip long prompts with --max_prompt_tokens N, or lower --max_new_tokens / use "
+            "--branch_budget remaining")
+
+
+def log_trees(s: Setup, step: int, trees: list[T.Tree], advantages: list, embeddings: list, alpha: float) -> None:
+    """RUN/trees/step_XXXXXX.jsonl at step 1 and every --log_trees_every steps (tracking.write_trees)."""
+    cfg = s.cfg
+    if D.is_main() and tracking.trees_due(step, cfg.log_trees_every):
+        if s.embedder and alpha == 0:   # Div_sib is worth seeing even once α has annealed to 0
+            embeddings = embed_blocks(s.embedder, trees, cfg.embed_batch_size)
+        tracking.write_trees(s.run_dir, step, trees, s.tokenizer, advantages, embeddings, alpha, cfg.method,
+                             cfg.value_estimate)
+
+
+def step_record(run: RunState, trees: list[T.Tree], train_trees: list[P.TrainTree], update: dict, alpha: float,
+                rank_stats: list, seconds: dict, t_step: float) -> dict:
+    """The step's line of metrics.jsonl: rollouts (reward, V(root), tree sizes), the update's statistics,
+    rollout counters summed over ranks, and where the time went."""
+    rewards = [b.reward for tr in trees for b in tr.blocks if b.terminal]
+    record = {
+        "step": run.step,
+        "reward": float(np.mean(rewards)),
+        "v_root": float(np.mean([tr.v_root for tr in trees])),
+        "pass_rate": float(np.mean([tr.pass_rate for tr in trees])),
+        "leaves_per_prompt": float(np.mean([tr.leaves for tr in trees])),
+        "generated_tokens_per_prompt": float(np.mean([tr.generated_tokens for tr in trees])),
+        "k_hat": float(np.mean([tr.k_hat for tr in trees])),
+        "b_hat": float(np.mean([tr.b_hat for tr in trees])),
+        "prompts": len(trees),
+        "blocks": sum(len(t.trained) for t in train_trees),
+        "alpha": alpha,
+        "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
+        **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
+        **update,
+        "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in rank_stats),
+        "oom_retries": sum(r.oom_retries for r in rank_stats),
+        "skipped_prompts": run.skipped_prompts,
+        **{f"seconds_{name}": value for name, value in seconds.items()},
+        "seconds_step": time.perf_counter() - t_step,
+    }
+    record["seconds_other"] = record["seconds_step"] - sum(seconds.values())
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------
+# The harness: setup, the loop, the guard, evaluation and checkpoints around the step
+# --------------------------------------------------------------------------------------------------------
+def train(cfg: C.Config) -> Path:
+    """Run (or resume) training; returns the run folder. The first SIGTERM/SIGINT stops it at the end of the
+    step with a checkpoint (faults.GracefulStop); --resume then continues exactly."""
+    with faults.GracefulStop() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
+    t_run = time.perf_counter()
+    s, run = setup(cfg)
+    start_step, log = run.step, s.log
+    if cfg.eval_every and start_step == 0:
+        run_eval(s.model, s.tokenizer, s.eval_problems, cfg, s.device, "before", log, 0)
+    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method,
+               dynamic_ncols=True, disable=not D.is_main())
+    for _ in bar:
+        if D.any_rank(stop.requested):   # the signal came before any step ran: nothing new to save
+            log.say(f"stopped by {stop.requested} before step {run.step + 1}")
+            return s.run_dir
+        faults.crash_point("step")
+        record = train_step(s, run)
+        run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = \
+            run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] else 0
+        log.write(record)
+        nonfinite_guard(s, run, record)
+        bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
+                        leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{record['loss']:.3f}")
+        stopping = D.any_rank(stop.requested)   # torchrun: every rank stops at the same step
+        saved = evaluate_and_save(s, run, stopping)
+        if stopping and run.step < cfg.steps:
+            bar.close()
+            log.say(f"stopped by {stop.requested} after step {run.step}: checkpoint {saved}; continue with the "
+                    f"same command plus --resume {s.run_dir}")
+            return s.run_dir
+    bar.close()
+    finish(s, start_step, t_run)
+    return s.run_dir
+
+
+def setup(cfg: C.Config) -> tuple[Setup, RunState]:
+    """Everything before the first step: pre-flight checks (each user mistake is one line, faults.UserError,
+    before anything slow runs), the run folder and its log, data, models, optimizer, and — with --resume —
+    the checkpoint's weights and trainer state."""
+    D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
+    device = models.pick_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run_dir = faults.check_writable(cfg.out_dir)
+    if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
+        faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
+        D.barrier()
+    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
+    checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
+    if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
+        log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
+    if checkpoint is None:
+        faults.check_model(cfg.model)
+    method = M.method_of(cfg)
+    wants_embedder = method.embeds and (cfg.alpha_start != 0 or cfg.alpha_end != 0)
+    if wants_embedder:
+        faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
+    problems = faults.load_data(cfg.train_data, "--train_data")
+    eval_problems = faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None) if cfg.eval_every else []
+    torch.manual_seed(cfg.seed)
+    run = RunState(batch_size=cfg.prompts_per_step, rng=random.Random(cfg.seed))
+
+    source = checkpoint or cfg.model
+    try:
+        model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
+    except OSError as err:
+        raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
+    if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
+        models.enable_gradient_checkpointing(model)
+    policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                  weight_decay=cfg.weight_decay)
+    if checkpoint:
+        load_trainer_state(checkpoint, model, optimizer, run)
+        log.say(f"resumed from {checkpoint} at step {run.step}")
+    # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
+    dropped = log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
+    if dropped:
+        log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
+    if D.is_main() and (not checkpoint or not (run_dir / "config.json").exists()):
+        (run_dir / "config.json").write_text(cfg.to_json())
+        (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
+    # never loaded when α is 0 for the whole run
+    embedder = models.load_embedder(cfg.embed_model, device) if wants_embedder else None
+    return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, embedder, problems,
+                 eval_problems), run
+
+
+def load_trainer_state(checkpoint, model, optimizer, run: RunState) -> None:
+    """A checkpoint's optimizer state (any number of ranks) and trainer state (RunState) — its weights were
+    loaded with the model."""
+    state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True)
+    D.load_optimizer_state(model, optimizer, state["optimizer"])
+    run.restore(state)
+
+
+def nonfinite_guard(s: Setup, run: RunState, record: dict) -> None:
+    """After a step whose update skipped mini-batches with a non-finite loss or gradient norm
+    (faults.skip_nonfinite): say so, and stop the run after --max_bad_steps such steps in a row."""
+    if record["nonfinite_minibatches"]:
+        s.log.say(f"step {run.step}: {record['nonfinite_minibatches']} mini-batch(es) with a non-finite loss or "
+                  f"gradient norm not applied ({run.bad_steps_in_a_row} step(s) in a row)")
+    if run.bad_steps_in_a_row >= s.cfg.max_bad_steps:
+        last = models.resolve_checkpoint(str(s.run_dir))
+        raise faults.NonFiniteStop(
+            f"stopped at step {run.step}: {run.bad_steps_in_a_row} steps in a row had non-finite losses or "
+            f"gradient norms (--max_bad_steps {s.cfg.max_bad_steps}); last good checkpoint: "
+            f"{last if last != str(s.run_dir) else 'none'}; expected a lower --lr or a check of the data")
+
+
+def evaluate_and_save(s: Setup, run: RunState, stopping: bool) -> Path | None:
+    """Held-out evaluation every --eval_every steps and at the end; a checkpoint every --save_every steps, at
+    the end, and when a stop signal came. Returns the checkpoint written, if any."""
+    cfg, done, saved = s.cfg, run.step, None
+    if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+        run_eval(s.model, s.tokenizer, s.eval_problems, cfg, s.device, "after" if done == cfg.steps else "during",
+                 s.log, done)
+    if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
+        saved = save_checkpoint(s.run_dir, done, s.model, s.tokenizer, s.optimizer,
+                                {**run.trainer_state(), "config": json.loads(cfg.to_json())})
+    return saved
+
+
+def finish(s: Setup, start_step: int, t_run: float) -> None:
+    """The before → after held-out line, training.png, and closing the log and the process group."""
+    cfg, log = s.cfg, s.log
+    if D.is_main():
+        evals = [json.loads(line) for line in (s.run_dir / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in evals if r.get("eval") in ("before", "after")]
+        if len(evals) >= 2:
+            key = f"avg@{cfg.eval_k}"
+            log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after {evals[-1][key]:.3f} "
+                    f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
+        if start_step < cfg.steps:
+            log.say(f"curves: {plot_run(s.run_dir)}")
+    log.close()
+    D.shutdown()
+
+
+def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step: int) -> dict:
+    model.eval()
+    with D.full_params(model):     # sharded over ranks and gathered under torchrun
+        result = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=cfg.eval_k,
+                                            max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}")
+    record = {"step": step, "eval": label, "data": cfg.eval_data, f"avg@{cfg.eval_k}": result["avg@k"],
+              f"pass@{cfg.eval_k}": result["pass@k"], "n_problems": result["n_problems"],
+              "n_samples": result["n_samples"], "seconds": result["seconds"]}
+    log.write(record)
+    se = math.sqrt(max(result["avg@k"] * (1 - result["avg@k"]), 1e-12) / max(result["n_samples"], 1))
+    log.say(f"[eval {label} @ step {step}] {cfg.eval_data}: avg@{cfg.eval_k} {result['avg@k']:.3f} "
+            f"(± {se:.3f}, {result['n_samples']} samples of {result['n_problems']} problems), "
+            f"pass@{cfg.eval_k} {result['pass@k']:.3f}, {result['seconds']:.0f}s")
+    return record
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -374,232 +680,6 @@ def plot_run(run_dir: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-# --------------------------------------------------------------------------------------------------------
-# The loop
-# --------------------------------------------------------------------------------------------------------
-def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step: int) -> dict:
-    model.eval()
-    with D.full_params(model):     # sharded over ranks and gathered under torchrun
-        result = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=cfg.eval_k,
-                                            max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}")
-    record = {"step": step, "eval": label, "data": cfg.eval_data, f"avg@{cfg.eval_k}": result["avg@k"],
-              f"pass@{cfg.eval_k}": result["pass@k"], "n_problems": result["n_problems"],
-              "n_samples": result["n_samples"], "seconds": result["seconds"]}
-    log.write(record)
-    se = math.sqrt(max(result["avg@k"] * (1 - result["avg@k"]), 1e-12) / max(result["n_samples"], 1))
-    log.say(f"[eval {label} @ step {step}] {cfg.eval_data}: avg@{cfg.eval_k} {result['avg@k']:.3f} "
-            f"(± {se:.3f}, {result['n_samples']} samples of {result['n_problems']} problems), "
-            f"pass@{cfg.eval_k} {result['pass@k']:.3f}, {result['seconds']:.0f}s")
-    return record
-
-
-def train(cfg: C.Config) -> Path:
-    """Run (or resume) training; returns the run folder. The first SIGTERM/SIGINT stops it at the end of the
-    step with a checkpoint (faults.GracefulStop); --resume then continues exactly."""
-    with faults.GracefulStop() as stop:
-        return _train(cfg, stop)
-
-
-def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
-    t_run = time.perf_counter()
-    D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
-    device = models.pick_device(cfg.device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    # ---- pre-flight: every user mistake is one line (faults.UserError) before anything slow runs ----
-    run_dir = faults.check_writable(cfg.out_dir)
-    if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
-        faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
-        D.barrier()
-    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
-    checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
-    if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
-        log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
-    if checkpoint is None:
-        faults.check_model(cfg.model)
-    wants_embedder = cfg.method == "datpo" and (cfg.alpha_start != 0 or cfg.alpha_end != 0)
-    if wants_embedder:
-        faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
-    problems = faults.load_data(cfg.train_data, "--train_data")
-    eval_problems = faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None) if cfg.eval_every else []
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-
-    source = checkpoint or cfg.model
-    try:
-        model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
-    except OSError as err:
-        raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
-    if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
-        models.enable_gradient_checkpointing(model)
-    policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                  weight_decay=cfg.weight_decay)
-    start_step, cursor, skipped, batch_size, bad_in_a_row = 0, 0, 0, cfg.prompts_per_step, 0
-    if checkpoint:
-        state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True)
-        D.load_optimizer_state(model, optimizer, state["optimizer"])
-        start_step, cursor, skipped = state["step"], state["cursor"], state.get("skipped_prompts", 0)
-        batch_size = state.get("batch_size", batch_size)
-        bad_in_a_row = state.get("bad_steps_in_a_row", 0)
-        set_rng_state(rng, state["rng"])
-        log.say(f"resumed from {checkpoint} at step {start_step}")
-    # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
-    dropped = log.truncate_after(start_step if start_step else -1) if cfg.resume else 0
-    if dropped:
-        log.say(f"dropped {dropped} log lines of steps after {start_step} (they are redone)")
-    if D.is_main() and (not checkpoint or not (run_dir / "config.json").exists()):
-        (run_dir / "config.json").write_text(cfg.to_json())
-        (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
-
-    embedder = None
-    if wants_embedder:
-        embedder = models.load_embedder(cfg.embed_model, device)   # never loaded when α is 0 for the whole run
-    pad_id = tokenizer.pad_token_id
-    context = getattr(model.config, "max_position_embeddings", None)
-
-    if cfg.eval_every and start_step == 0:
-        run_eval(model, tokenizer, eval_problems, cfg, device, "before", log, 0)
-
-    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method, dynamic_ncols=True,
-               disable=not D.is_main())
-    for step in bar:
-        t_step = time.perf_counter()
-        if D.any_rank(stop.requested):   # the signal came before any step ran: nothing new to save
-            log.say(f"stopped by {stop.requested} before step {step + 1}")
-            return run_dir
-        faults.crash_point("step")
-        # ---- sample prompts q ~ Q (with --max_prompt_tokens > 0, longer ones are skipped and counted) ----
-        prompts, answers, levels = [], [], []
-        misses = 0
-        while len(prompts) < batch_size:
-            index = problem_index(len(problems), cursor, cfg.seed)
-            problem = problems[index]
-            cursor += 1
-            prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
-            n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
-            if cfg.max_prompt_tokens and n_prompt > cfg.max_prompt_tokens:
-                skipped += 1
-                misses += 1
-                if misses > len(problems):
-                    raise faults.UserError(
-                        f"--train_data {cfg.train_data}: every prompt is longer than --max_prompt_tokens "
-                        f"{cfg.max_prompt_tokens}; expected problems that fit, or a larger --max_prompt_tokens")
-                continue
-            check_fits(n_prompt, cfg, context, f"{cfg.train_data} problem #{index}")
-            prompts.append(prompt)
-            answers.append(problem["answer"])
-            levels.append(problem.get("level"))
-
-        # ---- Phase 1+2: tree rollouts ----
-        model.eval()
-        lo, hi = D.shard_range(len(prompts))   # torchrun: this rank's prompts, its own RNG stream
-        with models.autocast(device, cfg.precision), D.full_params(policy):
-            trees, rstats = R.rollout_trees(model, tokenizer, prompts[lo:hi], answers[lo:hi], cfg,
-                                            D.rollout_rng(rng, cfg.seed, step), levels=levels[lo:hi],
-                                            **rollout_shape(cfg))
-
-        # ---- Phase 3: block advantages ----
-        t0 = time.perf_counter()
-        alpha = A.alpha_at(step, cfg.steps, cfg.alpha_start, cfg.alpha_end) if cfg.method == "datpo" else 0.0
-        embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size) if (embedder and alpha != 0) else [None] * len(trees)
-        t_embed = time.perf_counter() - t0
-        # torchrun: every rank now holds the whole step (all ranks' trees in prompt order), so metrics stay
-        # global and every rank forms the same mini-batches as one process would
-        trees, embeddings, rank_stats = D.gather_lists(trees, embeddings, [rstats])
-        t_gen = max(s.seconds_base + s.seconds_forks + s.seconds_branches for s in rank_stats)
-        train_trees, kept_leaves, advantages = [], 0, [None] * len(trees)
-        for t, (tr, emb) in enumerate(zip(trees, embeddings)):
-            if trainable(tr, cfg.method):
-                advantages[t] = tree_advantages(cfg.method, tr, alpha, cfg.alpha_scope, emb, cfg.value_estimate)
-                train_trees.append(train_tree(tr, advantages[t], cfg.method))
-                kept_leaves += tr.leaves
-        if D.is_main() and tracking.trees_due(step + 1, cfg.log_trees_every):
-            if embedder and alpha == 0:   # Div_sib is worth seeing even once α has annealed to 0
-                embeddings = embed_blocks(embedder, trees, cfg.embed_batch_size)
-            tracking.write_trees(run_dir, step + 1, trees, tokenizer, advantages, embeddings, alpha, cfg.method,
-                                 cfg.value_estimate)
-
-        # ---- Phase 4: policy update ----
-        t0 = time.perf_counter()
-        model.train()
-        update = ppo_update(policy, optimizer, train_trees, cfg, pad_id, device, rng)
-        t_update = time.perf_counter() - t0
-
-        leaves = [tr.leaves for tr in trees]
-        if cfg.method == "attnrl":
-            target = cfg.prompts_per_step * cfg.n_base * (1 + cfg.k_max * cfg.b_max)
-            batch_size = attnrl_batch_size(batch_size, kept_leaves, target, cfg.attnrl_lambda,
-                                           cap=4 * cfg.prompts_per_step)
-        rewards = [b.reward for tr in trees for b in tr.blocks if b.terminal]
-        record = {
-            "step": step + 1,
-            "reward": float(np.mean(rewards)),
-            "v_root": float(np.mean([tr.v_root for tr in trees])),
-            "pass_rate": float(np.mean([tr.pass_rate for tr in trees])),
-            "leaves_per_prompt": float(np.mean(leaves)),
-            "generated_tokens_per_prompt": float(np.mean([tr.generated_tokens for tr in trees])),
-            "k_hat": float(np.mean([tr.k_hat for tr in trees])),
-            "b_hat": float(np.mean([tr.b_hat for tr in trees])),
-            "prompts": len(trees),
-            "blocks": sum(len(t.trained) for t in train_trees),
-            "alpha": alpha,
-            "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
-            **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
-            **update,
-            "recomputed_prefix_tokens": sum(s.recomputed_prefix_tokens for s in rank_stats),
-            "oom_retries": sum(s.oom_retries for s in rank_stats),
-            "skipped_prompts": skipped,
-            "seconds_generation": t_gen,
-            "seconds_embedding": t_embed,
-            "seconds_update": t_update,
-            "seconds_step": time.perf_counter() - t_step,
-        }
-        record["seconds_other"] = record["seconds_step"] - t_gen - t_embed - t_update
-        bad_in_a_row = bad_in_a_row + 1 if update["nonfinite_minibatches"] else 0
-        record["bad_steps_in_a_row"] = bad_in_a_row
-        log.write(record)
-        if update["nonfinite_minibatches"]:
-            log.say(f"step {step + 1}: {update['nonfinite_minibatches']} mini-batch(es) with a non-finite loss or "
-                    f"gradient norm not applied ({bad_in_a_row} step(s) in a row)")
-        if bad_in_a_row >= cfg.max_bad_steps:
-            last = models.resolve_checkpoint(str(run_dir))
-            raise faults.NonFiniteStop(
-                f"stopped at step {step + 1}: {bad_in_a_row} steps in a row had non-finite losses or gradient "
-                f"norms (--max_bad_steps {cfg.max_bad_steps}); last good checkpoint: "
-                f"{last if last != str(run_dir) else 'none'}; expected a lower --lr or a check of the data")
-        bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
-                        leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{update['loss']:.3f}")
-
-        done = step + 1
-        stopping = D.any_rank(stop.requested)   # torchrun: every rank stops at the same step
-        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-            run_eval(model, tokenizer, eval_problems, cfg, device, "after" if done == cfg.steps else "during", log, done)
-        if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
-            saved = save_checkpoint(run_dir, done, model, tokenizer, optimizer,
-                                    {"step": done, "cursor": cursor, "skipped_prompts": skipped,
-                                     "batch_size": batch_size, "bad_steps_in_a_row": bad_in_a_row,
-                                     "rng": rng_state(rng), "config": json.loads(cfg.to_json())})
-        if stopping and done < cfg.steps:
-            bar.close()
-            log.say(f"stopped by {stop.requested} after step {done}: checkpoint {saved}; continue with the same "
-                    f"command plus --resume {run_dir}")
-            return run_dir
-    bar.close()
-    if D.is_main():
-        evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        evals = [r for r in evals if r.get("eval") in ("before", "after")]
-        if len(evals) >= 2:
-            key = f"avg@{cfg.eval_k}"
-            log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after {evals[-1][key]:.3f} "
-                    f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
-        if start_step < cfg.steps:
-            log.say(f"curves: {plot_run(run_dir)}")
-    log.close()
-    D.shutdown()
-    return run_dir
 
 
 def main(argv: list[str] | None = None) -> Path:

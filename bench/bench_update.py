@@ -113,7 +113,7 @@ def demo_part(args) -> None:
             rng = random.Random(cfg.seed)
             torch.manual_seed(cfg.seed)
             trees, _ = R.rollout_trees(model.eval(), tokenizer, prompts, [p["answer"] for p in picked], cfg, rng,
-                                       levels=[p.get("level") for p in picked], **train.rollout_shape(cfg))
+                                       levels=[p.get("level") for p in picked])   # cfg.method's rollout
             if cache:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 cache.write_bytes(pickle.dumps(trees))

@@ -90,7 +90,7 @@ def test_prompts_are_kept_unless_they_cannot_fit_the_context():
     assert cfg.max_prompt_tokens == 512                                  # the tiny scale's filter, unchanged
     assert C.make_config("paper").max_prompt_tokens == 0                 # paper scale: nothing skipped
     train.check_fits(1849, cfg, 2048, "x")                               # 1849 + (2·100 − 1) = 2048 fits
-    with pytest.raises(ValueError, match=r"arith problem #7: a prompt of 1850 tokens \+ up to 199"):
+    with pytest.raises(ValueError, match=r"arith problem #7: the prompt is 1850 tokens and up to 199 new tokens"):
         train.check_fits(1850, cfg, 2048, "arith problem #7")
     cfg.branch_budget = "remaining"
     train.check_fits(1948, cfg, 2048, "x")                               # paths stay within 100

@@ -1,0 +1,119 @@
+"""methods.py — the table of methods: DATPO and the paper's baselines (Sec. 5.1 "Baselines", App. E.2), one row each.
+
+A row says everything that differs between methods; train.py, rollout.py and config.py read the row and never
+test a method's name. A new method or ablation is one more row (and `--method NAME` then accepts it):
+
+  rollout     "tree": N base responses, then forks and branches (Algorithm "Tree Rollout");
+              "parallel": G independent responses per prompt (cfg.group_size), no forks (GRPO)
+  budget      (K, B) per prompt from V(root): "adaptive" = K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉ (Sec. 4.1), or fixed
+              (K_max, B_max) when cfg.adaptive is False; "fixed" = always (K_max, B_max)
+  expand      which base responses get forks: None = all; AttnRL picks them (tree.attnrl_expansion)
+  advantages  one advantage per block (advantage.py)
+  paths       how the loss weighs tokens: None = every tree token once (Eq. DATPO); a function giving the trained
+              root-to-leaf paths = TreeRL/AttnRL's flattening (App. F.4): a token counts once per path through it
+  embeds      DATPO's sibling-diversity bonus α·Div_sib: α is annealed and blocks are embedded (Sec. 4.2)
+  filters     drop trees whose leaves all share one reward before the update (AttnRL)
+  dynamic_batch  AttnRL's dynamic prompt batch size (train.attnrl_batch_size)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import advantage as A
+import tree as T
+
+
+# --------------------------------------------------------------------------------------------------------
+# Advantages and training paths, per method (the formulas live in advantage.py and tree.py)
+# --------------------------------------------------------------------------------------------------------
+def datpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
+    """Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) (Sec. 4.2, Eq. 4); scope and V: --alpha_scope,
+    --value_estimate."""
+    return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope, value_estimate, tr.branch_flags)
+
+
+def grpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
+    return A.grpo_advantages(tr.rewards)
+
+
+def drgrpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
+    return A.drgrpo_advantages(tr.rewards)
+
+
+def treerl_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
+    return A.treerl_advantages(tr.parents, tr.rewards)
+
+
+def leaf_paths(tr: T.Tree) -> list[list[int]]:
+    """Every root-to-leaf path of the tree (TreeRL's training sequences, App. F.4)."""
+    return [T.path_to(tr.blocks, leaf) for leaf, b in enumerate(tr.blocks) if b.terminal]
+
+
+def branched_paths(tr: T.Tree) -> list[list[int]]:
+    """AttnRL's training paths: the branched ones only (a path of more than one block); unbranched responses
+    still count in V(root)."""
+    return [p for p in leaf_paths(tr) if len(p) > 1]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Method:
+    name: str
+    advantages: Callable                        # (tree, α, embeddings or None, scope, value_estimate) -> per block
+    rollout: str = "tree"                       # tree | parallel
+    budget: str = "adaptive"                    # adaptive | fixed
+    expand: Callable | None = None              # (rewards of the N base responses, rng) -> indices to fork
+    paths: Callable | None = None               # tree -> trained root-to-leaf paths; None: every token once
+    embeds: bool = False
+    filters: bool = False
+    dynamic_batch: bool = False
+
+    def rollout_shape(self, cfg) -> tuple[int, Callable, Callable | None]:
+        """(responses per prompt, budget: V(root) -> (K, B), expand) for rollout.rollout_trees."""
+        if self.rollout == "parallel":
+            return cfg.group_size, (lambda v: (0, 0)), None
+        if self.budget == "adaptive" and cfg.adaptive:
+            return cfg.n_base, (lambda v: T.adaptive_budget(v, cfg.k_max, cfg.b_max)), self.expand
+        return cfg.n_base, (lambda v: (cfg.k_max, cfg.b_max)), self.expand
+
+    def longest_response(self, cfg) -> int:
+        """The most tokens generated after a prompt: one response, or a root-to-leaf path of a tree, which
+        with --branch_budget full reaches tree.max_path_tokens = 2·max_new_tokens − 1."""
+        if self.rollout == "parallel":
+            return cfg.max_new_tokens
+        return T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
+
+    def max_row_targets(self, cfg) -> int:
+        """The most target tokens one trained sequence can hold: a block (≤ max_new_tokens, tree.branch_limit),
+        or for path-trained methods a whole root-to-leaf path. Dr.GRPO's constant normaliser is this per
+        sequence."""
+        if self.paths is not None:
+            return T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
+        return cfg.max_new_tokens
+
+    def trainable(self, tr: T.Tree) -> bool:
+        """AttnRL drops trees whose leaves all have the same reward (no signal: all-correct or all-wrong
+        prompts) before the update, so they do not count in the loss normaliser or the batch. The other methods
+        keep every tree: a zero-advantage row costs no compute but counts in Eq. DATPO's normaliser."""
+        return not self.filters or len({b.reward for b in tr.blocks if b.terminal}) > 1
+
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    #      name       advantages (advantage.py)         how it rolls out / which paths it trains
+    Method("datpo",   datpo_advantages,  embeds=True),
+    Method("grpo",    grpo_advantages,   rollout="parallel"),                 # with clip-higher (config ROWS)
+    Method("drgrpo",  drgrpo_advantages, rollout="parallel"),                 # with --loss_norm constant
+    Method("treerl",  treerl_advantages, paths=leaf_paths),
+    Method("attnrl",  treerl_advantages, paths=branched_paths, budget="fixed", expand=T.attnrl_expansion,
+           filters=True, dynamic_batch=True),
+]}
+
+
+def method_of(cfg) -> Method:
+    """The row of cfg.method."""
+    if cfg.method not in METHODS:
+        raise ValueError(f"--method: got {cfg.method!r}, expected one of {', '.join(METHODS)}")
+    return METHODS[cfg.method]
