@@ -116,20 +116,24 @@ def release_values(parents: list[int | None], rewards: list[float | None],
 VALUE_ESTIMATES = ("paper", "release")
 
 
-def base_advantages(parents: list[int | None], rewards: list[float | None], value_estimate: str = "paper",
-                    branch: list[bool] | None = None) -> list[float]:
-    """Â_base(b) = r(b) + V(s_end) − V(s_start), r(b) = 0 for inner blocks (Sec. 4.2, Eq. 3).
-
-    value_estimate "paper": V = V_MC (mc_values, App. F.1); "release": the authors' code's estimates
-    (release_values, needs the branch flags)."""
+def block_values(parents: list[int | None], rewards: list[float | None], value_estimate: str = "paper",
+                 branch: list[bool] | None = None) -> tuple[list[float], list[float]]:
+    """(V(s_start), V(s_end)) of every block by --value_estimate: "paper" = V_MC (mc_values, App. F.1);
+    "release" = the authors' code's estimates (release_values, needs the branch flags)."""
     if value_estimate == "paper":
-        v_start, v_end = mc_values(parents, rewards)
-    elif value_estimate == "release":
+        return mc_values(parents, rewards)
+    if value_estimate == "release":
         if branch is None:
             raise ValueError("value_estimate 'release' needs the branch flags of the blocks")
-        v_start, v_end = release_values(parents, rewards, branch)
-    else:
-        raise ValueError(f"value_estimate must be one of {', '.join(VALUE_ESTIMATES)}, got {value_estimate!r}")
+        return release_values(parents, rewards, branch)
+    raise ValueError(f"value_estimate must be one of {', '.join(VALUE_ESTIMATES)}, got {value_estimate!r}")
+
+
+def base_advantages(parents: list[int | None], rewards: list[float | None], value_estimate: str = "paper",
+                    branch: list[bool] | None = None) -> list[float]:
+    """Â_base(b) = r(b) + V(s_end) − V(s_start), r(b) = 0 for inner blocks (Sec. 4.2, Eq. 3), V by
+    block_values."""
+    v_start, v_end = block_values(parents, rewards, value_estimate, branch)
     return [(r or 0.0) + e - s for r, s, e in zip(rewards, v_start, v_end)]
 
 

@@ -151,17 +151,15 @@ def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embedding
                 value_estimate: str = "paper") -> dict:
     """One tree as a JSON-able dict: the quantities of Sec. 4.1-4.2 / App. F for every block.
 
-    v_start/v_end: V at the block's start and end state (advantage.mc_values: V_MC; or release_values with
+    v_start/v_end: V at the block's start and end state (advantage.block_values: V_MC, or release_values with
     value_estimate "release"); base_advantage: Â_base(b) =
     r(b) + V(s_end) − V(s_start) (Eq. 3); div_sib: Div_sib(b) (Eq. 10; None when no embeddings were computed);
     advantage: the value the update used, by the run's method (None when the tree was not trained, e.g.
     AttnRL's filtered trees). Token pieces join to the block's decoded text; entropies are rounded to 1e-3.
     """
-    parents, rewards, branch = tr.parents, tr.rewards, [b.branch for b in tr.blocks]
-    if value_estimate == "release":   # the run's own estimates (--value_estimate), so Â_base is the one it used
-        v_start, v_end = A.release_values(parents, rewards, branch)
-    else:
-        v_start, v_end = A.mc_values(parents, rewards)
+    parents, rewards, branch = tr.parents, tr.rewards, tr.branch_flags
+    # the run's own estimates (--value_estimate), so Â_base is the one it used
+    v_start, v_end = A.block_values(parents, rewards, value_estimate, branch)
     base = A.base_advantages(parents, rewards, value_estimate, branch)
     div = A.sibling_diversity(parents, embeddings) if embeddings is not None else [None] * len(parents)
     blocks = []
