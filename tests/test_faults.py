@@ -46,7 +46,7 @@ def files(tmp_path):
 
 
 def test_train_bad_inputs_are_one_line(files, capsys, monkeypatch):
-    monkeypatch.setattr(data, "_hub_blocked", lambda *a, **k: "cannot reach huggingface.co (test)")
+    monkeypatch.setattr(data, "hub_blocked", lambda *a, **k: "cannot reach huggingface.co (test)")
     out = ["--preset", "tiny", "--out_dir", str(files / "run")]
     cases = {
         ("--train_data", str(files / "empty.jsonl")): "empty.jsonl: no problems in it; expected at least one row",

@@ -120,7 +120,7 @@ def test_bad_rows_and_missing_hub_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"mmlu-pro.jsonl line 1: answer 'H' is not one of the 7 option letters"):
         data.load_problems("mmlu-pro")
     (tmp_path / "gpqa.jsonl").unlink()
-    monkeypatch.setattr(data, "_hub_blocked", lambda *a, **k: "offline (test)")
+    monkeypatch.setattr(data, "hub_blocked", lambda *a, **k: "offline (test)")
     with pytest.raises(FileNotFoundError, match=r"(?s)Idavidrein/gpqa.*gpqa_diamond.*gpqa.jsonl.*huggingface-cli login"):
         data.load_problems("gpqa")
 
