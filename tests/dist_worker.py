@@ -58,7 +58,8 @@ def update_config(precision: str = "fp32", layout: str = "packed") -> C.Config:
     # Mini-batches of ~10 blocks (two trees, then one), micro-batches of at most 16 packed tokens or 1 row: a tree
     # splits into micro-batches that deal unevenly over 2 ranks (idle passes), and 2 epochs exercise the old
     # log-probs of every block.
-    return C.make_config("tiny", lr=5e-4, mini_batch_size=10, micro_batch_size=1, max_tokens_per_micro_batch=16,
+    # lr: SGD's for fp32, AdamW's for the bf16 precisions (run_update)
+    return C.make_config("tiny", lr=0.05 if precision == "fp32" else 5e-4, mini_batch_size=10, micro_batch_size=1, max_tokens_per_micro_batch=16,
                          ppo_epochs=2, precision=precision, train_layout=layout)
 
 
@@ -68,7 +69,13 @@ def run_update(model, tokenizer, parallel: str = "fsdp", precision: str = "fp32"
     cfg = update_config(precision, layout)
     model = model.to(models.policy_dtype(precision))
     policy = D.wrap(model, parallel, cfg.precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    # fp32 (compared tightly): SGD, not AdamW — a weight moves by lr × its (clipped) gradient, so float noise
+    # in the gradient (summed in another order over ranks) stays noise of that size in the weights, where
+    # Adam's first steps divide a near-zero gradient by its own magnitude and turn the noise into a step of
+    # ~lr (AdamW at lr 5e-4 once missed a 1e-5 bound by 1.3e-5 on a loaded machine). bf16 (compared to a bf16
+    # ulp): AdamW, whose steps of ~lr stay above the ulp, where SGD's smaller ones round either way.
+    optim = torch.optim.SGD if precision == "fp32" else torch.optim.AdamW
+    optimizer = optim(model.parameters(), lr=cfg.lr)
     policy.train()
     stats = train.ppo_update(policy, optimizer, update_trees(fixed_trees()), cfg, tokenizer.pad_token_id, "cpu",
                              random.Random(3))

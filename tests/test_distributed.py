@@ -131,7 +131,10 @@ def test_two_rank_update_equals_one_process_update_with_fsdp2_hsdp_and_ddp(tmp_p
                 assert ((weights[n].float() - reference[n].float()).abs()
                         <= 2 ** -7 * reference[n].float().abs() + 1e-5).all(), (name, n)
         else:
-            assert worst < 1e-5, name
+            # SGD: |w_2rank − w_1proc| ≤ lr × steps × the largest gradient difference. The gradients agree to
+            # float32 summation order (their norm to 1e-5 below); allowing each element 1e-5 at every step
+            # bounds the weights at lr × 3 × 1e-5 = 1.5e-6, against weights that move by ~6e-3
+            assert worst < W.update_config().lr * ref_stats["optimizer_steps"] * 1e-5, name
         assert stats["clip_frac"] == pytest.approx(ref_stats["clip_frac"], abs=1e-9), name
         # the loss is a near-cancelling sum of ±A terms (|A| ~ 0.5, |loss| ~ 1e-4): compare absolutely
         assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7), name
