@@ -250,8 +250,8 @@ _TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                             # 
 ROWS: dict[str, dict] = {
     # Table "main results" (Sec. 5.2)
     "paper": {},                                                              # DATPO (4,3,4), sent-entropy, α 0.2→0
-    # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug (README
-    # "Decisions"). Where the paper is silent the defaults already follow the release (prompt, bf16, budget).
+    # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug
+    # (docs/decisions.md). Where the paper is silent the defaults already follow the release (prompt, bf16, budget).
     "release": dict(value_estimate="release", mini_batch_grouping="blocks"),
     "grpo": _GRPO,
     "drgrpo": dict(method="drgrpo", loss_norm="constant"),                    # r − mean, constant normaliser
