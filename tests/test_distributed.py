@@ -65,6 +65,8 @@ def test_single_process_helpers_change_nothing():
     model = torch.nn.Linear(2, 2)
     assert D.wrap(model, "fsdp", "fp32") is model
     assert D.my_share([[0], [1]]) == [[0], [1]]
+    assert list(D.deal(model, [[0], [1]], pad_id=0, device="cpu")) == [[0], [1]]   # no idle passes, no sync flag
+    assert D.mine([[0], [1]]) == [[0], [1]]
 
 
 def test_rank_streams_differ_and_do_not_depend_on_the_world_size():
