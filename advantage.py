@@ -10,6 +10,7 @@ DATPO (Sec. 4.2, App. F):
                      averages only its B̂ branches, V(root) = mean of the N base responses
   base_advantages    Â_base(b) = r(b) + V(s_end) − V(s_start), V = V_MC or the release's      (Eq. 3)
   sibling_diversity  Div_sib(b) = 1 − mean cos(e_b, e_b') over b' with the same start state  (Eq. 10)
+  release_sibling_diversity  the release's sibling groups for Div_sib (an option, --sibling_groups release)
   datpo_advantages   Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
   alpha_at           α linearly annealed from start to end over the run (Table "alpha")
 Baselines (Sec. 5.1, App. E.2):
@@ -159,21 +160,79 @@ def sibling_diversity(parents: list[int | None], embeddings) -> list[float]:
     return div
 
 
+SIBLING_GROUPS = ("paper", "release")
+
+
+def _mean_other_cos(emb: np.ndarray, row: int, members: list[int]) -> float:
+    """1 − mean cosine between emb[row] and emb[m] for the other members m (rows already unit-norm)."""
+    others = [m for m in members if m != row]
+    return float(1.0 - (emb[others] @ emb[row]).mean()) if others else 0.0
+
+
+def release_sibling_diversity(parents: list[int | None], rewards: list[float | None], branch: list[bool],
+                              base: list[int], embeddings, response_embeddings,
+                              valid: list[bool] | None = None) -> list[float]:
+    """Div_sib as the authors' release groups siblings (an option, --sibling_groups release; the paper's Eq. 10
+    is sibling_diversity). The release (tree_search._compute_sibling_divergence, per fork node) compares:
+      * at the root, the first blocks of the base responses that were forked, among themselves only;
+      * an unforked base response (one terminal block at the root) as its whole text against the whole texts
+        of all N base responses (forked ones included): response_embeddings[k] embeds base response k;
+      * at a fork, its branches among themselves: the base response's own continuation is not their sibling;
+      * every other block (a base response's blocks after its first fork, the base tail) gets 0.
+    `valid[i]` False drops block i (and base response i for response_embeddings) from every group, as the
+    release drops empty texts; base[i] = the base response block i grows from (tree.Block.base)."""
+    n = len(parents)
+    if not len(rewards) == len(branch) == len(base) == n:
+        raise ValueError(f"parents ({n}), rewards ({len(rewards)}), branch ({len(branch)}) and base "
+                         f"({len(base)}) differ in length")
+    valid = [True] * n if valid is None else list(valid)
+
+    def unit(x) -> np.ndarray:
+        x = np.asarray(x, dtype=float)
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+    emb = unit(embeddings)
+    if emb.shape[0] != n:
+        raise ValueError(f"embeddings must be [{n}, dim], got shape {emb.shape}")
+    responses = unit(response_embeddings)
+    div = [0.0] * n
+    forked_firsts = [i for i in range(n) if parents[i] is None and rewards[i] is None and valid[i]]
+    for i in forked_firsts:
+        div[i] = _mean_other_cos(emb, i, forked_firsts)
+    response_ok = [True] * len(responses)
+    for i in range(n):
+        if parents[i] is None and not valid[i]:
+            response_ok[base[i]] = False
+    all_responses = [k for k in range(len(responses)) if response_ok[k]]
+    for i in range(n):
+        if parents[i] is None and rewards[i] is not None and valid[i]:
+            div[i] = _mean_other_cos(responses, base[i], all_responses)
+    at_fork: dict[int, list[int]] = {}
+    for i in range(n):
+        if branch[i] and valid[i]:
+            at_fork.setdefault(parents[i], []).append(i)
+    for members in at_fork.values():
+        for i in members:
+            div[i] = _mean_other_cos(emb, i, members)
+    return div
+
+
 def datpo_advantages(parents: list[int | None], rewards: list[float | None], embeddings, alpha: float,
                      scope: str = "positive", value_estimate: str = "paper",
-                     branch: list[bool] | None = None) -> list[float]:
+                     branch: list[bool] | None = None, diversity: list[float] | None = None) -> list[float]:
     """Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b) (Sec. 4.2, Eq. 4).
 
     scope "positive" rewards diversity only on blocks that are better than their start state (the paper's
     choice: never encourage exploring wrong paths); "all" drops the indicator (Table "alpha", ablation).
     With α = 0 the embeddings are not needed (pass None). value_estimate/branch: see base_advantages.
+    diversity: Div_sib per block when computed otherwise (release_sibling_diversity); default Eq. 10.
     """
     if scope not in ("positive", "all"):
         raise ValueError(f"scope must be 'positive' or 'all', got {scope!r}")
     base = base_advantages(parents, rewards, value_estimate, branch)
     if alpha == 0:
         return base
-    div = sibling_diversity(parents, embeddings)
+    div = sibling_diversity(parents, embeddings) if diversity is None else diversity
     return [a + (alpha * d if (scope == "all" or a > 0) else 0.0) for a, d in zip(base, div)]
 
 

@@ -191,3 +191,49 @@ def test_treerl_advantage_by_hand():
         ((1 - v_root) + (1 - v1)) / 1,
     ]
     assert adv == pytest.approx(expected)
+
+
+# ---- the release's sibling groups for Div_sib (--sibling_groups release, an option) -------------------------
+def test_release_sibling_groups_by_hand():
+    # Three base responses. Base 0 is forked once (blocks 0 → 1 tail r=0; branches 3, 4 at its fork), base 1 is
+    # forked once (block 2 first block → 5 tail r=1; branch 6), base 2 is unforked (block 7, r=1).
+    #   idx:    0     1    2     3    4    5    6     7
+    parents = [None, 0, None, 0, 0, 2, 2, None]
+    rewards = [None, 0.0, None, 1.0, 0.0, 1.0, 1.0, 1.0]
+    branch = [False, False, False, True, True, False, True, False]
+    base = [0, 0, 1, 0, 0, 1, 1, 2]
+    e = np.eye(4)
+    emb = [e[0], e[1], (e[0] + e[1]) / np.sqrt(2), e[2], (e[2] + e[3]) / np.sqrt(2), e[3], e[0], e[1]]
+    whole = [e[0], (e[0] + e[1]) / np.sqrt(2), e[1]]           # the three base responses' whole texts
+    div = A.release_sibling_diversity(parents, rewards, branch, base, emb, whole)
+    c = 1 / np.sqrt(2)
+    expected = [
+        1 - c,                     # 0: forked first block vs block 2 only: cos(e0, (e0+e1)/√2) = 1/√2
+        0.0,                       # 1: base 0's continuation: no sibling in the release
+        1 - c,                     # 2: vs block 0
+        1 - c,                     # 3: branch vs branch 4: cos(e2, (e2+e3)/√2)
+        1 - c,                     # 4
+        0.0,                       # 5: base 1's continuation
+        0.0,                       # 6: the fork's only branch
+        1 - (0 + c) / 2,           # 7: whole response 2 (e1) vs whole responses 0 (e0) and 1 ((e0+e1)/√2)
+    ]
+    assert div == pytest.approx(expected)
+    # the paper's Eq. 10 groups by start state instead: block 7 is compared with blocks 0 and 2 (not whole
+    # texts), and the base continuation 1 (e1) is a sibling of branches 3 (e2) and 4 ((e2+e3)/√2): cos 0 and 0
+    paper = A.sibling_diversity(parents, emb)
+    assert paper[1] == pytest.approx(1.0) and div[1] == 0.0
+    assert paper[0] == pytest.approx(1 - (c + 0) / 2)   # block 0 (e0) vs blocks 2 and 7 (e1), not block 2 alone
+    # datpo_advantages takes the release's Div_sib through `diversity`
+    adv = A.datpo_advantages(parents, rewards, emb, 0.2, diversity=div)
+    base_adv = A.base_advantages(parents, rewards)
+    assert adv == pytest.approx([a + (0.2 * d if a > 0 else 0.0) for a, d in zip(base_adv, div)])
+
+
+def test_release_sibling_groups_drop_empty_texts():
+    # two unforked responses and one whose text is empty (valid False): the empty one gets 0 and is not counted
+    parents, rewards, branch, base = [None, None, None], [1.0, 0.0, 1.0], [False] * 3, [0, 1, 2]
+    e = np.eye(3)
+    div = A.release_sibling_diversity(parents, rewards, branch, base, e, e, valid=[True, True, False])
+    assert div == pytest.approx([1.0, 1.0, 0.0])
+    with pytest.raises(ValueError, match="differ in length"):
+        A.release_sibling_diversity(parents, rewards, branch, [0, 1], e, e)
