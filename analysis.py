@@ -6,6 +6,7 @@
     python analysis.py forks             --scale demo   # Sec. 3.3, App. D.2–D.5: PassRate/SibDiv + localization
     python analysis.py show-forks        --scale demo   # App. D.2 figures "localization" / "case study"
     python analysis.py dynamics --runs runs/a runs/b    # Sec. 5.2 "learning curve", "leaf count"; App. E.5 pass@k
+    python analysis.py main-table        --scale demo   # Sec. 5.2 main table, App. E.3 tokens/wall clock, ±95 %
 
 Every study writes runs/analysis/<study>/ (or --out_dir): result.json, table.md and PNG figure(s). `--scale`
 picks the paper's settings (`paper`: Qwen2.5-3B-Instruct on MATH/AIME, a GPU), the 2-core CPU miniature
@@ -147,6 +148,14 @@ STUDY_SCALES: dict[str, dict[str, dict]] = {
                      candidates=4, strategies=["tok-entropy", "sent-entropy", "atb"]),
         "tiny": dict(config=_TINY, data="arith-test", limit=1, levels=[], k=2, candidates=2,
                      strategies=["tok-entropy", "fixed-seg"]),
+    },
+    "main-table": {   # Sec. 5.2 main table (MATH500 k = 8), App. E.3 token and wall-clock tables
+        "paper": dict(config={}, methods=["paper", "grpo", "drgrpo", "treerl", "attnrl"], seeds=[0, 1, 2],
+                      bench="math500", k=8, limit=0, equal_tokens=False),
+        "demo": dict(config={}, methods=["paper", "grpo"], seeds=[0, 1, 2], bench="arith-test", k=8,
+                     limit=100, equal_tokens=True),
+        "tiny": dict(config={}, methods=["paper", "grpo"], seeds=[0, 1], bench="arith-test", k=2, limit=2,
+                     equal_tokens=False),
     },
     "dynamics": {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH level, pass@64 on AIME26
         "paper": dict(config=dict(max_new_tokens=2048), bench="aime26", k=64, limit=0, checkpoints=True),
@@ -877,6 +886,207 @@ def run_dynamics(study: Study) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Sec. 5.2 main table in miniature: methods × seeds, trained then evaluated, with 95 % intervals over seeds
+# --------------------------------------------------------------------------------------------------------
+def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float | None]:
+    """(mean, half-width of the two-sided Student-t interval over the values); half-width None for one value.
+    Seeds are the independent units: each seed is a whole training run, evaluated once."""
+    from scipy import stats
+
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+
+
+def pass_curve(correct: list[int], n: int) -> dict[int, float]:
+    """pass@j for j = 1…n: the unbiased estimator (evaluate.pass_at_k) averaged over problems, where
+    correct[i] of the n samples of problem i are right."""
+    import evaluate
+
+    return {j: sum(evaluate.pass_at_k(n, c, j) for c in correct) / len(correct) for j in range(1, n + 1)}
+
+
+def equal_token_group_size(tokens_per_problem: float, tokens_per_response: float) -> int:
+    """GRPO's G for the paper's equal-token control (App. E.3): the number of parallel responses whose tokens
+    match a tree method's measured generated tokens per problem; at least 2 (a group needs a mean)."""
+    if tokens_per_response <= 0:
+        raise ValueError(f"tokens_per_response must be > 0, got {tokens_per_response}")
+    return max(2, round(tokens_per_problem / tokens_per_response))
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """The training-step lines of a run's metrics.jsonl (eval lines left out)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in (json.loads(x) for x in lines if x.strip()) if "eval" not in r]
+
+
+PHASES = ("seconds_generation", "seconds_embedding", "seconds_update", "seconds_other")
+
+
+def cell_config(study: Study, preset: str, seed: int, run_dir: Path, **overrides) -> C.Config:
+    """One cell's train.py config: the preset's row at the study's scale, the study's seed and steps, the
+    flags the user gave (fields where study.cfg differs from the scale's defaults, --steps among them), no eval
+    during training."""
+    default = C.make_config("paper", study.scale, **STUDY_SCALES[study.name][study.scale]["config"],
+                            out_dir=str(study.out))
+    given = {f.name: getattr(study.cfg, f.name) for f in dataclasses.fields(C.Config)
+             if f.name not in ("out_dir", "seed") and getattr(study.cfg, f.name) != getattr(default, f.name)}
+    return C.make_config(preset, study.scale, **{**given, "seed": seed, "out_dir": str(run_dir),
+                                                 "eval_every": 0, **overrides})
+
+
+def train_cell(cfg: C.Config) -> Path:
+    """Train one cell unless its last checkpoint is there; a cell killed part-way resumes from its latest
+    checkpoint (train.py --resume), one killed before any checkpoint starts again."""
+    import models
+    import train
+
+    run_dir = Path(cfg.out_dir)
+    latest = models.resolve_checkpoint(str(run_dir))
+    if latest != str(run_dir) and Path(latest).name == f"step_{cfg.steps:06d}":
+        return Path(latest)
+    resume = latest != str(run_dir)
+    train.train(dataclasses.replace(cfg, resume=str(run_dir) if resume else "", overwrite=not resume))
+    return Path(models.resolve_checkpoint(str(run_dir)))
+
+
+def evaluate_cell(study: Study, cfg: C.Config, checkpoint: Path, cache: Path) -> dict:
+    """avg@k and pass@1…k of a trained cell on the study's held-out problems; cached in `cache` (a finished
+    cell is never evaluated again)."""
+    import torch
+
+    import evaluate
+
+    if cache.exists():
+        return json.loads(cache.read_text())
+    o = study.opts
+    eval_cfg = dataclasses.replace(cfg, model=str(checkpoint))
+    model, tokenizer, _ = load_policy(eval_cfg)
+    torch.manual_seed(cfg.seed)
+    result = evaluate.evaluate_problems(model, tokenizer, load_study_problems(o["bench"], o["limit"], []), eval_cfg,
+                                        k=o["k"], max_new_tokens=cfg.eval_max_new_tokens,
+                                        desc=f"{checkpoint.parent.parent.name}: eval")
+    correct = [0] * result["n_problems"]
+    for rec in result.pop("records"):
+        correct[rec["index"]] += int(rec["correct"])
+    out = {"avg@k": result["avg@k"], "pass_curve": pass_curve(correct, o["k"]), "correct": correct,
+           "seconds": result["seconds"], "checkpoint": str(checkpoint)}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(cache)
+    return json.loads(cache.read_text())   # the same types as a later, cached read (pass_curve keys as strings)
+
+
+def run_main_table(study: Study) -> None:
+    """Sec. 5.2 main table, avg-tokens and wall-clock tables (App. E.3), pass@k figure, in miniature: every
+    method × seed is trained (train.py) and its last checkpoint evaluated; means with 95 % t-intervals over
+    seeds. With --equal_tokens, GRPO/Dr.GRPO's G is set from DATPO's measured tokens per problem and a
+    one-step GRPO pilot's tokens per response (the paper's equal-token comparison). Resumable: rerun the
+    same command after a kill; finished cells are not rerun."""
+    t0 = time.perf_counter()
+    o = study.opts
+    methods, seeds = list(o["methods"]), list(o["seeds"])
+    unknown = [m for m in methods if m not in C.PRESETS or m in ("demo", "tiny")]
+    if unknown:
+        raise faults.UserError(f"--methods: {unknown} are not presets; expected names of config.ROWS "
+                               f"(paper, grpo, drgrpo, treerl, attnrl, datpo-...)")
+    order = sorted(methods, key=lambda m: C.ROWS[m].get("method", "datpo") in ("grpo", "drgrpo"))
+    cells, group_size = {}, None
+    for preset in order:
+        overrides = {}
+        if o["equal_tokens"] and C.ROWS[preset].get("method") in ("grpo", "drgrpo"):
+            if group_size is None:
+                group_size = equal_tokens_g(study, cells)
+            overrides = dict(group_size=group_size)
+        for seed in seeds:
+            name = f"{preset}_s{seed}"
+            cfg = cell_config(study, preset, seed, study.out / "runs" / name, **overrides)
+            print(f"[main-table] {name}: {train_command(preset, study.scale, cfg)}", flush=True)
+            checkpoint = train_cell(cfg)
+            score = evaluate_cell(study, cfg, checkpoint, study.out / "scores" / f"{name}.json")
+            steps = step_records(Path(cfg.out_dir))
+            cells[name] = {"preset": preset, "seed": seed, "run": cfg.out_dir, "group_size": cfg.group_size,
+                           "avg@k": score["avg@k"], "pass_curve": {int(j): v for j, v in score["pass_curve"].items()},
+                           "tokens_per_problem": sum(r["generated_tokens_per_prompt"] for r in steps) / len(steps),
+                           **{p: sum(r[p] for r in steps) / len(steps) for p in PHASES + ("seconds_step",)}}
+    summary = {m: summarise_method([c for c in cells.values() if c["preset"] == m], o["k"]) for m in methods}
+    figure = study.out / "pass_curves.png"
+    plot_main_table(summary, o, figure)
+    table = main_table_markdown(summary, o, group_size)
+    write_outputs(study, {"cells": cells, "summary": summary, "equal_tokens_group_size": group_size,
+                          "figures": [str(figure)]}, table, time.perf_counter() - t0)
+
+
+def equal_tokens_g(study: Study, cells: dict) -> int:
+    """G for the equal-token control: DATPO cells' mean tokens per problem ÷ a GRPO pilot's tokens per response
+    (one step of --preset grpo at this scale, seed of the first cell, its run kept under runs/pilot_grpo)."""
+    datpo = [c["tokens_per_problem"] for c in cells.values() if C.ROWS[c["preset"]].get("method", "datpo") == "datpo"]
+    if not datpo:
+        raise faults.UserError("--equal_tokens true needs a DATPO preset (e.g. paper) in --methods")
+    pilot = cell_config(study, "grpo", study.opts["seeds"][0], study.out / "runs" / "pilot_grpo", steps=1,
+                        save_every=1)
+    train_cell(pilot)
+    per_response = step_records(Path(pilot.out_dir))[0]["generated_tokens_per_prompt"] / pilot.group_size
+    g = equal_token_group_size(sum(datpo) / len(datpo), per_response)
+    print(f"[main-table] equal tokens: DATPO {sum(datpo) / len(datpo):.0f} tokens/problem, GRPO "
+          f"{per_response:.1f} tokens/response → G = {g}", flush=True)
+    return g
+
+
+def summarise_method(cells: list[dict], k: int) -> dict:
+    """Mean and 95 % half-width over seeds of avg@k, pass@1…k, tokens per problem and seconds per phase."""
+    out = {"seeds": len(cells), "avg@k": t_interval([c["avg@k"] for c in cells]),
+           "pass": {j: t_interval([c["pass_curve"][j] for c in cells]) for j in range(1, k + 1)}}
+    for key in ("tokens_per_problem", *PHASES, "seconds_step"):
+        out[key] = t_interval([c[key] for c in cells])
+    return out
+
+
+def _pm(pair, scale: float = 100.0, digits: int = 1) -> str:
+    mean, half = pair
+    return f"{mean * scale:.{digits}f}" + ("" if half is None else f" ± {half * scale:.{digits}f}")
+
+
+def main_table_markdown(summary: dict, o: dict, group_size: int | None) -> str:
+    k = o["k"]
+    ks = sorted({1, 2, 4, k} & set(range(1, k + 1)))
+    rows = [[m, s["seeds"], _pm(s["avg@k"]), *[_pm(s["pass"][j]) for j in ks]] for m, s in summary.items()]
+    table = (f"Held-out {o['bench']} ({o['limit'] or 'all'} problems × {k} samples), % with 95 % t-intervals over "
+             f"seeds\n\n" + markdown_table(["method", "seeds", f"avg@{k}", *[f"pass@{j}" for j in ks]], rows))
+    rows = [[m, _pm(s["tokens_per_problem"], 1, 0), _pm(s["seconds_step"], 1, 1),
+             *[_pm(s[p], 1, 1) for p in PHASES]] for m, s in summary.items()]
+    table += ("\nGenerated tokens per problem per step (App. E.3) and seconds per step by phase\n\n"
+              + markdown_table(["method", "tokens / problem", "s / step", "generation", "embedding", "update",
+                                "other"], rows))
+    if group_size is not None:
+        table += f"\nEqual-token control: GRPO/Dr.GRPO ran with G = {group_size}.\n"
+    return table
+
+
+def plot_main_table(summary: dict, o: dict, path: Path) -> None:
+    plt = plt_module()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ks = list(range(1, o["k"] + 1))
+    for m, s in summary.items():
+        means = [s["pass"][j][0] for j in ks]
+        line, = ax.plot(ks, means, "o-", label=f"{m} ({s['seeds']} seeds)")
+        halves = [s["pass"][j][1] for j in ks]
+        if all(h is not None for h in halves):
+            ax.fill_between(ks, [a - h for a, h in zip(means, halves)], [a + h for a, h in zip(means, halves)],
+                            color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("k")
+    ax.set_ylabel(f"pass@k on {o['bench']} (95 % interval over seeds)")
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------------
 STUDIES = {
@@ -886,6 +1096,7 @@ STUDIES = {
     "forks": (run_forks, "Sec. 3.3 / App. D.2-D.5: fork table (PassRate, SibDiv) and localization metrics"),
     "show-forks": (run_show_forks, "App. D.2 figures: one response, entropy shading, each strategy's forks"),
     "dynamics": (run_dynamics, "Sec. 5.2 / App. E.5: learning curves, leaves and PassRate per level, checkpoints"),
+    "main-table": (run_main_table, "Sec. 5.2 / App. E.3: methods × seeds trained and evaluated, 95 % intervals"),
 }
 
 # Study flag → (type, nargs, help). Defaults come from STUDY_SCALES[study][scale].
@@ -904,13 +1115,15 @@ STUDY_FLAGS = {
     "b": (int, None, "branches per fork"),
     "parallel_m": (int, "+", "parallel sample counts M (--parallel is the torchrun sharding mode)"),
     "tree_n": (int, "+", "tree base counts N"),
-    "methods": (str, "+", "forking methods of the trees"),
+    "methods": (str, "+", "forking methods of the trees (tree-vs-parallel), presets to train (main-table)"),
     "repeats": (int, None, "independent repeats (paper 5 for forks)"),
     "strategies": (str, "+", "strategies to draw (show-forks) or to run (forks: labels of FORK_STRATEGIES)"),
     "candidates": (int, None, "samples per problem to pick the longest response from"),
     "checkpoints": (C.parse_bool, None, "evaluate saved checkpoints (pass@k across checkpoints)"),
     "runs": (str, "+", "train.py run folders"),
     "from_dir": (str, None, "folder of the difficulty study (its runs/)"),
+    "seeds": (int, "+", "main-table: training seeds per method (intervals are over seeds)"),
+    "equal_tokens": (C._parse_bool, None, "main-table: set GRPO/Dr.GRPO's G to DATPO's measured tokens per problem"),
 }
 
 

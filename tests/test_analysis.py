@@ -249,3 +249,52 @@ def test_cli_rejects_unknown_study_and_bad_flags(capsys):
         A.main(["forks", "--scale", "tiny", "--k", "x"])
     with pytest.raises(SystemExit):
         A.main(["difficulty", "--scale", "tiny", "--g", "5"])
+
+
+# ---- main-table (Sec. 5.2 in miniature) ---------------------------------------------------------------------
+def test_t_interval_and_pass_curve_by_hand():
+    mean, half = A.t_interval([1.0, 2.0, 3.0])
+    # sd = 1, n = 3, t(0.975, df 2) = 4.302653 → half-width 4.302653 / √3
+    assert mean == pytest.approx(2.0) and half == pytest.approx(4.302653 / 3 ** 0.5, rel=1e-6)
+    assert A.t_interval([0.5]) == (0.5, None)
+    # two problems, n = 4 samples: 1 and 0 correct. pass@1 = (1/4 + 0)/2; pass@2 = (1 − C(3,2)/C(4,2))/2 = (1/2)/2
+    curve = A.pass_curve([1, 0], 4)
+    assert curve == pytest.approx({1: 0.125, 2: 0.25, 3: 0.375, 4: 0.5})
+
+
+def test_equal_token_group_size():
+    assert A.equal_token_group_size(639.0, 40.0) == 16      # 15.98 → 16
+    assert A.equal_token_group_size(50.0, 40.0) == 2        # never below 2
+    with pytest.raises(ValueError):
+        A.equal_token_group_size(100.0, 0.0)
+
+
+def test_main_table_tiny_trains_evaluates_and_resumes(tmp_path):
+    out = tmp_path / "mt"
+    A.main(["main-table", "--scale", "tiny", "--out_dir", str(out), "--seeds", "0", "1", "--equal_tokens", "true"])
+    result = json.loads((out / "result.json").read_text())
+    assert set(result["cells"]) == {"paper_s0", "paper_s1", "grpo_s0", "grpo_s1"}
+    g = result["equal_tokens_group_size"]
+    assert result["cells"]["grpo_s0"]["group_size"] == g
+    pilot = [json.loads(x) for x in (out / "runs" / "pilot_grpo" / "metrics.jsonl").read_text().splitlines()]
+    datpo = [result["cells"][f"paper_s{s}"]["tokens_per_problem"] for s in (0, 1)]
+    assert g == A.equal_token_group_size(sum(datpo) / 2, pilot[0]["generated_tokens_per_prompt"] / 4)
+    for name, cell in result["cells"].items():   # every cell trained to its last step and was evaluated
+        assert (out / "runs" / name / "checkpoints" / "step_000002").is_dir()
+        assert len(cell["pass_curve"]) == 2 and 0 <= cell["avg@k"] <= 1
+    paper = result["summary"]["paper"]
+    assert paper["seeds"] == 2
+    assert paper["avg@k"][0] == pytest.approx(sum(result["cells"][f"paper_s{s}"]["avg@k"] for s in (0, 1)) / 2)
+    assert (out / "pass_curves.png").stat().st_size > 0 and "± " in (out / "table.md").read_text()
+    # a killed study resumes: a cell with only its first checkpoint trains one more step; finished cells and
+    # their scores are left alone
+    finished = (out / "runs" / "paper_s0" / "metrics.jsonl").read_text()
+    cell = out / "runs" / "grpo_s1"
+    import shutil
+    shutil.rmtree(cell / "checkpoints" / "step_000002")
+    (out / "scores" / "grpo_s1.json").unlink()
+    A.main(["main-table", "--scale", "tiny", "--out_dir", str(out), "--seeds", "0", "1", "--equal_tokens", "true"])
+    assert (out / "runs" / "paper_s0" / "metrics.jsonl").read_text() == finished
+    assert (cell / "checkpoints" / "step_000002").is_dir() and (out / "scores" / "grpo_s1.json").exists()
+    steps = [json.loads(x)["step"] for x in (cell / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
