@@ -171,7 +171,8 @@ def _mean_other_cos(emb: np.ndarray, row: int, members: list[int]) -> float:
 
 def release_sibling_diversity(parents: list[int | None], rewards: list[float | None], branch: list[bool],
                               base: list[int], embeddings, response_embeddings,
-                              valid: list[bool] | None = None) -> list[float]:
+                              valid: list[bool] | None = None, response_valid: list[bool] | None = None
+                              ) -> list[float]:
     """Div_sib as the authors' release groups siblings (an option, --sibling_groups release; the paper's Eq. 10
     is sibling_diversity). The release (tree_search._compute_sibling_divergence, per fork node) compares:
       * at the root, the first blocks of the base responses that were forked, among themselves only;
@@ -179,8 +180,8 @@ def release_sibling_diversity(parents: list[int | None], rewards: list[float | N
         of all N base responses (forked ones included): response_embeddings[k] embeds base response k;
       * at a fork, its branches among themselves: the base response's own continuation is not their sibling;
       * every other block (a base response's blocks after its first fork, the base tail) gets 0.
-    `valid[i]` False drops block i (and base response i for response_embeddings) from every group, as the
-    release drops empty texts; base[i] = the base response block i grows from (tree.Block.base)."""
+    `valid[i]` / `response_valid[k]` False drop block i / base response k from every group, as the release drops
+    empty texts; base[i] = the base response block i grows from (tree.Block.base)."""
     n = len(parents)
     if not len(rewards) == len(branch) == len(base) == n:
         raise ValueError(f"parents ({n}), rewards ({len(rewards)}), branch ({len(branch)}) and base "
@@ -199,13 +200,10 @@ def release_sibling_diversity(parents: list[int | None], rewards: list[float | N
     forked_firsts = [i for i in range(n) if parents[i] is None and rewards[i] is None and valid[i]]
     for i in forked_firsts:
         div[i] = _mean_other_cos(emb, i, forked_firsts)
-    response_ok = [True] * len(responses)
-    for i in range(n):
-        if parents[i] is None and not valid[i]:
-            response_ok[base[i]] = False
+    response_ok = [True] * len(responses) if response_valid is None else list(response_valid)
     all_responses = [k for k in range(len(responses)) if response_ok[k]]
     for i in range(n):
-        if parents[i] is None and rewards[i] is not None and valid[i]:
+        if parents[i] is None and rewards[i] is not None and response_ok[base[i]]:
             div[i] = _mean_other_cos(responses, base[i], all_responses)
     at_fork: dict[int, list[int]] = {}
     for i in range(n):
@@ -215,6 +213,20 @@ def release_sibling_diversity(parents: list[int | None], rewards: list[float | N
         for i in members:
             div[i] = _mean_other_cos(emb, i, members)
     return div
+
+
+def block_diversity(parents: list[int | None], rewards: list[float | None], branch: list[bool], base: list[int],
+                    embeddings, sibling_groups: str = "paper", valid: list[bool] | None = None) -> list[float]:
+    """Div_sib of every block by --sibling_groups: "paper" = Eq. 10 (sibling_diversity) over the block rows of
+    `embeddings`; "release" = release_sibling_diversity, which also needs the N whole base responses: then
+    `embeddings` holds len(parents) block rows followed by one row per base response (train.embed_blocks)."""
+    n = len(parents)
+    if sibling_groups == "paper":
+        return sibling_diversity(parents, np.asarray(embeddings)[:n])
+    if sibling_groups == "release":
+        emb = np.asarray(embeddings)
+        return release_sibling_diversity(parents, rewards, branch, base, emb[:n], emb[n:], valid)
+    raise ValueError(f"sibling_groups must be one of {', '.join(SIBLING_GROUPS)}, got {sibling_groups!r}")
 
 
 def datpo_advantages(parents: list[int | None], rewards: list[float | None], embeddings, alpha: float,

@@ -1123,7 +1123,7 @@ STUDY_FLAGS = {
     "runs": (str, "+", "train.py run folders"),
     "from_dir": (str, None, "folder of the difficulty study (its runs/)"),
     "seeds": (int, "+", "main-table: training seeds per method (intervals are over seeds)"),
-    "equal_tokens": (C._parse_bool, None, "main-table: set GRPO/Dr.GRPO's G to DATPO's measured tokens per problem"),
+    "equal_tokens": (C.parse_bool, None, "main-table: set GRPO/Dr.GRPO's G to DATPO's measured tokens per problem"),
 }
 
 

@@ -34,6 +34,7 @@ PROMPT_STYLES = ("release", "chat", "plain")
 LOSS_NORMS = ("token", "constant")
 BRANCH_BUDGETS = T.BRANCH_BUDGETS
 VALUE_ESTIMATES = A.VALUE_ESTIMATES
+SIBLING_GROUPS = A.SIBLING_GROUPS
 TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "tree", "dense", "flex")
@@ -50,6 +51,7 @@ CHOICES = {
     "loss_norm": LOSS_NORMS,
     "branch_budget": BRANCH_BUDGETS,
     "value_estimate": VALUE_ESTIMATES,
+    "sibling_groups": SIBLING_GROUPS,
     "train_layout": TRAIN_LAYOUTS,
     "mini_batch_grouping": GROUPINGS,
     "packed_attention": ATTENTION_KERNELS,
@@ -103,6 +105,8 @@ class Config:
     alpha_scope: str = "positive"           # bonus only where A_base > 0 ("all" = the ablation)
     value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. F.1);
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
+    sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10); release = the
+                                            # authors' code's groups (advantage.release_sibling_diversity)
     embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline)
     embed_batch_size: int = 64
 
@@ -252,7 +256,7 @@ ROWS: dict[str, dict] = {
     "paper": {},                                                              # DATPO (4,3,4), sent-entropy, α 0.2→0
     # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug
     # (docs/decisions.md). Where the paper is silent the defaults already follow the release (prompt, bf16, budget).
-    "release": dict(value_estimate="release", mini_batch_grouping="blocks"),
+    "release": dict(value_estimate="release", sibling_groups="release", mini_batch_grouping="blocks"),
     "grpo": _GRPO,
     "drgrpo": dict(method="drgrpo", loss_norm="constant"),                    # r − mean, constant normaliser
     "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),

@@ -27,21 +27,34 @@ import tree as T
 # --------------------------------------------------------------------------------------------------------
 # Advantages and training paths, per method (the formulas live in advantage.py and tree.py)
 # --------------------------------------------------------------------------------------------------------
-def datpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
-    """Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) (Sec. 4.2, Eq. 4); scope and V: --alpha_scope,
-    --value_estimate."""
-    return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope, value_estimate, tr.branch_flags)
+def div_sib(tr: T.Tree, embeddings, sibling_groups: str = "paper") -> list[float]:
+    """Div_sib of every block of the tree (advantage.block_diversity): Eq. 10's siblings, or the release's
+    (then `embeddings` also holds the N whole base responses after the block rows; empty texts drop out)."""
+    return A.block_diversity(tr.parents, tr.rewards, tr.branch_flags, [b.base for b in tr.blocks], embeddings,
+                             sibling_groups, valid=[bool(b.text.strip()) for b in tr.blocks])
 
 
-def grpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
+def datpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
+                     sibling_groups: str = "paper") -> list[float]:
+    """Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) (Sec. 4.2, Eq. 4); scope, V and Div_sib's siblings:
+    --alpha_scope, --value_estimate, --sibling_groups (tree.block_diversity)."""
+    diversity = None if alpha == 0 else div_sib(tr, embeddings, sibling_groups)
+    return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope, value_estimate, tr.branch_flags,
+                              diversity)
+
+
+def grpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
+                    sibling_groups: str = "paper") -> list[float]:
     return A.grpo_advantages(tr.rewards)
 
 
-def drgrpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
+def drgrpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
+                      sibling_groups: str = "paper") -> list[float]:
     return A.drgrpo_advantages(tr.rewards)
 
 
-def treerl_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str) -> list[float]:
+def treerl_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
+                      sibling_groups: str = "paper") -> list[float]:
     return A.treerl_advantages(tr.parents, tr.rewards)
 
 
@@ -62,7 +75,8 @@ def branched_paths(tr: T.Tree) -> list[list[int]]:
 @dataclass(frozen=True)
 class Method:
     name: str
-    advantages: Callable                        # (tree, α, embeddings or None, scope, value_estimate) -> per block
+    advantages: Callable                        # (tree, α, embeddings or None, scope, value_estimate,
+                                                #  sibling_groups) -> one advantage per block
     rollout: str = "tree"                       # tree | parallel
     budget: str = "adaptive"                    # adaptive | fixed
     expand: Callable | None = None              # (rewards of the N base responses, rng) -> indices to fork

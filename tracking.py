@@ -27,6 +27,7 @@ from pathlib import Path
 
 import advantage as A
 import config as C
+import methods as M
 import tree as T
 
 def tags(record: dict) -> dict[str, float]:
@@ -148,12 +149,13 @@ def trees_due(step: int, every: int) -> bool:
 
 
 def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embeddings=None,
-                value_estimate: str = "paper") -> dict:
+                value_estimate: str = "paper", sibling_groups: str = "paper") -> dict:
     """One tree as a JSON-able dict: the quantities of Sec. 4.1-4.2 / App. F for every block.
 
     v_start/v_end: V at the block's start and end state (advantage.block_values: V_MC, or release_values with
     value_estimate "release"); base_advantage: Â_base(b) =
-    r(b) + V(s_end) − V(s_start) (Eq. 3); div_sib: Div_sib(b) (Eq. 10; None when no embeddings were computed);
+    r(b) + V(s_end) − V(s_start) (Eq. 3); div_sib: Div_sib(b) (Eq. 10, or the release's groups with
+    sibling_groups "release": methods.div_sib; None when no embeddings were computed);
     advantage: the value the update used, by the run's method (None when the tree was not trained, e.g.
     AttnRL's filtered trees). Token pieces join to the block's decoded text; entropies are rounded to 1e-3.
     """
@@ -161,7 +163,7 @@ def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embedding
     # the run's own estimates (--value_estimate), so Â_base is the one it used
     v_start, v_end = A.block_values(parents, rewards, value_estimate, branch)
     base = A.base_advantages(parents, rewards, value_estimate, branch)
-    div = A.sibling_diversity(parents, embeddings) if embeddings is not None else [None] * len(parents)
+    div = M.div_sib(tr, embeddings, sibling_groups) if embeddings is not None else [None] * len(parents)
     blocks = []
     for i, b in enumerate(tr.blocks):
         text, spans = T.decode_with_offsets(tokenizer, b.token_ids)
@@ -173,13 +175,13 @@ def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embedding
             "div_sib": div[i], "advantage": None if advantages is None else float(advantages[i]),
         })
     return {"prompt": tr.prompt, "answer": tr.answer, "level": tr.level, "v_root": tr.v_root,
-            "value_estimate": value_estimate,
+            "value_estimate": value_estimate, "sibling_groups": sibling_groups,
             "k_hat": tr.k_hat, "b_hat": tr.b_hat, "forks": tr.forks, "leaves": tr.leaves,
             "trained": advantages is not None, "blocks": blocks}
 
 
 def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: list, embeddings: list,
-                alpha: float, method: str, value_estimate: str = "paper") -> Path:
+                alpha: float, method: str, value_estimate: str = "paper", sibling_groups: str = "paper") -> Path:
     """RUN/trees/step_XXXXXX.jsonl: one tree a line (tree_record plus step, index, method and α); rewritten
     whole, so a resumed run that redoes a step replaces its file."""
     folder = Path(run_dir) / "trees"
@@ -189,7 +191,7 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: 
     with open(tmp, "w", encoding="utf-8") as f:
         for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
             record = {"step": step, "tree": index, "method": method, "alpha": alpha,
-                      **tree_record(tr, tokenizer, adv, emb, value_estimate)}
+                      **tree_record(tr, tokenizer, adv, emb, value_estimate, sibling_groups)}
             f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
     os.replace(tmp, path)
     return path

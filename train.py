@@ -55,35 +55,43 @@ from tracking import Log
 # --------------------------------------------------------------------------------------------------------
 # Phase 3: advantages per method (the method's row in methods.py)
 # --------------------------------------------------------------------------------------------------------
-def embed_blocks(embedder, trees: list[T.Tree], batch_size: int) -> list[np.ndarray | None]:
+def embed_blocks(embedder, trees: list[T.Tree], batch_size: int, sibling_groups: str = "paper"
+                 ) -> list[np.ndarray | None]:
     """Block embeddings for the sibling-diversity term, once per step and batched over the whole batch.
-    Only blocks that have a sibling are embedded (Div_sib of a lone block is 0 whatever its embedding)."""
-    wanted = []
+    Paper (Eq. 10): only blocks that have a sibling are embedded (Div_sib of a lone block is 0 whatever its
+    embedding). --sibling_groups release: every block, then one row per base response, its whole text (the
+    release compares an unforked response with all N whole responses; methods.div_sib)."""
+    wanted, texts = [], []
     for t, tr in enumerate(trees):
         counts: dict = {}
         for b in tr.blocks:
             counts[b.parent] = counts.get(b.parent, 0) + 1
-        wanted += [(t, i) for i, b in enumerate(tr.blocks) if counts[b.parent] > 1]
+        keep = [i for i, b in enumerate(tr.blocks) if sibling_groups == "release" or counts[b.parent] > 1]
+        wanted += [(t, i) for i in keep]
+        texts += [tr.blocks[i].text for i in keep]
+        if sibling_groups == "release":
+            whole = [tr.blocks[i].text for i in range(len(tr.blocks))]
+            for k in range(sum(b.parent is None for b in tr.blocks)):
+                wanted.append((t, len(tr.blocks) + k))
+                texts.append("".join(w for w, b in zip(whole, tr.blocks) if b.base == k and not b.branch))
     out: list[np.ndarray | None] = [None] * len(trees)
     if not wanted:
         return out
-    vectors = embedder.encode([trees[t].blocks[i].text for t, i in wanted], batch_size=batch_size,
-                              convert_to_numpy=True, show_progress_bar=False)
-    dim = vectors.shape[1]
+    vectors = embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False)
     for t, tr in enumerate(trees):
-        out[t] = np.zeros((len(tr.blocks), dim), dtype=np.float32)
+        extra = sum(b.parent is None for b in tr.blocks) if sibling_groups == "release" else 0
+        out[t] = np.zeros((len(tr.blocks) + extra, vectors.shape[1]), dtype=np.float32)
     for (t, i), v in zip(wanted, vectors):
         out[t][i] = v
     return out
 
 
-
 def tree_advantages(method: str, tr: T.Tree, alpha: float, scope: str, embeddings,
-                    value_estimate: str = "paper") -> list[float]:
+                    value_estimate: str = "paper", sibling_groups: str = "paper") -> list[float]:
     """One advantage per block of the tree, by the method's formula (methods.METHODS, advantage.py)."""
     if method not in M.METHODS:
         raise ValueError(f"unknown method {method!r}")
-    return M.METHODS[method].advantages(tr, alpha, embeddings, scope, value_estimate)
+    return M.METHODS[method].advantages(tr, alpha, embeddings, scope, value_estimate, sibling_groups)
 
 
 def train_tree(tr: T.Tree, adv: list[float], method: str) -> P.TrainTree:
@@ -308,13 +316,13 @@ def train_step(s: Setup, run: RunState) -> dict:
     # ---- Phase 3: block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) ----
     t0 = time.perf_counter()
     alpha = A.alpha_at(step, cfg.steps, cfg.alpha_start, cfg.alpha_end) if method.embeds else 0.0
-    embeddings = embed_blocks(s.embedder, trees, cfg.embed_batch_size) if (s.embedder and alpha != 0) \
-        else [None] * len(trees)
+    embeddings = embed_blocks(s.embedder, trees, cfg.embed_batch_size, cfg.sibling_groups) \
+        if (s.embedder and alpha != 0) else [None] * len(trees)
     t_embed = time.perf_counter() - t0
     # torchrun: every rank now holds the whole step (all ranks' trees in prompt order), so metrics stay
     # global and every rank forms the same mini-batches as one process would
     trees, embeddings, rank_stats = D.gather_lists(trees, embeddings, [rollout_stats])
-    advantages = [method.advantages(tr, alpha, emb, cfg.alpha_scope, cfg.value_estimate)
+    advantages = [method.advantages(tr, alpha, emb, cfg.alpha_scope, cfg.value_estimate, cfg.sibling_groups)
                   if method.trainable(tr) else None for tr, emb in zip(trees, embeddings)]
     train_trees = [train_tree(tr, adv, method.name) for tr, adv in zip(trees, advantages) if adv is not None]
     log_trees(s, step + 1, trees, advantages, embeddings, alpha)
@@ -380,9 +388,9 @@ def log_trees(s: Setup, step: int, trees: list[T.Tree], advantages: list, embedd
     cfg = s.cfg
     if D.is_main() and tracking.trees_due(step, cfg.log_trees_every):
         if s.embedder and alpha == 0:   # Div_sib is worth seeing even once α has annealed to 0
-            embeddings = embed_blocks(s.embedder, trees, cfg.embed_batch_size)
+            embeddings = embed_blocks(s.embedder, trees, cfg.embed_batch_size, cfg.sibling_groups)
         tracking.write_trees(s.run_dir, step, trees, s.tokenizer, advantages, embeddings, alpha, cfg.method,
-                             cfg.value_estimate)
+                             cfg.value_estimate, cfg.sibling_groups)
 
 
 def step_record(run: RunState, trees: list[T.Tree], train_trees: list[P.TrainTree], update: dict, alpha: float,

@@ -233,7 +233,12 @@ def test_release_sibling_groups_drop_empty_texts():
     # two unforked responses and one whose text is empty (valid False): the empty one gets 0 and is not counted
     parents, rewards, branch, base = [None, None, None], [1.0, 0.0, 1.0], [False] * 3, [0, 1, 2]
     e = np.eye(3)
-    div = A.release_sibling_diversity(parents, rewards, branch, base, e, e, valid=[True, True, False])
+    div = A.release_sibling_diversity(parents, rewards, branch, base, e, e, response_valid=[True, True, False])
     assert div == pytest.approx([1.0, 1.0, 0.0])
+    # block_diversity: one switch; "release" reads the response rows after the block rows
+    assert A.block_diversity(parents, rewards, branch, base, np.vstack([e, e]), "release") == pytest.approx(
+        A.release_sibling_diversity(parents, rewards, branch, base, e, e))
+    assert A.block_diversity(parents, rewards, branch, base, e, "paper") == pytest.approx(
+        A.sibling_diversity(parents, e))
     with pytest.raises(ValueError, match="differ in length"):
         A.release_sibling_diversity(parents, rewards, branch, [0, 1], e, e)

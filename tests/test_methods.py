@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+import advantage as A
 import config as C
 import methods as M
 import train
@@ -73,3 +74,34 @@ def test_run_state_saves_and_restores_whole():
     assert (back.step, back.cursor, back.skipped_prompts, back.batch_size, back.bad_steps_in_a_row) == (3, 17, 2, 5, 1)
     got = [back.rng.random() for _ in range(3)], torch.rand(2)
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])            # the same streams continue
+
+
+def test_release_sibling_groups_embed_whole_responses_and_match_the_release_formula():
+    """--sibling_groups release: embed_blocks adds one row per base response (its whole text) after the block
+    rows, and methods.div_sib reads them as advantage.release_sibling_diversity does (real MiniLM embedder)."""
+    import numpy as np
+
+    import models
+    import train
+
+    def block(parent, text, base, reward=None, branch=False):
+        return T.Block(parent=parent, token_ids=[1], entropies=[0.0], text=text, reward=reward, base=base,
+                       branch=branch)
+
+    blocks = [block(None, "We add 3 and 4.", 0), block(0, " So the answer is 7.", 0, 1.0),
+              block(0, " Then we multiply instead.", 0, 0.0, branch=True),
+              block(0, " Adding gives seven.", 0, 1.0, branch=True),
+              block(None, "The sum of 3 and 4 is 8.", 1, 0.0)]
+    tr = T.Tree(prompt="p", prompt_ids=[1], answer="7", blocks=blocks, v_root=0.5, k_hat=1, b_hat=2)
+    embedder = models.load_embedder("all-minilm-l6-v2")
+    paper = train.embed_blocks(embedder, [tr], 8)[0]
+    release = train.embed_blocks(embedder, [tr], 8, "release")[0]
+    assert paper.shape[0] == 5 and release.shape[0] == 5 + 2
+    whole = embedder.encode(["We add 3 and 4. So the answer is 7.", "The sum of 3 and 4 is 8."])
+    assert np.allclose(release[5:], whole, atol=1e-5)
+    assert np.allclose(release[:5], embedder.encode([b.text for b in blocks]), atol=1e-5)
+    div = M.div_sib(tr, release, "release")
+    assert div == pytest.approx(A.release_sibling_diversity(tr.parents, tr.rewards, tr.branch_flags, [0, 0, 0, 0, 1],
+                                                            release[:5], release[5:]))
+    assert div[1] == 0.0 and div[2] > 0 and div[3] > 0       # the base continuation is no sibling; branches are
+    assert M.div_sib(tr, paper, "paper") == pytest.approx(A.sibling_diversity(tr.parents, paper))
