@@ -203,10 +203,16 @@ class Engine:
         mask = valid[:, None, :] & (torch.arange(width)[None, None, :] <= positions[:, :, None])
         kv = StepKV(self.pool, read.gather(1, positions).to(self.device), read.to(self.device),
                     mask[:, None].to(self.device))
-        decoder = self.model.get_decoder()
-        with attention_backend(self.model):
-            out = decoder(input_ids=torch.tensor(new_tokens, device=self.device), position_ids=positions.to(self.device),
-                          attention_mask=kv.mask, use_cache=False, engine_kv=kv)
+        try:
+            with attention_backend(self.model):
+                out = self.model.get_decoder()(input_ids=torch.tensor(new_tokens, device=self.device),
+                                               position_ids=positions.to(self.device), attention_mask=kv.mask,
+                                               use_cache=False, engine_kv=kv)
+        except BaseException:                     # e.g. out of memory: the rows are as they were before
+            for row in rows:
+                self.pool.release(row.slots[-q:])
+                del row.slots[-q:]
+            raise
         return out.last_hidden_state[:, -1]
 
     def _sample(self, hidden: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
@@ -335,8 +341,6 @@ class Engine:
                     raise
                 hidden = None
             if hidden is None:                             # fewer rows from now on; the rest wait their turn
-                for row in active:                         # the failed step's slots are given back
-                    self.pool.release([row.slots.pop()])
                 self.max_rows = ROWS_AFTER_OOM[str(self.device)] = max(1, len(active) // 2)
                 self.stats["oom_retries"] += 1
                 waiting.extendleft(reversed(active[self.max_rows:]))
