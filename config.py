@@ -95,8 +95,8 @@ class Config:
                                             # prompt's bases end, prefixes shared in a slot pool); generate: HF
                                             # generate per group and branch chunk (the reference path)
     max_batch_rows: int = 0                 # engine: rows decoded at once; 0 = max(gen_batch_size, branch_chunk_size)
-    max_kv_tokens: int = 0                  # engine: KV pool size in tokens; 0 = max_batch_rows × (longest prompt
-                                            # + max_new_tokens)
+    max_kv_tokens: int = 0                  # engine: KV pool size in tokens; 0 = the step's prompts + max_batch_rows
+                                            # × max_new_tokens (prefixes are shared; rows that don't fit wait)
 
     # ---- advantage (Sec. 4.2, App. F) ----------------------------------------------------------------
     alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...

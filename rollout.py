@@ -146,7 +146,7 @@ class Sampler:
     top_p: float = 1.0
     engine: str = "generate"             # "engine": engine.py's decode loop; "generate": HF generate
     max_rows: int = 64                   # engine: rows decoded at once
-    max_kv_tokens: int = 0               # engine: KV pool size in tokens; 0 = max_rows × (longest prompt + budget)
+    max_kv_tokens: int = 0               # engine: KV pool size in tokens; 0 = the prompts + max_rows × max_new_tokens
     counts: dict = field(default_factory=dict)   # generate: row_steps, ended_row_steps, peak_call_kv_bytes
 
     @classmethod
@@ -164,9 +164,10 @@ class Sampler:
 
     def make_engine(self, prompt_ids: list[list[int]], max_new_tokens: int, rows: int,
                     trace: bool = False) -> E.Engine:
-        """An engine.Engine for at most `rows` rows in all; its pool holds, unless max_kv_tokens says otherwise,
-        min(max_rows, rows) rows of the longest prompt + max_new_tokens (rows beyond wait for room)."""
-        capacity = self.max_kv_tokens or min(self.max_rows, rows) * (max(map(len, prompt_ids)) + max_new_tokens)
+        """An engine.Engine for at most `rows` rows in all. Its pool holds, unless max_kv_tokens says otherwise,
+        every prompt once plus max_new_tokens for each of min(max_rows, rows) rows (prefixes are shared, so a
+        row's own tokens are what it adds; rows that do not fit wait for room)."""
+        capacity = self.max_kv_tokens or min(self.max_rows, rows) * max_new_tokens + sum(map(len, prompt_ids))
         return E.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace)
 
     @property
