@@ -1,9 +1,16 @@
-"""rollout.py — sample base responses and grow difficulty-adaptive trees with HF `generate`.
+"""rollout.py — sample base responses and grow difficulty-adaptive trees.
+
+Two engines behind one interface (`rollout_trees`, `sample_base`; cfg.rollout_engine):
+  engine    (default) engine.py: one decode loop for all prompts; rows leave when they end, a prompt's
+            V(root)/K̂/B̂/forks are computed (plan_prompt) the moment its N bases end and its branches join the
+            running batch; prefixes are shared in a slot pool (rollout_with_engine).
+  generate  HF `generate`, group by group, in the phases below (rollout_with_generate): the reference path and
+            the test oracle (greedy decoding gives the same trees token for token).
 
 Paper: Sec. 3.2 and App. C (Algorithm "Tree Rollout"), Sec. 4.1 (difficulty-adaptive tree search), App. D
 (forking strategies), App. E.2 (branch rollouts generated in chunks).
 
-One call of `rollout_trees` does, for a batch of prompts:
+With `generate`, one call of `rollout_trees` does, for a batch of prompts:
   Phase 1  N base responses per prompt. Each prompt is prefilled once and its KV cache copied to its N samples.
            For every sampled token we record the entropy H_t of the distribution it was drawn from, on the fly
            (a logits processor reduces each step's [batch, vocab] scores to [batch] entropies, so memory is

@@ -78,7 +78,7 @@ def main():
     model, tokenizer = models.load_policy(args.model, device, models.policy_dtype(args.precision))
     model.eval()
     print(f"model {args.model}, device {device}, {args.threads} threads, precision {args.precision}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
     seconds_per_token = {}
     for shape in args.shapes.split(","):
         cfg, n_prompts, kwargs = shape_config(shape, args)
@@ -86,7 +86,10 @@ def main():
         prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
         answers = [p["answer"] for p in problems]
         run(model, tokenizer, prompts[:1], answers[:1], cfg, "engine", args.seed, kwargs)     # warm-up
-        result = {e: run(model, tokenizer, prompts, answers, cfg, e, args.seed, kwargs) for e in ("engine", "generate")}
+        result = {}
+        for e in ("engine", "generate"):
+            result[e] = run(model, tokenizer, prompts, answers, cfg, e, args.seed, kwargs)
+            print(f"({shape}) {e}: {result[e]}, load average {os.getloadavg()[0]:.2f}", flush=True)
         ours, ref = result["engine"], result["generate"]
         print(f"\n({shape}) {n_prompts} prompts, N = {kwargs.get('n_base', cfg.n_base)}, "
               f"{'no branches' if kwargs else f'K_max = {cfg.k_max}, B_max = {cfg.b_max}, {cfg.fork}'}, "

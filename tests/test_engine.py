@@ -80,8 +80,8 @@ def test_greedy_trees_equal_generate_trees_on_smollm2(smollm_tokenizer):
 
     model, tok = models.load_policy("smollm2-135m")
     model.eval()
-    cfg = _cfg(top_k=1, n_base=2, max_new_tokens=24, fork="sent-entropy", few_shot=True)
-    problems = data.load_problems("arith-test", limit=3)
+    cfg = _cfg(top_k=1, n_base=2, max_new_tokens=16, few_shot=True)
+    problems = data.load_problems("arith-test", limit=2)
     prompts = [data.format_prompt(p["problem"], tok, cfg.prompt_style, cfg.few_shot) for p in problems]
     answers = [p["answer"] for p in problems]
     trees = {}
