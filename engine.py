@@ -266,6 +266,9 @@ class Engine:
                 results[p].bases[row.base] = row.out
                 bases_left[p] -= 1
                 base_rows[p].append(row)
+                if not keep_hidden:               # no branch will read it: its slots go back now
+                    self.pool.release(row.slots)
+                    row.slots = []
                 if bases_left[p] == 0:
                     bases_done(p)
             else:
@@ -308,10 +311,10 @@ class Engine:
         def admit():
             while waiting and room([waiting[0]], 0):
                 active.append(waiting.popleft())
-            while waiting_prompts:
+            while waiting_prompts and not waiting:
                 p = waiting_prompts[0]
                 rows = [self._new_row(p, j, None, [], max_new_tokens, keep_hidden) for j in range(n)]
-                if not room(rows, len(prompts[p])):
+                if not room(rows[:self.max_rows], len(prompts[p])):   # N > max_rows: the rest wait for room
                     break
                 waiting_prompts.popleft()
                 self.events.append((self.step, "prefill", p))
@@ -325,7 +328,7 @@ class Engine:
                     if self._push(row, token, ent, lp, hidden[0]):
                         finish(row)
                     else:
-                        active.append(row)
+                        (active if room([row], 0) else waiting).append(row)
 
         while waiting_prompts or waiting or active:
             admit()

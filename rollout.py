@@ -169,12 +169,14 @@ class Sampler:
             scores = warper(None, scores)
         return scores
 
-    def make_engine(self, prompt_ids: list[list[int]], max_new_tokens: int, rows: int,
+    def make_engine(self, prompt_ids: list[list[int]], max_new_tokens: int, rows: int, n: int = 0,
                     trace: bool = False) -> E.Engine:
         """An engine.Engine for at most `rows` rows in all. Its pool holds, unless max_kv_tokens says otherwise,
         every prompt once plus max_new_tokens for each of min(max_rows, rows) rows (prefixes are shared, so a
-        row's own tokens are what it adds; rows that do not fit wait for room)."""
-        capacity = self.max_kv_tokens or min(self.max_rows, rows) * max_new_tokens + sum(map(len, prompt_ids))
+        row's own tokens are what it adds; rows that do not fit wait for room), plus one prompt's N ended base
+        rows kept for its forks while more than max_rows of them take turns."""
+        capacity = self.max_kv_tokens or \
+            (min(self.max_rows, rows) + n) * max_new_tokens + sum(map(len, prompt_ids))
         return E.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace)
 
     @property
@@ -260,7 +262,7 @@ def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_t
     repeated N times, so the prompt is not recomputed per sample (outputs identical under greedy decoding).
     With sampler.engine == "engine" (and no cache to keep for branches) engine.py samples them instead."""
     if sampler.engine == "engine" and not keep_cache:
-        results = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n).run(prompt_ids, n, max_new_tokens)
+        results = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n).run(prompt_ids, n, max_new_tokens)
         samples = [s for res in results for s in res.bases]
         return BaseBatch([p for p in prompt_ids for _ in range(n)], [s.tokens for s in samples],
                          [s.entropies for s in samples])
@@ -532,7 +534,7 @@ def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budge
     stats = RolloutStats()
     expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
     most_rows = len(prompt_ids) * n * (1 + (cfg.k_max * cfg.b_max if expandable else 0))
-    engine = sampler.make_engine(prompt_ids, cfg.max_new_tokens, most_rows)
+    engine = sampler.make_engine(prompt_ids, cfg.max_new_tokens, most_rows, n)
     graded, plans = {}, {}
     start = time.perf_counter()
     last_bases_done = start

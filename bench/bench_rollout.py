@@ -57,10 +57,10 @@ def paper_shape_kv(prompt: int = 256, new: int = 1024, prompts: int = 16, n: int
     """Peak KV bytes at the paper's shape, Qwen2.5-3B in bf16 (36 layers × 2 KV heads × 128 × 2 (K, V) × 2 B).
     generate: the base cache of a gen_batch_size call (rows × (prompt + new)) stays alive while a chunk of
     branches holds its own copy of each prefix, left-padded to the longest (prompt + new − 1), plus up to
-    `new` tokens. engine: its default pool (every prompt once + max_batch_rows × new; prefixes shared)."""
+    `new` tokens. engine: its default pool (every prompt once + (max_batch_rows + N) × new; prefixes shared)."""
     per_token = 36 * 2 * 128 * 2 * 2
     generate = gen_batch * (prompt + new) + chunk * (prompt + new - 1 + new)
-    engine = prompts * prompt + max(gen_batch, chunk) * new
+    engine = prompts * prompt + (max(gen_batch, chunk) + n) * new
     return generate * per_token, engine * per_token
 
 

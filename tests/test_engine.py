@@ -250,6 +250,21 @@ def test_out_of_memory_halves_the_row_budget_and_remembers_it(tiny_policy, monke
     assert engine_for(model, tok, cfg, max_rows=6).max_rows == 1        # the next step starts at what fit
 
 
+def test_more_samples_per_prompt_than_rows_take_turns(smollm_tokenizer):
+    """N = 5 samples per prompt with a budget of 2 rows (GRPO's G = 16 at a small max_batch_rows): the prompt is
+    prefilled once, its rows take turns, and the samples are those of an unconstrained run (greedy)."""
+    tok = smollm_tokenizer
+    model = tiny_model("llama", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    wide = engine_for(model, tok, cfg).run(prompts, 5, 6)
+    narrow = engine_for(model, tok, cfg, max_rows=2, max_kv_tokens=60)
+    results = narrow.run(prompts, 5, 6)
+    assert [[s.tokens for s in r.bases] for r in results] == [[s.tokens for s in r.bases] for r in wide]
+    assert max(len(ev[2]) for ev in narrow.events if ev[1] == "decode") == 2
+    assert sum(1 for ev in narrow.events if ev[1] == "prefill") == 2 and narrow.pool.used == 0
+
+
 def test_every_method_runs_on_the_engine(tiny_policy, monkeypatch):
     """GRPO (depth one), TreeRL-style fixed trees, AttnRL (ATB's attention pass + its expansion rule)."""
     model, tok = tiny_policy
