@@ -56,6 +56,7 @@ CHOICES = {
     "mini_batch_grouping": GROUPINGS,
     "packed_attention": ATTENTION_KERNELS,
     "parallel": PARALLELS,
+    "rollout_engine": ("engine", "generate"),
 }
 LIST_CHOICES = {"report_to": REPORTERS}   # list-valued fields: every item must be one of these
 
@@ -98,6 +99,12 @@ class Config:
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. E.2: 384 for 3B)
     naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
+    rollout_engine: str = "engine"          # engine: engine.py (rows leave when they end, branches start when their
+                                            # prompt's bases end, prefixes shared in a slot pool); generate: HF
+                                            # generate per group and branch chunk (the reference path)
+    max_batch_rows: int = 0                 # engine: rows decoded at once; 0 = max(gen_batch_size, branch_chunk_size)
+    max_kv_tokens: int = 0                  # engine: KV pool size in tokens; 0 = the step's prompts + max_batch_rows
+                                            # × max_new_tokens (prefixes are shared; rows that don't fit wait)
 
     # ---- advantage (Sec. 4.2, App. F) ----------------------------------------------------------------
     alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
@@ -179,6 +186,9 @@ class Config:
                      "max_prompt_tokens", "log_trees_every"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0")
+        for name in ["max_batch_rows", "max_kv_tokens"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0 (0 = automatic)")
         if not self.temperature > 0:
             raise ValueError(f"--temperature: got {self.temperature}, expected > 0")
         if not 0 < self.top_p <= 1:

@@ -1,9 +1,16 @@
-"""rollout.py — sample base responses and grow difficulty-adaptive trees with HF `generate`.
+"""rollout.py — sample base responses and grow difficulty-adaptive trees.
+
+Two engines behind one interface (`rollout_trees`, `sample_base`; cfg.rollout_engine):
+  engine    (default) engine.py: one decode loop for all prompts; rows leave when they end, a prompt's
+            V(root)/K̂/B̂/forks are computed (plan_prompt) the moment its N bases end and its branches join the
+            running batch; prefixes are shared in a slot pool (rollout_with_engine).
+  generate  HF `generate`, group by group, in the phases below (rollout_with_generate): the reference path and
+            the test oracle (greedy decoding gives the same trees token for token).
 
 Paper: Sec. 3.2 and App. C (Algorithm "Tree Rollout"), Sec. 4.1 (difficulty-adaptive tree search), App. D
 (forking strategies), App. E.2 (branch rollouts generated in chunks).
 
-One call of `rollout_trees` does, for a batch of prompts:
+With `generate`, one call of `rollout_trees` does, for a batch of prompts:
   Phase 1  N base responses per prompt. Each prompt is prefilled once and its KV cache copied to its N samples.
            For every sampled token we record the entropy H_t of the distribution it was drawn from, on the fly
            (a logits processor reduces each step's [batch, vocab] scores to [batch] entropies, so memory is
@@ -24,12 +31,13 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+import engine as E
 import faults
 import methods as M
 import tree as T
@@ -116,6 +124,14 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def cache_bytes(cache) -> int:
+    """Bytes of keys and values held by an HF cache."""
+    if cache is None:
+        return 0
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -136,11 +152,33 @@ class Sampler:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    engine: str = "generate"             # "engine": engine.py's decode loop; "generate": HF generate
+    max_rows: int = 64                   # engine: rows decoded at once
+    max_kv_tokens: int = 0               # engine: KV pool size in tokens; 0 = the prompts + max_rows × max_new_tokens
+    counts: dict = field(default_factory=dict)   # generate: row_steps, ended_row_steps, peak_call_kv_bytes
 
     @classmethod
     def from_config(cls, model, tokenizer, cfg) -> "Sampler":
+        engine = "generate" if cfg.naive_prefill else cfg.rollout_engine   # naive re-prefill is generate's
         return cls(model, stop_token_ids(tokenizer, model), tokenizer.pad_token_id,
-                   cfg.temperature, cfg.top_k, cfg.top_p)
+                   cfg.temperature, cfg.top_k, cfg.top_p, engine,
+                   cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size), cfg.max_kv_tokens)
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """temperature, top-k, top-p applied to [rows, vocab] scores, exactly as generate applies them."""
+        for warper in sampling_processors(self.temperature, self.top_k, self.top_p):
+            scores = warper(None, scores)
+        return scores
+
+    def make_engine(self, prompt_ids: list[list[int]], max_new_tokens: int, rows: int, n: int = 0,
+                    trace: bool = False) -> E.Engine:
+        """An engine.Engine for at most `rows` rows in all. Its pool holds, unless max_kv_tokens says otherwise,
+        every prompt once plus max_new_tokens for each of min(max_rows, rows) rows (prefixes are shared, so a
+        row's own tokens are what it adds; rows that do not fit wait for room), plus one prompt's N ended base
+        rows kept for its forks while more than max_rows of them take turns."""
+        capacity = self.max_kv_tokens or \
+            (min(self.max_rows, rows) + n) * max_new_tokens + sum(map(len, prompt_ids))
+        return E.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace)
 
     @property
     def device(self):
@@ -189,14 +227,17 @@ class Sampler:
         new = out.sequences[:, input_ids.shape[1]:]
         ents = torch.stack(recorder.steps, dim=1) if recorder.steps else new.new_zeros(new.shape, dtype=torch.float)
         tokens, entropies = self.trim(new, ents, limits)
+        # generate decodes every row until the batch ends: the row-steps past a row's end are wasted work
+        steps = len(recorder.steps)
+        self.counts["row_steps"] = self.counts.get("row_steps", 0) + steps * len(limits)
+        self.counts["ended_row_steps"] = self.counts.get("ended_row_steps", 0) + steps * len(limits) - sum(map(len, tokens))
+        self.counts["peak_call_kv_bytes"] = max(self.counts.get("peak_call_kv_bytes", 0), cache_bytes(out.past_key_values))
         return tokens, entropies, out, (hidden.steps if hidden else None)
 
     @torch.no_grad()
     def sample_first(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row from lm_head(hidden) exactly as generate's sampling step does."""
-        scores = self.model.get_output_embeddings()(hidden).float()
-        for warper in sampling_processors(self.temperature, self.top_k, self.top_p):
-            scores = warper(None, scores)
+        scores = self.warp(self.model.get_output_embeddings()(hidden).float())
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, num_samples=1).squeeze(1), entropy_of(scores)
 
@@ -219,7 +260,13 @@ class BaseBatch:
 def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
                 keep_cache: bool = False) -> BaseBatch:
     """N samples per prompt. The prompts are prefilled once (all but their last token) and the cache is
-    repeated N times, so the prompt is not recomputed per sample (NOTES.md: outputs identical)."""
+    repeated N times, so the prompt is not recomputed per sample (outputs identical under greedy decoding).
+    With sampler.engine == "engine" (and no cache to keep for branches) engine.py samples them instead."""
+    if sampler.engine == "engine" and not keep_cache:
+        results = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n).run(prompt_ids, n, max_new_tokens)
+        samples = [s for res in results for s in res.bases]
+        return BaseBatch([p for p in prompt_ids for _ in range(n)], [s.tokens for s in samples],
+                         [s.entropies for s in samples])
     ids, mask = left_pad(prompt_ids, sampler.pad_id, sampler.device)
     cache = None
     if ids.shape[1] > 1:
@@ -311,6 +358,32 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
     return results
 
 
+def response_blocks(tokenizer, j: int, tokens: list[int], entropies: list[float], reward: float, forks: list[int],
+                    branches: dict, grade, first_index: int) -> list[T.Block]:
+    """The blocks of one base response's subtree (App. C): the response cut at its forks (tree.base_blocks; the
+    last block carries its reward) followed, fork by fork, by one terminal block per branch.
+
+    branches: f -> [(tokens, entropies)] of the branches grown at f (continuations from token f on);
+    grade(ids) -> reward of the whole root-to-leaf response ids = tokens[:f] + branch; first_index: where
+    these blocks start in the tree's block list. rollout_trees and grow_from_forks both build blocks here.
+    """
+    blocks, ends_at = T.base_blocks(j, tokens, entropies, reward, forks, first_index)
+    for block in blocks:
+        block.text = tokenizer.decode(block.token_ids, skip_special_tokens=True)
+    for f in forks:
+        grown = branches.get(f, [])
+        texts = tokenizer.batch_decode([tok for tok, _ in grown], skip_special_tokens=True)
+        for (tok, ent), text in zip(grown, texts):
+            blocks.append(T.Block(parent=ends_at[f], token_ids=tok, entropies=ent, text=text,
+                                  reward=grade(tokens[:f] + tok), base=j, start=f, branch=True))
+    return blocks
+
+
+def grader(tokenizer, answer: str, fallback: bool):
+    """ids -> reward of the decoded response (reward.compute_reward)."""
+    return lambda ids: compute_reward(tokenizer.decode(ids, skip_special_tokens=True), answer, fallback)
+
+
 @torch.no_grad()
 def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[int, list[int]], count: int,
                     answers: list[str], max_new_tokens: int, chunk_size: int, answer_fallback: bool = False,
@@ -330,19 +403,10 @@ def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[in
     by_fork = {(req.row, req.fork): out for req, out in zip(requests, grown)}
     subtrees = {}
     for r, fs in forks.items():
-        tokens = base.tokens[r]
-        reward = base_rewards[r] if base_rewards is not None else \
-            compute_reward(tokenizer.decode(tokens, skip_special_tokens=True), answers[r], answer_fallback)
-        blocks, ends_at = T.base_blocks(0, tokens, base.entropies[r], reward, sorted(fs), 0)
-        for block in blocks:
-            block.text = tokenizer.decode(block.token_ids, skip_special_tokens=True)
-        for f in sorted(fs):
-            for tok, ent in by_fork.get((r, f), []):
-                full = tokenizer.decode(tokens[:f] + tok, skip_special_tokens=True)
-                blocks.append(T.Block(parent=ends_at[f], token_ids=tok, entropies=ent,
-                                      text=tokenizer.decode(tok, skip_special_tokens=True),
-                                      reward=compute_reward(full, answers[r], answer_fallback), start=f, branch=True))
-        subtrees[r] = blocks
+        grade = grader(tokenizer, answers[r], answer_fallback)
+        reward = base_rewards[r] if base_rewards is not None else grade(base.tokens[r])
+        subtrees[r] = response_blocks(tokenizer, 0, base.tokens[r], base.entropies[r], reward, sorted(fs),
+                                      {f: by_fork.get((r, f), []) for f in fs}, grade, 0)
     return subtrees
 
 
@@ -394,6 +458,9 @@ class RolloutStats:
     seconds_base: float = 0.0
     seconds_forks: float = 0.0
     seconds_branches: float = 0.0
+    row_steps: int = 0                   # rows × decode steps run
+    ended_row_steps: int = 0             # of those, steps on rows that had already ended (generate only)
+    peak_kv_bytes: int = 0               # most keys/values held at once
 
 
 def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entropies, rng, cfg) -> list[int]:
@@ -412,6 +479,19 @@ def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entr
                           step_scores=scores, quantile=cfg.atb_quantile, keep_token=cfg.fork_keeps_token)
 
 
+def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int], tokens: list[list[int]],
+                entropies: list[list[float]], rewards: list[float]):
+    """One prompt's tree plan once its N base responses are graded (Sec. 4.1): V(root) = their mean reward,
+    (K̂, B̂) = budget(V(root)), and the forks of each response that the method expands."""
+    n = len(tokens)
+    v_root = sum(rewards) / n
+    k_hat, b_hat = budget(v_root)
+    chosen = set(range(n)) if expand is None else set(expand(rewards, rng))
+    forks = [choose_forks(cfg.fork, k_hat, tokenizer, model, prompt_ids, tokens[j], entropies[j], rng, cfg)
+             if b_hat > 0 and j in chosen else [] for j in range(n)]
+    return v_root, k_hat, b_hat, forks
+
+
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
                   method: M.Method | None = None, levels: list | None = None,
                   progress=None) -> tuple[list[T.Tree], RolloutStats]:
@@ -421,66 +501,124 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
     responses per prompt (GRPO: G parallel responses, no branches), the budget v_root -> (K, B) (DATPO's
     adaptive_budget(v, k_max, b_max), or fixed (k_max, b_max)), and which base responses get forks (all, or
     AttnRL's tree.attnrl_expansion).
+    progress(k): k more trees are done. cfg.rollout_engine picks engine.py (default) or HF generate (the
+    reference); both return the same trees under greedy decoding. With the engine, prompts are planned in the
+    order their bases end, so a method that draws from `rng` (random forks, AttnRL's expansion) draws in that
+    order.
     """
     n, budget, expand = (method or M.method_of(cfg)).rollout_shape(cfg)
     sampler = Sampler.from_config(model, tokenizer, cfg)
-    stats = RolloutStats()
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    trees: list[T.Tree] = []
+    run = rollout_with_engine if sampler.engine == "engine" else rollout_with_generate
+    grown, stats = run(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress)
+    t0 = time.perf_counter()
+    trees = []
+    for i, (samples, rewards, (v_root, k_hat, b_hat, forks), branches) in enumerate(grown):
+        grade = grader(tokenizer, answers[i], cfg.answer_fallback)
+        blocks: list[T.Block] = []
+        for j, ((tokens, entropies), fs) in enumerate(zip(samples, forks)):
+            blocks += response_blocks(tokenizer, j, tokens, entropies, rewards[j], fs,
+                                      {f: branches[(j, f)] for f in fs}, grade, len(blocks))
+        trees.append(T.Tree(prompt=prompts[i], prompt_ids=prompt_ids[i], answer=answers[i], blocks=blocks,
+                            v_root=v_root, k_hat=k_hat, b_hat=b_hat, forks=forks,
+                            level=levels[i] if levels else None))
+    stats.seconds_branches += time.perf_counter() - t0    # grading the branches is part of growing them
+    return trees, stats
+
+
+def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress):
+    """All prompts through one engine.Engine: a prompt is planned (plan_prompt) the moment its N bases end, and
+    its branches join the running batch. Returns, per prompt, (base samples as (tokens, entropies), base
+    rewards, plan, {(j, f): [(tokens, entropies)]}) and the RolloutStats."""
+    stats = RolloutStats()
+    expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
+    most_rows = len(prompt_ids) * n * (1 + (cfg.k_max * cfg.b_max if expandable else 0))
+    engine = sampler.make_engine(prompt_ids, cfg.max_new_tokens, most_rows, n)
+    graded, plans = {}, {}
+    start = time.perf_counter()
+    last_bases_done = start
+
+    def on_bases_done(p: int, samples: list[E.Sample]) -> list[E.BranchRequest]:
+        nonlocal last_bases_done
+        t0 = time.perf_counter()
+        texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+        graded[p] = [compute_reward(text, answers[p], cfg.answer_fallback) for text in texts]
+        plans[p] = plan_prompt(cfg, budget, expand, rng, tokenizer, sampler.model, prompt_ids[p],
+                               [s.tokens for s in samples], [s.entropies for s in samples], graded[p])
+        _, _, b_hat, forks = plans[p]
+        last_bases_done = time.perf_counter()
+        stats.seconds_forks += last_bases_done - t0
+        return [E.BranchRequest(j, f, b_hat, T.branch_limit(cfg.max_new_tokens, f, cfg.branch_budget))
+                for j, fs in enumerate(forks) for f in fs]
+
+    results = engine.run(prompt_ids, n, cfg.max_new_tokens, on_bases_done, keep_hidden=expandable,
+                         on_tree_done=(lambda p: progress(1)) if progress else None)
+    end = time.perf_counter()
+    # no phase barrier: "base" is until the last prompt's bases ended, "branches" is what ran after
+    stats.seconds_base = last_bases_done - start - stats.seconds_forks
+    stats.seconds_branches = end - last_bases_done
+    stats.base_tokens = sum(len(s.tokens) for res in results for s in res.bases)
+    stats.branch_tokens = sum(len(s.tokens) for res in results for per in res.branches.values() for s in per)
+    stats.oom_retries = engine.stats["oom_retries"]
+    stats.row_steps, stats.ended_row_steps = engine.stats["row_steps"], engine.stats["ended_row_steps"]
+    stats.peak_kv_bytes = engine.pool.peak * engine.pool.bytes_per_token
+    grown = [([(s.tokens, s.entropies) for s in res.bases], graded[p], plans[p],
+              {key: [(s.tokens, s.entropies) for s in per] for key, per in res.branches.items()})
+             for p, res in enumerate(results)]
+    return grown, stats
+
+
+def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress):
+    """The reference path: HF generate per group of gen_batch_size rows (Phase 1), plan every prompt of the
+    group, then its branches in chunks (Phase 2) before the next group starts. Same return as
+    rollout_with_engine."""
+    stats = RolloutStats()
+    grown = []
     per_call = max(1, cfg.gen_batch_size // n)           # whole prompt groups per generate call
     expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
-    for first in range(0, len(prompts), per_call):
-        group = list(range(first, min(first + per_call, len(prompts))))
+    for first in range(0, len(prompt_ids), per_call):
+        group = list(range(first, min(first + per_call, len(prompt_ids))))
         t0 = time.perf_counter()
         base = sample_base(sampler, [prompt_ids[i] for i in group], n, cfg.max_new_tokens,
                            keep_cache=expandable and not cfg.naive_prefill)
         texts = tokenizer.batch_decode(base.tokens, skip_special_tokens=True)
         rewards = [compute_reward(texts[r], answers[group[r // n]], cfg.answer_fallback) for r in range(len(texts))]
         stats.base_tokens += sum(map(len, base.tokens))
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, sampler.counts["peak_call_kv_bytes"])
         stats.seconds_base += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         requests, plans = [], []
         for g, prompt_index in enumerate(group):
             rows = range(g * n, (g + 1) * n)
-            v_root = sum(rewards[r] for r in rows) / n
-            k_hat, b_hat = budget(v_root)
-            chosen = set(range(n)) if expand is None else set(expand([rewards[r] for r in rows], rng))
-            forks = [choose_forks(cfg.fork, k_hat, tokenizer, model, base.prompt_ids[r], base.tokens[r],
-                                  base.entropies[r], rng, cfg) if b_hat > 0 and j in chosen else []
-                     for j, r in enumerate(rows)]
+            plan = plan_prompt(cfg, budget, expand, rng, tokenizer, sampler.model, prompt_ids[prompt_index],
+                               [base.tokens[r] for r in rows], [base.entropies[r] for r in rows],
+                               [rewards[r] for r in rows])
+            _, _, b_hat, forks = plan
             requests += [BranchRequest(r, f, b_hat) for r, fs in zip(rows, forks) for f in fs]
-            plans.append((prompt_index, rows, v_root, k_hat, b_hat, forks))
+            plans.append(plan)
         stats.seconds_forks += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         counters: dict = {}
+        base_kv = cache_bytes(base.cache)
+        sampler.counts["peak_call_kv_bytes"] = 0
         branches = sample_branches(sampler, base, requests, cfg.max_new_tokens, cfg.branch_chunk_size,
                                    cfg.naive_prefill, counters, cfg.branch_budget) if requests else []
+        # while branches generate, the base cache stays alive beside each chunk's cache
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, base_kv + sampler.counts["peak_call_kv_bytes"])
         stats.recomputed_prefix_tokens += counters.get("recomputed_prefix_tokens", 0)
         stats.oom_retries += counters.get("oom_retries", 0)
         stats.branch_tokens += sum(len(tok) for per in branches for tok, _ in per)
         base.cache = base.hidden = None  # free the KV cache before the next group
         by_request = {(req.row, req.fork): out for req, out in zip(requests, branches)}
-        branch_texts = {key: tokenizer.batch_decode([tok for tok, _ in out], skip_special_tokens=True)
-                        for key, out in by_request.items()}
-        for prompt_index, rows, v_root, k_hat, b_hat, forks in plans:
-            blocks: list[T.Block] = []
-            for j, (r, fs) in enumerate(zip(rows, forks)):
-                cut, ends_at = T.base_blocks(j, base.tokens[r], base.entropies[r], rewards[r], fs, len(blocks))
-                for block in cut:
-                    block.text = tokenizer.decode(block.token_ids, skip_special_tokens=True)
-                blocks += cut
-                for f in fs:
-                    for (tok, ent), text in zip(by_request[(r, f)], branch_texts[(r, f)]):
-                        full_text = tokenizer.decode(base.tokens[r][:f] + tok, skip_special_tokens=True)
-                        reward = compute_reward(full_text, answers[prompt_index], cfg.answer_fallback)
-                        blocks.append(T.Block(parent=ends_at[f], token_ids=tok, entropies=ent, text=text,
-                                              reward=reward, base=j, start=f, branch=True))
-            trees.append(T.Tree(prompt=prompts[prompt_index], prompt_ids=prompt_ids[prompt_index],
-                                answer=answers[prompt_index], blocks=blocks, v_root=v_root, k_hat=k_hat,
-                                b_hat=b_hat, forks=forks, level=levels[prompt_index] if levels else None))
+        for g, plan in enumerate(plans):
+            rows = range(g * n, (g + 1) * n)
+            grown.append(([(base.tokens[r], base.entropies[r]) for r in rows], [rewards[r] for r in rows], plan,
+                          {(j, f): by_request[(r, f)] for j, r in enumerate(rows) for f in plan[3][j]}))
         stats.seconds_branches += time.perf_counter() - t0
         if progress is not None:
             progress(len(group))
-    return trees, stats
+    stats.row_steps = sampler.counts.get("row_steps", 0)
+    stats.ended_row_steps = sampler.counts.get("ended_row_steps", 0)
+    return grown, stats

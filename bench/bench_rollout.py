@@ -1,11 +1,18 @@
-"""Benchmark: tree rollouts with KV-cache prefix reuse vs the naive re-prefill path, in one run.
+"""Benchmark: the tree rollout engine (engine.py) vs HF generate (--rollout_engine generate), in one run.
 
-    python bench/bench_rollout.py                      # embedded SmolLM2-135M, demo-sized trees, CPU
-    python bench/bench_rollout.py --model Qwen/Qwen2.5-3B --max_new_tokens 1024 --prompts 16 --device cuda
+    python bench/bench_rollout.py                          # (a), (b), (c) below; SmolLM2-135M, fp32, CPU
+    python bench/bench_rollout.py --shapes c --threads 1   # one shape, one thread
+    python bench/bench_rollout.py --model Qwen/Qwen2.5-3B --device cuda --precision bf16 --shapes a,b
 
-Both paths get the same prompts, the same base responses (same seed) and the same forks; only Phase 2
-(branches) differs. Prints, per path: prefix tokens recomputed per branch, generated tokens per second,
-wall time per tree, and the ratios (naive / cached).
+Shapes, both engines on the same prompts (arith-train, the demo's chat prompt with its worked example):
+  (a) 16 prompts × 4 base responses × 256 new tokens, no branches (parallel sampling, GRPO-like)
+  (b) the DATPO demo preset (8 prompts, N = 4, K_max = B_max = 2, adaptive, sent-entropy) at 256 new tokens
+  (c) the demo preset as shipped (64 new tokens)
+Per engine: wall seconds, generated tokens, tokens/s, row-steps on rows that had already ended, peak KV bytes;
+then the ratio engine/generate, and DATPO's rollout seconds per generated token over GRPO's ((b) over (a)).
+Sampling draws different tokens in the two engines (their random streams are consumed in another order), so
+token counts differ a little; tokens/s is the fair comparison. Last, the peak KV at the paper's shape
+(Qwen2.5-3B, 16 prompts, (N, K, B) = (4, 3, 4), 1,024 new tokens, 256-token prompts), computed.
 """
 import argparse
 import os
@@ -18,72 +25,95 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
 import data  # noqa: E402
+import methods as M  # noqa: E402
 import models  # noqa: E402
 import rollout as R  # noqa: E402
 
 
-def run(model, tokenizer, prompts, answers, cfg, seed):
+def shape_config(shape: str, args) -> tuple[C.Config, int, dict]:
+    """(config, number of prompts, rollout_trees keyword arguments) of a benchmark shape."""
+    common = dict(model=args.model, precision=args.precision)
+    if shape == "a":
+        cfg = C.make_config("grpo", "demo", max_new_tokens=256, group_size=4, **common)
+        return cfg, 16, dict(method=M.METHODS["grpo"])
+    cfg = C.make_config("demo", max_new_tokens=256 if shape == "b" else 64, **common)
+    return cfg, cfg.prompts_per_step, {}
+
+
+def run(model, tokenizer, prompts, answers, cfg, engine, seed, kwargs):
+    cfg.rollout_engine = engine
     torch.manual_seed(seed)
     start = time.perf_counter()
     with models.autocast(next(model.parameters()).device, cfg.precision):
-        trees, stats = R.rollout_trees(model, tokenizer, prompts, answers, cfg, random.Random(seed))
+        trees, stats = R.rollout_trees(model, tokenizer, prompts, answers, cfg, random.Random(seed), **kwargs)
     wall = time.perf_counter() - start
-    branches = sum(1 for t in trees for b in t.blocks if b.branch)
-    return dict(trees=len(trees), branches=branches, branch_tokens=stats.branch_tokens,
-                base_tokens=stats.base_tokens, wall_per_tree=wall / len(trees),
-                branch_seconds=stats.seconds_branches, base_seconds=stats.seconds_base,
-                recomputed_per_branch=stats.recomputed_prefix_tokens / max(branches, 1),
-                branch_tok_per_s=stats.branch_tokens / max(stats.seconds_branches, 1e-9),
-                gen_tok_per_s=(stats.base_tokens + stats.branch_tokens) / wall)
+    tokens = stats.base_tokens + stats.branch_tokens
+    return dict(wall=wall, tokens=tokens, tok_s=tokens / wall, ended=stats.ended_row_steps,
+                row_steps=stats.row_steps, kv=stats.peak_kv_bytes, recomputed=stats.recomputed_prefix_tokens,
+                branches=sum(1 for t in trees for b in t.blocks if b.branch))
+
+
+def paper_shape_kv(prompt: int = 256, new: int = 1024, prompts: int = 16, n: int = 4, k: int = 3, b: int = 4,
+                   gen_batch: int = 64, chunk: int = 384) -> tuple[float, float]:
+    """Peak KV bytes at the paper's shape, Qwen2.5-3B in bf16 (36 layers × 2 KV heads × 128 × 2 (K, V) × 2 B).
+    generate: the base cache of a gen_batch_size call (rows × (prompt + new)) stays alive while a chunk of
+    branches holds its own copy of each prefix, left-padded to the longest (prompt + new − 1), plus up to
+    `new` tokens. engine: its default pool (every prompt once + (max_batch_rows + N) × new; prefixes shared)."""
+    per_token = 36 * 2 * 128 * 2 * 2
+    generate = gen_batch * (prompt + new) + chunk * (prompt + new - 1 + new)
+    engine = prompts * prompt + (max(gen_batch, chunk) + n) * new
+    return generate * per_token, engine * per_token
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--data", default="arith-test")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=2, help="fixed forks per base response")
-    parser.add_argument("--b", type=int, default=4, help="fixed branches per fork")
-    parser.add_argument("--n_base", type=int, default=4)
-    parser.add_argument("--fork", default="sent-entropy")
+    parser.add_argument("--shapes", default="a,b,c", help="comma-separated: a, b, c")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--precision", default="bf16-autocast")
+    parser.add_argument("--precision", default="fp32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
-    cfg = C.make_config("demo", model=args.model, n_base=args.n_base, k_max=args.k, b_max=args.b, adaptive=False,
-                        fork=args.fork, max_new_tokens=args.max_new_tokens, precision=args.precision,
-                        gen_batch_size=args.prompts * args.n_base, branch_chunk_size=args.prompts * args.n_base * args.k * args.b)
     model, tokenizer = models.load_policy(args.model, device, models.policy_dtype(args.precision))
     model.eval()
-    problems = data.load_problems(args.data, limit=args.prompts)
-    prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
-    answers = [p["answer"] for p in problems]
-    run(model, tokenizer, prompts[:1], answers[:1], cfg, args.seed)   # warm-up
-    results = {}
-    for naive in (False, True):
-        cfg.naive_prefill = naive
-        results[naive] = run(model, tokenizer, prompts, answers, cfg, args.seed)
-    ours, naive = results[False], results[True]
-    print(f"model {args.model}, {args.prompts} prompts, (N, K, B) = ({args.n_base}, {args.k}, {args.b}), "
-          f"max_new_tokens {args.max_new_tokens}, fork {args.fork}, device {device}, {args.threads} threads, "
-          f"precision {args.precision}")
-    print(f"{'':34s}{'cached (ours)':>16s}{'naive re-prefill':>18s}{'naive/ours':>12s}")
-    rows = [("branches", "branches", "{:.0f}"),
-            ("prefix tokens recomputed / branch", "recomputed_per_branch", "{:.1f}"),
-            ("branch phase seconds", "branch_seconds", "{:.2f}"),
-            ("branch tokens / s", "branch_tok_per_s", "{:.1f}"),
-            ("generated tokens / s (whole tree)", "gen_tok_per_s", "{:.1f}"),
-            ("wall seconds / tree", "wall_per_tree", "{:.2f}")]
-    for label, key, fmt in rows:
-        ratio = naive[key] / ours[key] if ours[key] else float("nan")
-        print(f"{label:34s}{fmt.format(ours[key]):>16s}{fmt.format(naive[key]):>18s}{ratio:>12.2f}")
-    same = ours["branch_tokens"] == naive["branch_tokens"]
-    print(f"same base responses and forks in both runs; branch tokens {ours['branch_tokens']} vs "
-          f"{naive['branch_tokens']}{' (identical count)' if same else ''}")
+    print(f"model {args.model}, device {device}, {args.threads} threads, precision {args.precision}, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    seconds_per_token = {}
+    for shape in args.shapes.split(","):
+        cfg, n_prompts, kwargs = shape_config(shape, args)
+        problems = data.load_problems(cfg.train_data, limit=n_prompts)
+        prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
+        answers = [p["answer"] for p in problems]
+        run(model, tokenizer, prompts[:1], answers[:1], cfg, "engine", args.seed, kwargs)     # warm-up
+        result = {}
+        for e in ("engine", "generate"):
+            result[e] = run(model, tokenizer, prompts, answers, cfg, e, args.seed, kwargs)
+            print(f"({shape}) {e}: {result[e]}, load average {os.getloadavg()[0]:.2f}", flush=True)
+        ours, ref = result["engine"], result["generate"]
+        print(f"\n({shape}) {n_prompts} prompts, N = {kwargs.get('n_base', cfg.n_base)}, "
+              f"{'no branches' if kwargs else f'K_max = {cfg.k_max}, B_max = {cfg.b_max}, {cfg.fork}'}, "
+              f"max_new_tokens {cfg.max_new_tokens}; load average {os.getloadavg()[0]:.2f}")
+        print(f"{'':34s}{'engine':>14s}{'generate':>14s}{'engine/generate':>17s}")
+        for label, key, fmt in [("wall seconds", "wall", "{:.1f}"), ("generated tokens", "tokens", "{:.0f}"),
+                                ("tokens / s", "tok_s", "{:.1f}"), ("branches", "branches", "{:.0f}"),
+                                ("row-steps run", "row_steps", "{:.0f}"),
+                                ("row-steps on ended rows", "ended", "{:.0f}"),
+                                ("peak KV MB", "kv", "{:.1f}"), ("prefix tokens recomputed", "recomputed", "{:.0f}")]:
+            a, b = ours[key], ref[key]
+            if key == "kv":
+                a, b = a / 2**20, b / 2**20
+            ratio = f"{a / b:.2f}" if b else "-"
+            print(f"{label:34s}{fmt.format(a):>14s}{fmt.format(b):>14s}{ratio:>17s}")
+        seconds_per_token[shape] = {e: r["wall"] / r["tokens"] for e, r in result.items()}
+    if "a" in seconds_per_token and "b" in seconds_per_token:
+        for e in ("engine", "generate"):
+            print(f"DATPO (b) / GRPO-like (a) rollout seconds per generated token, {e}: "
+                  f"{seconds_per_token['b'][e] / seconds_per_token['a'][e]:.2f}")
+    today, ours = paper_shape_kv()
+    print(f"\npaper shape (Qwen2.5-3B bf16, 16 prompts, (4, 3, 4), 1,024 new tokens, 256-token prompts), computed "
+          f"peak KV: generate {today / 2**30:.1f} GiB, engine {ours / 2**30:.1f} GiB, engine/generate {ours / today:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,367 @@
+"""engine.py — a small tree rollout engine: our own decode loop over the HF model's forward.
+
+Paper: App. C (Algorithm "Tree Rollout"), Sec. 4.1 (difficulty-adaptive budget), App. E (the runtime table:
+"branch rollouts cannot commence until the base rollouts are fully generated" is what this engine removes).
+
+What it does differently from HF `generate` (rollout.py keeps that path as the reference):
+  * Rows leave the batch the step they end (stop id or budget): no decode step is ever spent on an ended row.
+  * No barrier per group: the moment a prompt's N base responses have ended, `on_bases_done` (rollout.py:
+    rewards → V(root) → K̂, B̂ → forks) returns its branch requests and the branches join the running batch
+    while other prompts' base responses are still decoding. Waiting work (branches first, then new prompts)
+    fills the room freed by ended rows, within a budget of rows (`max_rows`) and KV tokens (`max_kv_tokens`).
+  * Keys/values live in one pre-allocated pool per layer, [capacity, 2, H_kv, d], written in place. A row's
+    context is a list of pool slots (a block table with 1-token pages). A prompt is prefilled once and its N
+    base rows point at the same slots; a branch at fork f points at its base row's first P + f slots. So a
+    prefix is shared by reference: zero copies per fork or branch, and no prefix token is recomputed.
+    Slots are reference-counted and return to the free list when the last row reading them is done.
+  * For every sampled token it records H_t of the sampling distribution (after temperature/top-k/top-p), the
+    log-probability of the sampled token under that distribution, and (base rows) the final hidden state, so a
+    branch's first token is sampled from the distribution at its fork without running the prefix again.
+
+Attention runs through a registered HF attention function ("datpo_engine"): each layer writes the new tokens'
+keys/values into their slots, gathers each row's context slots and calls SDPA with a [rows, 1, q, T] mask.
+The gather reads the context once per step (as DynamicCache's torch.cat does); on a GPU, a paged kernel
+(flash-attn's block_table) could read the pool directly — left for later.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+ATTENTION = "datpo_engine"
+# Rows per step that fit after running out of memory, per device: later engines (next steps) start there.
+ROWS_AFTER_OOM: dict[str, int] = {}
+
+
+# --------------------------------------------------------------------------------------------------------
+# KV storage: one pool of slots per layer, reference-counted
+# --------------------------------------------------------------------------------------------------------
+class KVPool:
+    """Keys and values of up to `capacity` tokens for every layer, allocated once. A slot holds one token's
+    keys and values; `refs[s]` counts the rows whose context reads slot s (a shared prefix is read by many)."""
+
+    def __init__(self, model, capacity: int, device, dtype):
+        cfg = model.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layers = [torch.empty(capacity, 2, kv_heads, head_dim, device=device, dtype=dtype)
+                       for _ in range(cfg.num_hidden_layers)]
+        self.capacity = capacity
+        self.bytes_per_token = cfg.num_hidden_layers * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.refs = [0] * capacity
+        self.free = list(range(capacity - 1, -1, -1))   # a stack: low slots first
+        self.peak = 0
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self.free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"engine KV pool exhausted: {n} slots wanted, {len(self.free)} free "
+                               f"(a scheduling bug: admission reserves every row's budget)")
+        slots = [self.free.pop() for _ in range(n)]
+        for s in slots:
+            self.refs[s] = 1
+        self.peak = max(self.peak, self.used)
+        return slots
+
+    def retain(self, slots: list[int]) -> None:
+        for s in slots:
+            self.refs[s] += 1
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            self.refs[s] -= 1
+            if self.refs[s] == 0:
+                self.free.append(s)
+
+
+@dataclass
+class StepKV:
+    """What one forward pass tells the attention function: where the new tokens' keys/values go
+    (`write` [rows, q]), which slots each row reads (`read` [rows, T], padded) and the mask [rows, 1, q, T]."""
+    pool: KVPool
+    write: torch.Tensor
+    read: torch.Tensor
+    mask: torch.Tensor
+
+
+def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, engine_kv=None,
+                     **kwargs):
+    """HF attention function: query [rows, H, q, d], key/value [rows, H_kv, q, d] of the new tokens →
+    output [rows, q, H, d]. Writes the new keys/values into their pool slots, then attends over each row's
+    context slots (prefix, shared or not, + the new tokens)."""
+    pool = engine_kv.pool.layers[module.layer_idx]
+    pool[engine_kv.write] = torch.stack((key, value), dim=1).permute(0, 3, 1, 2, 4).to(pool.dtype)
+    context = pool[engine_kv.read].to(query.dtype)                    # [rows, T, 2, H_kv, d]
+    keys, values = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=engine_kv.mask,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, engine_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
+
+
+@contextlib.contextmanager
+def attention_backend(model):
+    """The attention layers read config._attn_implementation at every forward."""
+    old = model.config._attn_implementation
+    model.config._attn_implementation = register_attention()
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rows and results
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """One generated sequence: tokens, H_t of each token's sampling distribution, log p(token) under it."""
+    tokens: list[int] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Row:
+    id: int
+    prompt: int                  # index of its prompt
+    base: int                    # j: the base response it is or descends from
+    fork: int | None             # None for a base row; f for a branch (it continues base tokens[:f])
+    slots: list[int]             # pool slots of its context: prompt + tokens so far, except the last one
+    limit: int                   # budget of new tokens
+    out: Sample = field(default_factory=Sample)
+    hidden: list | None = None   # base rows with forks to come: hidden[t] produced the distribution of token t
+
+
+@dataclass
+class BranchRequest:
+    base: int     # j: which of the prompt's base responses
+    fork: int     # f: keep response[:f], sample from token f on
+    count: int    # B̂ branches
+    limit: int    # each one's budget of new tokens (tree.branch_limit)
+
+
+@dataclass
+class PromptResult:
+    bases: list[Sample]
+    branches: dict = field(default_factory=dict)      # (j, f) -> list[Sample]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------------------
+class Engine:
+    """Decode loop + scheduler over one KV pool. `max_rows`: rows decoded at once; `max_kv_tokens`: pool
+    capacity in tokens. A row is admitted only when the pool can hold its whole remaining budget on top of
+    what the running rows may still write, so the pool never runs out mid-step. `warp(scores)` applies
+    temperature/top-k/top-p (rollout.py passes HF's warpers, so the distribution is `generate`'s)."""
+
+    def __init__(self, model, stop_ids, warp, max_rows: int, max_kv_tokens: int, trace: bool = False):
+        param = next(model.parameters())
+        self.model, self.warp = model, warp
+        self.max_rows = min(max_rows, ROWS_AFTER_OOM.get(str(param.device), max_rows))
+        self.stop_ids = set(stop_ids)
+        self.pool = KVPool(model, max_kv_tokens, param.device, param.dtype)
+        self.device = param.device
+        self.trace = trace
+        self.events: list[tuple] = []     # (step, kind, ...): prefill, bases_done, branches, end, tree_done[, decode]
+        self.stats = dict(decode_steps=0, row_steps=0, ended_row_steps=0, prefill_tokens=0,
+                          recomputed_prefix_tokens=0, oom_retries=0)
+        self.step = 0
+        self._next_id = 0
+
+    # ---- one forward pass -------------------------------------------------------------------------------
+    def _forward(self, rows: list[Row], new_tokens: list[list[int]]) -> torch.Tensor:
+        """Feed each row its new tokens (all rows the same count q), writing their keys/values into fresh
+        slots appended to the row's context. Returns the final hidden state at each row's last new token."""
+        q = len(new_tokens[0])
+        for row in rows:
+            row.slots += self.pool.alloc(q)
+        width = max(len(r.slots) for r in rows)
+        read = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            read[i, :len(row.slots)] = torch.tensor(row.slots)
+            valid[i, :len(row.slots)] = True
+        lengths = torch.tensor([len(r.slots) for r in rows])
+        positions = lengths[:, None] - q + torch.arange(q)[None, :]                       # [rows, q]
+        # query i of a row sees the row's context up to and including its own position (causal)
+        mask = valid[:, None, :] & (torch.arange(width)[None, None, :] <= positions[:, :, None])
+        kv = StepKV(self.pool, read.gather(1, positions).to(self.device), read.to(self.device),
+                    mask[:, None].to(self.device))
+        try:
+            with attention_backend(self.model):
+                out = self.model.get_decoder()(input_ids=torch.tensor(new_tokens, device=self.device),
+                                               position_ids=positions.to(self.device), attention_mask=kv.mask,
+                                               use_cache=False, engine_kv=kv)
+        except BaseException:                     # e.g. out of memory: the rows are as they were before
+            for row in rows:
+                self.pool.release(row.slots[-q:])
+                del row.slots[-q:]
+            raise
+        return out.last_hidden_state[:, -1]
+
+    def _sample(self, hidden: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
+        """Sample one token per row from lm_head(hidden) after the warpers; its H_t and log-probability."""
+        scores = self.warp(self.model.get_output_embeddings()(hidden).float())
+        logp = torch.log_softmax(scores, dim=-1)
+        tokens = torch.multinomial(logp.exp(), num_samples=1)
+        entropy = torch.special.entr(logp.exp()).sum(-1)
+        return tokens[:, 0].tolist(), entropy.tolist(), logp.gather(1, tokens)[:, 0].tolist()
+
+    def _new_row(self, prompt, base, fork, slots, limit, keep_hidden) -> Row:
+        self._next_id += 1
+        return Row(self._next_id - 1, prompt, base, fork, slots, limit, hidden=[] if keep_hidden else None)
+
+    def _push(self, row: Row, token: int, entropy: float, logprob: float, hidden) -> bool:
+        """Append a sampled token; True when the row has ended (stop id kept, or budget reached)."""
+        row.out.tokens.append(token)
+        row.out.entropies.append(entropy)
+        row.out.logprobs.append(logprob)
+        if row.hidden is not None:
+            row.hidden.append(hidden)
+        return token in self.stop_ids or len(row.out.tokens) >= row.limit
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], n: int, max_new_tokens: int, on_bases_done=None,
+            keep_hidden: bool | None = None, on_tree_done=None) -> list[PromptResult]:
+        """N samples per prompt; with `on_bases_done(prompt index, [N base Samples]) -> [BranchRequest]`,
+        each prompt's branches too, started the moment its N base rows have ended. keep_hidden (default: when
+        on_bases_done is given) keeps the base rows' hidden states, which branches need; on_tree_done(p) is
+        called when the last row of prompt p's tree has ended."""
+        results = [PromptResult([None] * n) for _ in prompts]
+        bases_left = [n] * len(prompts)
+        rows_left = [n] * len(prompts)            # rows of a prompt's tree not yet ended
+        base_rows: dict[int, list[Row]] = {p: [] for p in range(len(prompts))}
+        waiting_prompts = deque(range(len(prompts)))
+        waiting: deque[Row] = deque()             # created rows not yet decoding (branches, preempted rows)
+        active: list[Row] = []
+        keep_hidden = on_bases_done is not None if keep_hidden is None else keep_hidden
+
+        def room(rows: list[Row], extra: int) -> bool:
+            """Rows fit, and the pool can hold every running row's and these rows' remaining budget."""
+            growth = sum(r.limit - len(r.out.tokens) for r in active + rows)
+            return len(active) + len(rows) <= self.max_rows and growth + extra <= len(self.pool.free)
+
+        def finish(row: Row):
+            p = row.prompt
+            self.events.append((self.step, "end", row.id, p))
+            rows_left[p] -= 1
+            if row.fork is None:
+                results[p].bases[row.base] = row.out
+                bases_left[p] -= 1
+                base_rows[p].append(row)
+                if not keep_hidden:               # no branch will read it: its slots go back now
+                    self.pool.release(row.slots)
+                    row.slots = []
+                if bases_left[p] == 0:
+                    bases_done(p)
+            else:
+                results[p].branches.setdefault((row.base, row.fork), []).append(row.out)
+                self.pool.release(row.slots)
+            if rows_left[p] == 0:
+                self.events.append((self.step, "tree_done", p, self.pool.used))
+                if on_tree_done:
+                    on_tree_done(p)
+
+        def bases_done(p: int):
+            """V(root), K̂, B̂ and forks (the caller's), then B̂ branch rows per fork, each reading its base
+            row's first P + f slots by reference; then the base rows let go of their slots."""
+            self.events.append((self.step, "bases_done", p))
+            by_base = sorted(base_rows.pop(p), key=lambda r: r.base)
+            requests = on_bases_done(p, [r.out for r in by_base]) if on_bases_done else []
+            branch_rows = []
+            if requests and not keep_hidden:
+                raise ValueError("engine: branches requested without keep_hidden (their first token needs it)")
+            for req in requests:
+                parent = by_base[req.base]
+                prefix = parent.slots[:len(prompts[p]) + req.fork]
+                for _ in range(req.count):
+                    self.pool.retain(prefix)
+                    branch_rows.append((self._new_row(p, req.base, req.fork, list(prefix), req.limit, False),
+                                        parent.hidden[req.fork]))
+            if branch_rows:
+                self.events.append((self.step, "branches", p, len(branch_rows)))
+                rows_left[p] += len(branch_rows)
+                sampled = self._sample(torch.stack([h for _, h in branch_rows]))
+                for (row, _), token, ent, lp in zip(branch_rows, *sampled):
+                    if self._push(row, token, ent, lp, None):
+                        finish(row)
+                    else:
+                        waiting.append(row)
+            for row in by_base:
+                self.pool.release(row.slots)
+                row.hidden = None
+
+        def admit():
+            while waiting and room([waiting[0]], 0):
+                active.append(waiting.popleft())
+            while waiting_prompts and not waiting:
+                p = waiting_prompts[0]
+                rows = [self._new_row(p, j, None, [], max_new_tokens, keep_hidden) for j in range(n)]
+                if not room(rows[:self.max_rows], len(prompts[p])):   # N > max_rows: the rest wait for room
+                    break
+                waiting_prompts.popleft()
+                self.events.append((self.step, "prefill", p))
+                hidden = self._forward(rows[:1], [prompts[p]])            # the prompt once, for all N rows
+                self.stats["prefill_tokens"] += len(prompts[p])
+                for row in rows[1:]:
+                    row.slots = list(rows[0].slots)
+                    self.pool.retain(row.slots)
+                sampled = self._sample(hidden.expand(n, -1))
+                for row, token, ent, lp in zip(rows, *sampled):
+                    if self._push(row, token, ent, lp, hidden[0]):
+                        finish(row)
+                    else:
+                        (active if room([row], 0) else waiting).append(row)
+
+        while waiting_prompts or waiting or active:
+            admit()
+            if not active:
+                if waiting_prompts or waiting:
+                    raise ValueError(f"--max_kv_tokens {self.pool.capacity} / --max_batch_rows {self.max_rows}: "
+                                     f"too small for one prompt and its responses; expected more")
+                break
+            try:
+                hidden = self._forward(active, [[r.out.tokens[-1]] for r in active])
+            except RuntimeError as err:                    # torch.OutOfMemoryError is one
+                if "out of memory" not in str(err).lower() or len(active) == 1:
+                    raise
+                hidden = None
+            if hidden is None:                             # fewer rows from now on; the rest wait their turn
+                self.max_rows = ROWS_AFTER_OOM[str(self.device)] = max(1, len(active) // 2)
+                self.stats["oom_retries"] += 1
+                waiting.extendleft(reversed(active[self.max_rows:]))
+                del active[self.max_rows:]
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            if self.trace:
+                self.events.append((self.step, "decode", [r.id for r in active]))
+            self.stats["decode_steps"] += 1
+            self.stats["row_steps"] += len(active)
+            sampled = self._sample(hidden)
+            still = []
+            for row, h, token, ent, lp in zip(active, hidden, *sampled):
+                if self._push(row, token, ent, lp, h):
+                    finish(row)           # it leaves the batch now: never decoded again
+                else:
+                    still.append(row)
+            active = still
+            self.step += 1
+        return results

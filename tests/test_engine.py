@@ -1,0 +1,279 @@
+"""engine.py against independent paths: HF generate (greedy trees token for token), a fresh full forward
+(entropies and log-probs), and its own event log (scheduling, no step on an ended row, KV returned)."""
+import random
+
+import pytest
+import torch
+
+import config
+import engine as E
+import rollout as R
+import methods as M
+
+PROMPTS = ["What is 3 + 4?", "Add 10 and 25, then explain.", "Compute 12 * 3 step by step, please."]
+ANSWERS = ["7", "35", "36"]
+
+
+def _cfg(**overrides):
+    base = dict(n_base=3, k_max=2, b_max=2, fork="tok-entropy", adaptive=False, max_new_tokens=10,
+                gen_batch_size=6, branch_chunk_size=8)
+    base.update(overrides)
+    return config.make_config("tiny", **base)
+
+
+def tiny_model(arch: str, vocab_size: int):
+    """A 2-layer random model of that architecture built from a config (no download). Untied embeddings and
+    a larger init: with tied ones a random model's greedy output repeats its last token forever, which
+    would make "same tokens as generate" nearly vacuous."""
+    import models
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if arch == "llama":
+        return models.tiny_random_model(vocab_size, seed=0, tie_word_embeddings=False,
+                                        initializer_range=0.2).eval()
+    sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                 tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if arch == "qwen2":
+            return Qwen2ForCausalLM(Qwen2Config(**sizes)).eval()
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=32, **sizes)).eval()   # head_dim ≠ hidden / heads
+
+
+def tree_tokens(trees):
+    return [(t.v_root, t.k_hat, t.b_hat, t.forks,
+             [(b.parent, b.token_ids, b.start, b.branch, b.base, b.reward) for b in t.blocks]) for t in trees]
+
+
+def rollout(model, tok, cfg, engine, seed=0, **kw):
+    cfg.rollout_engine = engine
+    torch.manual_seed(seed)
+    return R.rollout_trees(model, tok, PROMPTS, ANSWERS, cfg, random.Random(seed), **kw)
+
+
+def engine_for(model, tok, cfg, max_rows=64, max_kv_tokens=4096, trace=True):
+    sampler = R.Sampler.from_config(model, tok, cfg)
+    return E.Engine(model, sampler.stop_ids, sampler.warp, max_rows, max_kv_tokens, trace=trace)
+
+
+# ---- greedy: the same trees as HF generate, token for token --------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("budget", ["full", "remaining"])
+def test_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, budget):
+    tok = smollm_tokenizer
+    model = tiny_model(arch, len(tok))
+    cfg = _cfg(top_k=1, branch_budget=budget)
+    ours, ours_stats = rollout(model, tok, cfg, "engine")
+    ref, ref_stats = rollout(model, tok, cfg, "generate")
+    assert tree_tokens(ours) == tree_tokens(ref)
+    assert len({tok for t in ours for b in t.blocks for tok in b.token_ids}) > 20   # not one repeated token
+    assert sum(len(f) for t in ours for f in t.forks) > 0 and any(b.branch for t in ours for b in t.blocks)
+    assert ours_stats.recomputed_prefix_tokens == 0 and ours_stats.ended_row_steps == 0
+    assert (ours_stats.base_tokens, ours_stats.branch_tokens) == (ref_stats.base_tokens, ref_stats.branch_tokens)
+
+
+@pytest.mark.slow
+def test_greedy_trees_equal_generate_trees_on_smollm2(smollm_tokenizer):
+    import models
+    import data
+
+    model, tok = models.load_policy("smollm2-135m")
+    model.eval()
+    cfg = _cfg(top_k=1, n_base=2, max_new_tokens=16, few_shot=True)
+    problems = data.load_problems("arith-test", limit=2)
+    prompts = [data.format_prompt(p["problem"], tok, cfg.prompt_style, cfg.few_shot) for p in problems]
+    answers = [p["answer"] for p in problems]
+    trees = {}
+    for engine in ("engine", "generate"):
+        cfg.rollout_engine = engine
+        trees[engine], _ = R.rollout_trees(model, tok, prompts, answers, cfg, random.Random(0))
+    assert tree_tokens(trees["engine"]) == tree_tokens(trees["generate"])
+    assert any(b.branch for t in trees["engine"] for b in t.blocks)
+
+
+def test_greedy_base_samples_equal_generate(tiny_policy):
+    """sample_base (what evaluate.py calls) through the engine and through generate."""
+    tok = tiny_policy[1]
+    model = tiny_model("qwen3", len(tok))
+    ids = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    out = {}
+    for engine in ("engine", "generate"):
+        sampler = R.Sampler.from_config(model, tok, _cfg(top_k=1, rollout_engine=engine))
+        batch = R.sample_base(sampler, ids, 2, 9)
+        out[engine] = (batch.prompt_ids, batch.tokens)
+        for a, b in zip(batch.entropies, batch.tokens):
+            assert len(a) == len(b)
+    assert out["engine"] == out["generate"]
+
+
+# ---- sampling: what is recorded equals a fresh full forward ----------------------------------------------
+@pytest.mark.parametrize("warpers", [dict(), dict(temperature=0.7, top_k=40, top_p=0.9)])
+def test_recorded_entropies_and_logprobs_match_a_full_forward(tiny_policy, warpers):
+    model, tok = tiny_policy
+    cfg = _cfg(**warpers)
+    engine = engine_for(model, tok, cfg)
+    sampler = R.Sampler.from_config(model, tok, cfg)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    requests = [E.BranchRequest(0, 2, 2, 6), E.BranchRequest(1, 5, 1, 6)]
+    torch.manual_seed(4)
+    results = engine.run(prompts, 2, 8, on_bases_done=lambda p, bases: requests)
+    checked = 0
+    for p, res in enumerate(results):
+        paths = [([], s) for s in res.bases]
+        paths += [(res.bases[j].tokens[:f], s) for (j, f), per in res.branches.items() for s in per]
+        assert len(res.branches) == 2 and sum(map(len, res.branches.values())) == 3
+        for prefix, s in paths:
+            ids = prompts[p] + prefix + s.tokens
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0].float()
+            start = len(prompts[p]) + len(prefix) - 1
+            scores = sampler.warp(logits[start:start + len(s.tokens)])
+            logp = torch.log_softmax(scores, -1)
+            assert torch.allclose(torch.tensor(s.entropies), R.entropy_of(scores), atol=1e-4)
+            assert torch.allclose(torch.tensor(s.logprobs), logp[torch.arange(len(s.tokens)), s.tokens], atol=1e-4)
+            assert all(lp > -float("inf") for lp in s.logprobs)   # every token came from the warped support
+            checked += 1
+    assert checked == 2 * (2 + 3)
+
+
+def test_same_seed_same_trees_and_different_seed_different_trees(tiny_policy):
+    model, tok = tiny_policy
+    cfg = _cfg(fork="random")
+    a, _ = rollout(model, tok, cfg, "engine", seed=7)
+    b, _ = rollout(model, tok, cfg, "engine", seed=7)
+    c, _ = rollout(model, tok, cfg, "engine", seed=8)
+    assert tree_tokens(a) == tree_tokens(b) and tree_tokens(a) != tree_tokens(c)
+
+
+# ---- scheduling, ended rows, KV storage ------------------------------------------------------------------
+def test_branches_of_an_early_prompt_decode_while_another_prompts_bases_run(tiny_policy):
+    """Greedy on the random model: stop prompt A's bases at their 3rd token (that token made a stop id);
+    prompt B's bases never produce it and run their full 12. A's branches must be decoding before B's bases end."""
+    tok = tiny_policy[1]
+    model = tiny_model("llama", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    probe = engine_for(model, tok, cfg).run(prompts, 1, 12)
+    a_tokens, b_tokens = probe[0].bases[0].tokens, probe[1].bases[0].tokens
+    stop = next(t for t in a_tokens[2:] if t not in b_tokens and t not in a_tokens[:2])
+    a_end = a_tokens.index(stop) + 1
+    engine = engine_for(model, tok, cfg)
+    engine.stop_ids.add(stop)
+    requests = {0: [E.BranchRequest(0, 1, 2, 12)], 1: [E.BranchRequest(1, 4, 2, 12)]}
+    results = engine.run(prompts, 2, 12, on_bases_done=lambda p, bases: requests[p])
+    assert [len(s.tokens) for s in results[0].bases] == [a_end, a_end] and len(results[1].bases[0].tokens) == 12
+    step_of = {(kind, ev[2]): ev[0] for ev in engine.events if (kind := ev[1]) in ("bases_done", "tree_done")}
+    rows_of = {}
+    for ev in engine.events:
+        if ev[1] == "end":
+            rows_of.setdefault(ev[3], set()).add(ev[2])
+    a_rows_decoded = [ev[0] for ev in engine.events if ev[1] == "decode" and set(ev[2]) & rows_of[0] - {0, 1}]
+    assert step_of[("bases_done", 0)] < min(a_rows_decoded) < step_of[("bases_done", 1)]
+    # greedy from a shared prefix: a branch at f continues exactly as its base did (first token from the
+    # saved fork distribution, the rest reading the base's slots)
+    base_a, base_b = results[0].bases[0].tokens, results[1].bases[1].tokens
+    assert [s.tokens for s in results[0].branches[(0, 1)]] == [base_a[1:]] * 2
+    for s in results[1].branches[(1, 4)]:            # its own budget of 12 takes it past the base's end
+        assert s.tokens[:8] == base_b[4:] and len(s.tokens) == 12
+    assert step_of[("tree_done", 0)] < step_of[("bases_done", 1)] < step_of[("tree_done", 1)]
+
+
+def test_no_decode_step_on_an_ended_row_and_kv_returned(tiny_policy):
+    model, tok = tiny_policy
+    cfg = _cfg()
+    engine = engine_for(model, tok, cfg, max_rows=5, max_kv_tokens=400)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    requests = [E.BranchRequest(0, 1, 3, 7), E.BranchRequest(1, 3, 2, 4), E.BranchRequest(2, 2, 1, 9)]
+    torch.manual_seed(2)
+    results = engine.run(prompts, 3, 9, on_bases_done=lambda p, bases: [r for r in requests
+                                                                        if r.fork < len(bases[r.base].tokens)])
+    end_step = {ev[2]: ev[0] for ev in engine.events if ev[1] == "end"}
+    decoded: dict[int, list[int]] = {}
+    for ev in engine.events:
+        if ev[1] == "decode":
+            assert len(ev[2]) <= 5                                   # the row budget
+            for row in ev[2]:
+                decoded.setdefault(row, []).append(ev[0])
+    assert all(max(steps) <= end_step[row] for row, steps in decoded.items())
+    samples = [s for res in results for s in res.bases + [x for per in res.branches.values() for x in per]]
+    # each token after a row's first takes exactly one decode step of that row: none is spent on ended rows
+    assert engine.stats["row_steps"] == sum(len(s.tokens) - 1 for s in samples) == sum(map(len, decoded.values()))
+    assert len(end_step) == len(samples)
+    # every slot is back; prefixes were shared, so fewer slots were ever held than the rows' contexts sum to
+    assert engine.pool.used == 0 and set(engine.pool.refs) == {0}
+    assert [ev[3] for ev in engine.events if ev[1] == "tree_done"][-1] == 0
+    contexts = sum(len(prompts[p]) + len(s.tokens) - 1 for p, res in enumerate(results) for s in res.bases) + \
+        sum(len(prompts[p]) + f + len(s.tokens) - 1 for p, res in enumerate(results)
+            for (j, f), per in res.branches.items() for s in per)
+    assert engine.pool.peak <= 400 and engine.pool.peak < contexts
+
+
+def test_kv_pool_shares_and_frees_slots():
+    model = type("M", (), {})()
+    model.config = type("C", (), dict(num_key_value_heads=2, num_attention_heads=4, hidden_size=16,
+                                      num_hidden_layers=3, head_dim=4))()
+    pool = E.KVPool(model, 8, "cpu", torch.float32)
+    assert pool.bytes_per_token == 3 * 2 * 2 * 4 * 4
+    prefix = pool.alloc(3)
+    pool.retain(prefix)                   # a second row reads the same three slots
+    own = pool.alloc(2)
+    assert pool.used == 5 and len(set(prefix + own)) == 5
+    pool.release(prefix)                  # the first row ends: the prefix is still read by the second
+    assert pool.used == 5
+    pool.release(prefix + own)
+    assert pool.used == 0 and pool.peak == 5
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.alloc(9)
+
+
+def test_out_of_memory_halves_the_row_budget_and_remembers_it(tiny_policy, monkeypatch):
+    tok = tiny_policy[1]
+    model = tiny_model("llama", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    reference = engine_for(model, tok, cfg).run(prompts, 2, 8)
+    monkeypatch.setattr(E, "ROWS_AFTER_OOM", {})
+    real = E.Engine._forward
+
+    def small_gpu(self, rows, new_tokens):            # "CUDA" that decodes at most 2 rows at once
+        if len(rows) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real(self, rows, new_tokens)
+
+    monkeypatch.setattr(E.Engine, "_forward", small_gpu)
+    engine = engine_for(model, tok, cfg, max_rows=6)
+    results = engine.run(prompts, 2, 8)
+    assert [[s.tokens for s in r.bases] for r in results] == [[s.tokens for s in r.bases] for r in reference]
+    assert engine.stats["oom_retries"] == 2 and engine.max_rows == 1    # 6 rows → 3 → 1 (3 // 2)
+    assert engine.pool.used == 0
+    assert engine_for(model, tok, cfg, max_rows=6).max_rows == 1        # the next step starts at what fit
+
+
+def test_more_samples_per_prompt_than_rows_take_turns(smollm_tokenizer):
+    """N = 5 samples per prompt with a budget of 2 rows (GRPO's G = 16 at a small max_batch_rows): the prompt is
+    prefilled once, its rows take turns, and the samples are those of an unconstrained run (greedy)."""
+    tok = smollm_tokenizer
+    model = tiny_model("llama", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    wide = engine_for(model, tok, cfg).run(prompts, 5, 6)
+    narrow = engine_for(model, tok, cfg, max_rows=2, max_kv_tokens=60)
+    results = narrow.run(prompts, 5, 6)
+    assert [[s.tokens for s in r.bases] for r in results] == [[s.tokens for s in r.bases] for r in wide]
+    assert max(len(ev[2]) for ev in narrow.events if ev[1] == "decode") == 2
+    assert sum(1 for ev in narrow.events if ev[1] == "prefill") == 2 and narrow.pool.used == 0
+
+
+def test_every_method_runs_on_the_engine(tiny_policy, monkeypatch):
+    """GRPO (depth one), TreeRL-style fixed trees, AttnRL (ATB's attention pass + its expansion rule)."""
+    model, tok = tiny_policy
+    monkeypatch.setattr(R, "compute_reward", lambda text, answer, fallback=False: float(len(text) % 2))
+    grpo, stats = rollout(model, tok, _cfg(group_size=4), "engine", method=M.METHODS["grpo"])
+    assert all(t.leaves == 4 and not any(b.branch for b in t.blocks) for t in grpo)
+    assert stats.branch_tokens == 0 and stats.ended_row_steps == 0
+    attnrl, stats = rollout(model, tok, _cfg(fork="atb", max_new_tokens=16), "engine", method=M.METHODS["attnrl"])
+    assert stats.recomputed_prefix_tokens == 0 and len(attnrl) == 3
+    for t in attnrl:
+        for j, fs in enumerate(t.forks):
+            assert sum(1 for b in t.blocks if b.branch and b.base == j) == len(fs) * t.b_hat
