@@ -203,17 +203,24 @@ class Engine:
         mask = valid[:, None, :] & (torch.arange(width)[None, None, :] <= positions[:, :, None])
         kv = StepKV(self.pool, read.gather(1, positions).to(self.device), read.to(self.device),
                     mask[:, None].to(self.device))
+        # The model's own forward, as generate calls it (FSDP2's hooks under torchrun expect the root to run), with
+        # no logits (an empty logits_to_keep: _sample projects only the last position); the hidden state is the
+        # final norm's output, caught by a hook.
+        hidden = []
+        hook = self.model.get_decoder().norm.register_forward_hook(lambda module, args, out: hidden.append(out))
         try:
             with attention_backend(self.model):
-                out = self.model.get_decoder()(input_ids=torch.tensor(new_tokens, device=self.device),
-                                               position_ids=positions.to(self.device), attention_mask=kv.mask,
-                                               use_cache=False, engine_kv=kv)
+                self.model(input_ids=torch.tensor(new_tokens, device=self.device),
+                           position_ids=positions.to(self.device), attention_mask=kv.mask, use_cache=False,
+                           engine_kv=kv, logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device))
         except BaseException:                     # e.g. out of memory: the rows are as they were before
             for row in rows:
                 self.pool.release(row.slots[-q:])
                 del row.slots[-q:]
             raise
-        return out.last_hidden_state[:, -1]
+        finally:
+            hook.remove()
+        return hidden[-1][:, -1]
 
     def _sample(self, hidden: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
         """Sample one token per row from lm_head(hidden) after the warpers; its H_t and log-probability."""
