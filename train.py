@@ -19,12 +19,11 @@ its whole prefix as context instead (the simple path, and the tests' oracle).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
-import os
 import random
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ import faults
 import models
 import packing as P
 import rollout as R
+import runs
 import tracking
 import tree as T
 from tracking import Log
@@ -176,7 +176,8 @@ def attention_kernel(cfg, device) -> str:
     return cfg.packed_attention
 
 
-def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random) -> dict:
+def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random,
+               guard: faults.WeightGuard | None = None) -> dict:
     """PPO epochs over mini-batches of blocks with micro-batch gradient accumulation (App. E.2, Alg. DATPO).
 
     Each epoch re-shuffles the mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping); each
@@ -184,15 +185,18 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     Blocks whose advantage is zero count in the normaliser but cost no forward or backward.
     Old log-probs: θ_old = θ until the first optimizer step, so the first mini-batch of the first epoch
     uses its own detached log-probs; every other block gets a no-grad forward with the same packing first.
+    `guard` (faults.WeightGuard, snapshot taken by the caller): after each optimizer step the weights are
+    checked; a non-finite one ends the update at once with stats["nonfinite_updates"] = 1 (the caller
+    restores the snapshot).
     """
     kernel = attention_kernel(cfg, device)
     # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
     # recomputes the forward there); the rows layout runs the model as it is
     with P.kernel_backend(D.unwrap(model), kernel if cfg.train_layout == "packed" else "dense"):
-        return _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel)
+        return _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel, guard)
 
 
-def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> dict:
+def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel, guard=None) -> dict:
     """ppo_update's epochs (see its docstring), inside the packed kernel's attention backend."""
     offsets = P.token_offsets(trees)
     adv = torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
@@ -222,12 +226,19 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
 
     stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0,
              "trained_blocks": sum(len(P.live_blocks(tr, tr.trained)) for tr in trees), "nonfinite_minibatches": 0,
-             "forwarded_tokens": 0, "unique_tokens": sum(tr.unique_tokens for tr in trees if tr.trained)}
+             "forwarded_tokens": 0, "unique_tokens": sum(tr.unique_tokens for tr in trees if tr.trained),
+             "nonfinite_updates": 0}
     clip_tokens = total_tokens = forwarded = 0
+    # progress inside the update: one tick per mini-batch (a long update no longer looks hung)
+    bar = tqdm(total=cfg.ppo_epochs * len(first_epoch), desc="update", unit="mini-batch", leave=False,
+               dynamic_ncols=True, disable=not D.is_main() or len(first_epoch) * cfg.ppo_epochs < 2)
     for epoch in range(cfg.ppo_epochs):
+        if stats["nonfinite_updates"]:
+            break
         epoch_minibatches = first_epoch if epoch == 0 else P.minibatches(
             trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
         for units in epoch_minibatches:
+            bar.update(1)
             norm = P.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, max_row_targets(cfg))
             micros = micro_batches(units)
             if not micros:
@@ -257,6 +268,9 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
                 stats["nonfinite_minibatches"] += 1
                 continue
             optimizer.step()
+            if guard is not None and D.any_rank(not guard.weights_finite()):   # faults.WeightGuard: caller restores
+                stats["nonfinite_updates"] = 1
+                break
             stats["loss"] += mb_loss
             stats["grad_norm"] += float(grad_norm)
             stats["optimizer_steps"] += 1
@@ -267,6 +281,7 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
     stats["grad_norm"] /= steps
     stats["clip_frac"] = clip_tokens / max(total_tokens, 1)
     stats["forwarded_tokens"] = forwarded / cfg.ppo_epochs      # per pass over the batch
+    bar.close()
     optimizer.zero_grad(set_to_none=True)
     return stats
 
@@ -302,32 +317,28 @@ def set_rng_state(rng: random.Random, state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict, keep: int = 0) -> Path:
     """Weights (safetensors, loadable with from_pretrained), tokenizer, optimizer, step and RNG states.
     Written under a temporary name and renamed, so a crash never leaves half a checkpoint; then the
-    `latest` pointer is replaced atomically. Under torchrun every rank calls it (gathering FSDP shards is
+    `latest` pointer is replaced atomically (runs.checkpoint_folder: a full disk is one WriteError line with
+    the previous checkpoint intact; `keep` > 0 deletes all but the newest `keep`). Weights with a non-finite
+    value are never written (NonFiniteStop). Under torchrun every rank calls it (gathering FSDP shards is
     collective) and rank 0 writes the full state."""
     weights, optimizer_state = D.model_state_dict(model), D.optimizer_state_dict(model, optimizer)
     if not D.is_main():
         D.barrier()
         return None
-    folder = run_dir / "checkpoints"
-    final = folder / f"step_{step:06d}"
-    tmp = folder / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    faults.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
-    tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer_state, **trainer}, tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    pointer = folder / ".latest.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, folder / "latest")
+    if not faults.all_finite(weights.values()):   # the WeightGuard should make this unreachable
+        last = models.resolve_checkpoint(str(run_dir))
+        raise faults.NonFiniteStop(f"step {step}: the weights hold a non-finite value; checkpoint not written; "
+                                   f"last good checkpoint: {last if last != str(run_dir) else 'none'}")
+    with runs.checkpoint_folder(run_dir, step, keep) as tmp:
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        faults.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer_state, **trainer}, tmp / "trainer_state.pt")
     D.barrier()   # no rank reads or resumes from a checkpoint before it is complete
-    return final
+    return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
 def git_commit() -> str:
@@ -347,7 +358,7 @@ def plot_run(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = tracking.read_metrics(run_dir / "metrics.jsonl")[0]   # torn lines left out
     steps = [r for r in records if "eval" not in r]
     evals = [r for r in records if "eval" in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -398,11 +409,11 @@ def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step
 def train(cfg: C.Config) -> Path:
     """Run (or resume) training; returns the run folder. The first SIGTERM/SIGINT stops it at the end of the
     step with a checkpoint (faults.GracefulStop); --resume then continues exactly."""
-    with faults.GracefulStop() as stop:
-        return _train(cfg, stop)
+    with faults.GracefulStop(timeout=cfg.stop_timeout) as stop, contextlib.ExitStack() as held:
+        return _train(cfg, stop, held)
 
 
-def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
+def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack) -> Path:
     t_run = time.perf_counter()
     D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
     device = models.pick_device(cfg.device)
@@ -410,11 +421,20 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         torch.set_num_threads(cfg.threads)
     # ---- pre-flight: every user mistake is one line (faults.UserError) before anything slow runs ----
     run_dir = faults.check_writable(cfg.out_dir)
+    if D.is_main():   # one run per folder: a second train.py into it stops here, naming the holder (runs.RunLock)
+        held.enter_context(runs.RunLock(run_dir))
+    if cfg.resume and runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite):
+        faults.check_new_run(run_dir, True, delete=D.is_main())   # --overwrite true: B's other run replaced
     if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
         faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
         D.barrier()
     log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
-    checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
+    # resume: the newest usable checkpoint (a damaged one is skipped with a warning), and the experiment it
+    # ran must be the one asked for (runs.check_resume_config: exit 2 listing the changed fields)
+    checkpoint, state = runs.pick_checkpoint(cfg.resume, faults.resume_source(cfg.resume)) if cfg.resume \
+        else (None, None)
+    config_changes = runs.check_resume_config(state.get("config", {}), json.loads(cfg.to_json()),
+                                              cfg.allow_config_change) if state else {}
     if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
         log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
     if checkpoint is None:
@@ -439,20 +459,31 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
                                   weight_decay=cfg.weight_decay)
     start_step, cursor, skipped, batch_size, bad_in_a_row = 0, 0, 0, cfg.prompts_per_step, 0
     if checkpoint:
-        state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True)
         D.load_optimizer_state(model, optimizer, state["optimizer"])
         start_step, cursor, skipped = state["step"], state["cursor"], state.get("skipped_prompts", 0)
         batch_size = state.get("batch_size", batch_size)
         bad_in_a_row = state.get("bad_steps_in_a_row", 0)
         set_rng_state(rng, state["rng"])
         log.say(f"resumed from {checkpoint} at step {start_step}")
+        if start_step >= cfg.steps:   # e.g. --resume of a finished run into a new --out_dir
+            log.say(f"nothing left to run: {checkpoint} is at step {start_step} of --steps {cfg.steps}; "
+                    f"raise --steps to train further")
+            return run_dir
     # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
     dropped = log.truncate_after(start_step if start_step else -1) if cfg.resume else 0
     if dropped:
         log.say(f"dropped {dropped} log lines of steps after {start_step} (they are redone)")
+    if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps left with no record
+        for line in tracking.lost_records(log.path, start_step, log.torn_lines,
+                                          same_run=runs.run_folder_of(cfg.resume) == run_dir.resolve()):
+            log.say(line)
     if D.is_main() and (not checkpoint or not (run_dir / "config.json").exists()):
         (run_dir / "config.json").write_text(cfg.to_json())
         (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
+    elif D.is_main() and config_changes:   # allowed changes (and forced ones) recorded in config.json's history
+        saved = json.loads((run_dir / "config.json").read_text())
+        runs.write_json(run_dir / "config.json", runs.with_history(saved, json.loads(cfg.to_json()), config_changes,
+                                                                 start_step))
 
     embedder = None
     if wants_embedder:
@@ -463,6 +494,8 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     if cfg.eval_every and start_step == 0:
         run_eval(model, tokenizer, eval_problems, cfg, device, "before", log, 0)
 
+    too_long: set[int] = set()   # problems skipped as too long (named once each)
+    guard = faults.WeightGuard(model, optimizer, cfg.guard_weights)   # undoes an update that breaks the weights
     bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method, dynamic_ncols=True,
                disable=not D.is_main())
     for step in bar:
@@ -478,9 +511,18 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
             index = problem_index(len(problems), cursor, cfg.seed)
             problem = problems[index]
             cursor += 1
-            prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
-            n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+            # a prompt whose characters alone exceed what --max_prompt_tokens (or the context) tokens can hold
+            # is skipped (or refused) before tokenizing it: a 50 MB problem costs no minutes (data.py)
+            n_prompt = at_least = data.surely_too_long(problem["problem"], cfg.max_prompt_tokens or context, tokenizer)
+            if not n_prompt:
+                prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
+                n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
             if cfg.max_prompt_tokens and n_prompt > cfg.max_prompt_tokens:
+                if index not in too_long:   # one line per problem skipped; its later turns are counted only
+                    too_long.add(index)
+                    size = f"{len(problem['problem'])} characters" if at_least else f"{n_prompt} tokens"
+                    log.say(f"{cfg.train_data} problem #{index}: {size}, more than --max_prompt_tokens "
+                            f"{cfg.max_prompt_tokens} tokens; skipped (each time it comes round)")
                 skipped += 1
                 misses += 1
                 if misses > len(problems):
@@ -525,7 +567,13 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         # ---- Phase 4: policy update ----
         t0 = time.perf_counter()
         model.train()
-        update = ppo_update(policy, optimizer, train_trees, cfg, pad_id, device, rng)
+        guard.snapshot()          # faults.WeightGuard: weights + optimizer state as they are before this update
+        update = ppo_update(policy, optimizer, train_trees, cfg, pad_id, device, rng, guard=guard)
+        model.eval()
+        if cfg.guard_weights and (update["nonfinite_updates"] or D.any_rank(
+                not faults.logits_finite(policy, trees[0].prompt_ids))):   # weights or next logits non-finite
+            guard.restore()       # bit for bit: this step's update is not kept
+            update["nonfinite_updates"] = 1
         t_update = time.perf_counter() - t0
 
         leaves = [tr.leaves for tr in trees]
@@ -558,30 +606,36 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
             "seconds_step": time.perf_counter() - t_step,
         }
         record["seconds_other"] = record["seconds_step"] - t_gen - t_embed - t_update
-        bad_in_a_row = bad_in_a_row + 1 if update["nonfinite_minibatches"] else 0
+        bad_in_a_row = bad_in_a_row + 1 if update["nonfinite_minibatches"] or update["nonfinite_updates"] else 0
         record["bad_steps_in_a_row"] = bad_in_a_row
         log.write(record)
         if update["nonfinite_minibatches"]:
             log.say(f"step {step + 1}: {update['nonfinite_minibatches']} mini-batch(es) with a non-finite loss or "
                     f"gradient norm not applied ({bad_in_a_row} step(s) in a row)")
+        if update["nonfinite_updates"]:
+            log.say(f"step {step + 1}: the update made a weight or the policy's logits non-finite; weights and "
+                    f"optimizer state restored to before it ({bad_in_a_row} step(s) in a row)")
         if bad_in_a_row >= cfg.max_bad_steps:
             last = models.resolve_checkpoint(str(run_dir))
             raise faults.NonFiniteStop(
-                f"stopped at step {step + 1}: {bad_in_a_row} steps in a row had non-finite losses or gradient "
-                f"norms (--max_bad_steps {cfg.max_bad_steps}); last good checkpoint: "
+                f"stopped at step {step + 1}: {bad_in_a_row} steps in a row had non-finite losses, gradient "
+                f"norms or weights (--max_bad_steps {cfg.max_bad_steps}); last good checkpoint: "
                 f"{last if last != str(run_dir) else 'none'}; expected a lower --lr or a check of the data")
         bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
                         leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{update['loss']:.3f}")
 
         done = step + 1
         stopping = D.any_rank(stop.requested)   # torchrun: every rank stops at the same step
+        if stopping:
+            stop.cancel_timeout()   # the safe point is reached: --stop_timeout no longer applies
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
             run_eval(model, tokenizer, eval_problems, cfg, device, "after" if done == cfg.steps else "during", log, done)
         if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
             saved = save_checkpoint(run_dir, done, model, tokenizer, optimizer,
                                     {"step": done, "cursor": cursor, "skipped_prompts": skipped,
                                      "batch_size": batch_size, "bad_steps_in_a_row": bad_in_a_row,
-                                     "rng": rng_state(rng), "config": json.loads(cfg.to_json())})
+                                     "rng": rng_state(rng), "config": json.loads(cfg.to_json())},
+                                    keep=cfg.keep_checkpoints)
         if stopping and done < cfg.steps:
             bar.close()
             log.say(f"stopped by {stop.requested} after step {done}: checkpoint {saved}; continue with the same "
@@ -589,7 +643,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
             return run_dir
     bar.close()
     if D.is_main():
-        evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        evals = tracking.read_metrics(run_dir / "metrics.jsonl")[0]
         evals = [r for r in evals if r.get("eval") in ("before", "after")]
         if len(evals) >= 2:
             key = f"avg@{cfg.eval_k}"
