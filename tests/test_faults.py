@@ -425,3 +425,7 @@ def test_killed_and_stopped_runs_end_identical_to_an_uninterrupted_one(tmp_path)
     assert stopped["returncodes"] == [0, 0] and stopped["resumed_at"] == [0, 2], logs
     assert stopped["same_metrics"] and stopped["identical_weights"], logs
     assert stopped["steps_computed"] == 3                     # SIGTERM loses no step
+    poisoned = report["poisoned"]                             # step 3's update with lr = inf: refused, bit for bit
+    assert poisoned["returncodes"] == [0], logs
+    assert poisoned["nonfinite_updates"] == [0, 0, 1], logs
+    assert poisoned["earlier_steps_same"] and poisoned["weights_equal_before_refused_update"], logs
