@@ -519,11 +519,17 @@ class Journal:
         if state.get("settings") != self.settings:
             say(f"{self.path}: written with other settings; starting it over")
             return self._start_over()
-        with open(self.path, encoding="utf-8") as f:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()[:state["n_records"]]
         if len(lines) < state["n_records"]:
             return self._start_over()
-        records = [json.loads(line) for line in lines]
+        records = []
+        for n, line in enumerate(lines, 1):
+            try:
+                records.append(json.loads(line))
+            except ValueError:   # corrupted after it was written (a disk, an editor): never trusted
+                say(f"{self.path} line {n}: corrupted (not JSON); its samples are not reused, starting it over")
+                return self._start_over()
         self._rewrite(lines)   # drop anything after the last vouched-for unit
         self.units, self.n_records = state["units"], state["n_records"]
         self.resumed = self.units
