@@ -244,15 +244,27 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: 
 
 
 def read_trees(run_dir, step: int) -> list[dict]:
-    """The trees logged at `step`; a clear error listing the logged steps when there is none."""
+    """The trees logged at `step`; a clear error listing the logged steps when there is none. A torn line
+    is left out with a line naming it; a log with no readable tree is a ValueError."""
     folder = Path(run_dir) / "trees"
     path = folder / f"step_{step:06d}.jsonl"
     if not path.exists():
         logged = sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.jsonl")) if folder.exists() else []
         raise FileNotFoundError(f"{path}: no tree log for step {step}; logged steps: "
                                 f"{', '.join(map(str, logged)) or 'none (train with --log_trees_every N)'}")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    trees = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                trees.append(json.loads(line))
+            except ValueError:   # torn or corrupted: the other trees are still worth drawing
+                print(f"{path} line {n}: torn (not JSON); that tree is left out", file=sys.stderr)
+    if not trees:
+        raise ValueError(f"{path}: holds no readable tree (empty or torn); expected one JSON tree a line, "
+                         f"as train.py --log_trees_every writes")
+    return trees
 
 
 # --------------------------------------------------------------------------------------------------------
