@@ -23,6 +23,7 @@ What each script uses (train.py, evaluate.py, analysis scripts):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -369,6 +370,25 @@ def logits_finite(model, input_ids) -> bool:
     with torch.no_grad():
         ids = torch.as_tensor([list(input_ids)[-64:]], device=next(model.parameters()).device)
         return bool(torch.isfinite(model(input_ids=ids).logits.float()).all())
+
+
+@contextlib.contextmanager
+def sampling_guard(step: int, run_dir):
+    """Sampling that meets non-finite probabilities (torch.multinomial: "probability tensor contains either
+    inf, nan or element < 0") — weights the finiteness checks let through, e.g. logits that overflow only on
+    some prompts — is a NonFiniteStop line naming the run's last checkpoint, not a traceback."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "probability tensor contains" not in str(err):
+            raise
+        import models
+
+        last = models.resolve_checkpoint(str(run_dir))
+        raise NonFiniteStop(f"step {step}: sampling met non-finite probabilities (the policy's logits); the "
+                            f"latest checkpoint {last if last != str(run_dir) else '(none)'} holds the weights "
+                            f"that produced them; expected a resume from an earlier checkpoint with a lower "
+                            f"--lr") from err
 
 
 class GracefulStop:

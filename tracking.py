@@ -234,12 +234,20 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}.jsonl"
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
-            record = {"step": step, "tree": index, "method": method, "alpha": alpha,
-                      **tree_record(tr, tokenizer, adv, emb, value_estimate)}
-            f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
+                record = {"step": step, "tree": index, "method": method, "alpha": alpha,
+                          **tree_record(tr, tokenizer, adv, emb, value_estimate)}
+                f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:   # disk full: one line; the earlier tree logs and the checkpoints are untouched
+        import faults
+        import runs
+
+        tmp.unlink(missing_ok=True)
+        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; free space "
+                                f"and --resume {run_dir}") from err
     return path
 
 

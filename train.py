@@ -452,6 +452,9 @@ def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack)
         model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
+    if not faults.all_finite(model.parameters()):   # an old checkpoint (before the weight guard) or a broken model
+        raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold non-finite "
+                               f"values; expected an earlier checkpoint of the run or a healthy model")
     if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
         models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
@@ -538,7 +541,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack)
         # ---- Phase 1+2: tree rollouts ----
         model.eval()
         lo, hi = D.shard_range(len(prompts))   # torchrun: this rank's prompts, its own RNG stream
-        with models.autocast(device, cfg.precision), D.full_params(policy):
+        with models.autocast(device, cfg.precision), D.full_params(policy), faults.sampling_guard(step + 1, run_dir):
             trees, rstats = R.rollout_trees(model, tokenizer, prompts[lo:hi], answers[lo:hi], cfg,
                                             D.rollout_rng(rng, cfg.seed, step), levels=levels[lo:hi],
                                             **rollout_shape(cfg))

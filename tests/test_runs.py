@@ -315,3 +315,34 @@ def test_stop_timeout_is_cancelled_at_the_safe_point():
         stop.cancel_timeout()      # the step ended: the checkpoint is written without a deadline
         time.sleep(0.4)
     assert stop.requested == "SIGTERM"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Non-finite weights that got past the checks
+# ------------------------------------------------------------------------------------------------------
+def test_sampling_that_meets_nonfinite_probabilities_is_one_line(tmp_path):
+    with pytest.raises(faults.NonFiniteStop) as err:
+        with faults.sampling_guard(5, tmp_path):
+            torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)
+    assert err.value.exit_code == 3
+    assert str(err.value) == ("step 5: sampling met non-finite probabilities (the policy's logits); the latest "
+                              "checkpoint (none) holds the weights that produced them; expected a resume from an "
+                              "earlier checkpoint with a lower --lr")
+    with pytest.raises(RuntimeError, match="shape"):                      # any other error keeps its traceback
+        with faults.sampling_guard(5, tmp_path):
+            raise RuntimeError("shape mismatch")
+
+
+def test_resume_from_a_checkpoint_with_nonfinite_weights_is_refused(run, capsys):
+    from safetensors.torch import load_file, save_file
+
+    path = run / "checkpoints" / "step_000002" / "model.safetensors"
+    weights = load_file(str(path))
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] = float("inf")                              # written before the weight guard existed
+    save_file(weights, str(path), metadata={"format": "pt"})
+    before = folder_hash(run)
+    lines = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)], code=2)
+    assert lines[-1].endswith(f"error: --resume {run / 'checkpoints' / 'step_000002'}: its weights hold non-finite "
+                              f"values; expected an earlier checkpoint of the run or a healthy model")
+    assert folder_hash(run) == before
