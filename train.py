@@ -435,6 +435,10 @@ def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack)
         else (None, None)
     config_changes = runs.check_resume_config(state.get("config", {}), json.loads(cfg.to_json()),
                                               cfg.allow_config_change) if state else {}
+    if state and state["step"] >= cfg.steps:   # e.g. --resume of a finished run into a new --out_dir
+        log.say(f"nothing left to run: {checkpoint} is at step {state['step']} of --steps {cfg.steps}; "
+                f"raise --steps to train further")
+        return run_dir
     if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
         log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
     if checkpoint is None:
@@ -468,10 +472,6 @@ def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack)
         bad_in_a_row = state.get("bad_steps_in_a_row", 0)
         set_rng_state(rng, state["rng"])
         log.say(f"resumed from {checkpoint} at step {start_step}")
-        if start_step >= cfg.steps:   # e.g. --resume of a finished run into a new --out_dir
-            log.say(f"nothing left to run: {checkpoint} is at step {start_step} of --steps {cfg.steps}; "
-                    f"raise --steps to train further")
-            return run_dir
     # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
     dropped = log.truncate_after(start_step if start_step else -1) if cfg.resume else 0
     if dropped:
