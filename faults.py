@@ -8,13 +8,18 @@ What each script uses (train.py, evaluate.py, analysis scripts):
 
   UserError        a mistake of the person running the script (flag, path, data file, model name, ...). Its
                    message is one line naming what was wrong and what is expected. Real bugs are not
-                   UserErrors and keep their traceback.
+                   UserErrors and keep their traceback. Exit codes: 2 a mistake, 3 NonFiniteStop (too many
+                   bad steps, or sampling met non-finite probabilities), 4 WriteError (disk full or another
+                   write error: the path and the cause, the previous checkpoint intact), 130 StopTimeout.
   check_*          pre-flight checks that turn a bad path/name into a UserError before anything slow runs.
   load_data        data.load_problems with its messages as UserErrors, and an empty source refused.
   skip_nonfinite   the non-finite guard of an optimizer step (a mini-batch with a NaN/inf loss or gradient
                    norm is not applied: weights and optimizer state untouched).
   WeightGuard      the guard of the weights: an update that makes a weight (or the next forward's logits)
-                   non-finite is undone bit for bit (weights and optimizer state restored from before it).
+                   non-finite is undone bit for bit (weights and optimizer state restored from before it);
+                   all_finite / logits_finite are its cheap checks, sampling_guard turns "probability
+                   tensor contains inf/nan" into a NonFiniteStop line.
+  (runs.py)        the run folder: lock, resume checks, checkpoint fallback/atomic write/pruning.
   GracefulStop     SIGTERM/SIGINT: stop at the next safe point; a second signal (or --stop_timeout
                    seconds) exits at once.
   halving_chunks   generate in chunks; on CUDA out-of-memory retry that chunk at half the size, down to 1.
