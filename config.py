@@ -143,9 +143,14 @@ class Config:
     threads: int = 0                        # torch CPU threads; 0 = torch default
     out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
+    keep_checkpoints: int = 0               # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0) or checkpoint
     overwrite: bool = False                 # a fresh run into a folder holding a run replaces it (else an error)
+    allow_config_change: bool = False       # --resume with experiment-changing fields changed (else an error)
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
+    guard_weights: bool = True              # undo an update that makes a weight or the logits non-finite
+                                            # (faults.WeightGuard: one host copy of weights + optimizer per step)
+    stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in progress; 0 = wait
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp (distributed.py)
     report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N; 0 = never
@@ -171,8 +176,12 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 1")
+        for f in dataclasses.fields(self):   # nan/inf pass every comparison below: refused first
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name}: got {value}, expected a finite number")
         for name in ["k_max", "b_max", "atb_gap", "eval_every", "eval_limit", "save_every", "top_k", "threads",
-                     "max_prompt_tokens", "log_trees_every"]:
+                     "max_prompt_tokens", "log_trees_every", "keep_checkpoints"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0")
         if not self.temperature > 0:
@@ -186,8 +195,18 @@ class Config:
         for name in ["clip_low", "clip_high"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected 0 <= eps < 1")
-        if self.lr <= 0:
-            raise ValueError(f"--lr: got {self.lr}, expected > 0")
+        if not 0 < self.lr <= 1:   # AdamW moves every weight by ~lr per step: lr > 1 destroys any model
+            raise ValueError(f"--lr: got {self.lr}, expected 0 < lr <= 1 (fine-tuning uses ~1e-6 to 1e-4)")
+        for name in ["beta1", "beta2"]:
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected 0 <= beta < 1")
+        if not 0 <= self.attnrl_lambda <= 1:
+            raise ValueError(f"--attnrl_lambda: got {self.attnrl_lambda}, expected a fraction in [0, 1]")
+        for name in ["weight_decay", "stop_timeout"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected >= 0")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"--max_grad_norm: got {self.max_grad_norm}, expected > 0")
         if self.micro_batch_size > self.mini_batch_size:
             raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be <= "
                              f"--mini_batch_size ({self.mini_batch_size})")

@@ -337,17 +337,40 @@ def write_jsonl(path, records: list[dict]) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def read_jsonl(path) -> list[dict]:
+def read_jsonl(path, numbered: bool = False) -> list:
+    """The records of a jsonl file; a line that is not a JSON object is a ValueError naming its line.
+    `numbered`: (line number, record) pairs."""
+    out = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"line {n}: not JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"line {n}: expected a JSON object, got {type(record).__name__}")
+            out.append((n, record) if numbered else record)
+    return out
+
+
+SAMPLE_FIELDS = ("index", "run", "response", "gold")   # what rescoring needs of each saved sample
 
 
 def rescore_file(path, answer_fallback: bool = False) -> tuple[str, dict]:
     """(benchmark name, metrics) from a samples jsonl. Records without "answer"/"correct" (e.g. written by
-    hand or by another tool) are graded here with reward.py; k = the samples per (problem, run)."""
-    records = read_jsonl(path)
-    if not records:
-        raise ValueError(f"{path}: no records")
+    hand or by another tool) are graded here with reward.py; k = the samples per (problem, run). A bad line
+    is a ValueError naming that line."""
+    numbered = read_jsonl(path, numbered=True)
+    if not numbered:
+        raise ValueError("no records")
+    for n, record in numbered:
+        missing = [key for key in SAMPLE_FIELDS if key not in record]
+        if missing:
+            raise ValueError(f"line {n}: missing {', '.join(missing)}; expected the fields "
+                             f"{', '.join(SAMPLE_FIELDS)} of a sample written by evaluate.py")
+    records = [record for _, record in numbered]
     for record in records:
         if "answer" not in record:
             record["answer"] = extract_answer(record["response"], answer_fallback)
@@ -422,7 +445,8 @@ def main(argv: list[str] | None = None) -> dict:
                 bench, result = rescore_file(path, bool(given.get("answer_fallback", False)))
             except (OSError, ValueError, KeyError) as err:
                 why = f"{err.strerror}; expected a samples_<bench>.jsonl written by evaluate.py" \
-                    if isinstance(err, OSError) and err.strerror else repr(err)
+                    if isinstance(err, OSError) and err.strerror else str(err) if isinstance(err, ValueError) \
+                    else repr(err)
                 parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {why}\n")
             by_file.setdefault(Path(path).resolve().parent.name, {})[bench] = result
         print(format_table(by_file))
@@ -483,6 +507,11 @@ def main(argv: list[str] | None = None) -> dict:
                                               seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {cfg.model}: cannot load it ({str(err).splitlines()[0]})") from err
+    bad = [name for name, p in model.named_parameters() if not faults.all_finite([p])]
+    if bad:   # sampling would stop on inf/NaN probabilities: say so before any benchmark runs
+        raise faults.UserError(f"--model {cfg.model}: {len(bad)} weight tensor(s) hold non-finite values "
+                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); expected a model or "
+                               f"checkpoint with finite weights (an earlier checkpoint of the run)")
     print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; prompt_style={cfg.prompt_style} "
           f"few_shot={cfg.few_shot} answer_fallback={cfg.answer_fallback} T={cfg.temperature} "
           f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)

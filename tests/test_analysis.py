@@ -249,3 +249,16 @@ def test_cli_rejects_unknown_study_and_bad_flags(capsys):
         A.main(["forks", "--scale", "tiny", "--k", "x"])
     with pytest.raises(SystemExit):
         A.main(["difficulty", "--scale", "tiny", "--g", "5"])
+
+
+def test_cli_unknown_or_missing_study_ends_with_an_error_line(capsys):
+    for argv, what in ((["bogus"], "unknown study 'bogus'"), ([], "a STUDY is required")):
+        with pytest.raises(SystemExit) as exit_info:
+            A.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2
+        assert err[0].startswith("usage: python analysis.py STUDY")
+        assert err[-1] == f"analysis.py: error: {what}; expected one of {', '.join(A.STUDIES)}"
+    with pytest.raises(SystemExit) as exit_info:
+        A.main(["--help"])
+    assert exit_info.value.code == 0 and "error:" not in capsys.readouterr().err

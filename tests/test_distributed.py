@@ -179,7 +179,8 @@ def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_rank
         assert again[key] == steps[1][key], key
 
     monkeypatch.setattr(R, "compute_reward", W.stand_in_reward)     # the same checkpoint, 1 process
-    run_c = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "c"),
+    run_c = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "c"), "--eval_limit", "3", "--alpha_start",
+                        "0", "--eval_every", "0",    # the run's own settings (a resume refuses others); no eval
                         "--resume", str(run_a / "checkpoints" / "step_000001")])
     (one,) = _read(run_c / "metrics.jsonl")
     assert one["step"] == 2 and one["optimizer_steps"] >= 1
