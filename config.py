@@ -32,6 +32,7 @@ TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "tree", "dense", "flex")
 PARALLELS = ("fsdp", "hsdp", "ddp")
+OPTIMIZER_DTYPES = ("param", "fp32")   # AdamW states in the weights' dtype (the release) | fp32 (optim.py)
 REPORTERS = ("none", "tensorboard", "wandb")   # --report_to: experiment trackers (tracking.py)
 
 # Field name -> allowed values, checked by Config.validate() and shown by the CLI.
@@ -48,6 +49,7 @@ CHOICES = {
     "mini_batch_grouping": GROUPINGS,
     "packed_attention": ATTENTION_KERNELS,
     "parallel": PARALLELS,
+    "optimizer_dtype": OPTIMIZER_DTYPES,
 }
 LIST_CHOICES = {"report_to": REPORTERS}   # list-valued fields: every item must be one of these
 
@@ -105,6 +107,9 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
+    optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16 moments
+                                            # for bf16 weights, v never decays, small updates round away);
+                                            # fp32 = fp32 moments + fp32 master copy (optim.py; for new work)
     clip_low: float = 0.2                   # ε for ratio < 1
     clip_high: float = 0.2                  # ε for ratio > 1 (GRPO clip-higher: 0.28)
     max_grad_norm: float = 1.0              # paper silent; authors' release uses 1.0

@@ -41,6 +41,7 @@ import distributed as D
 import evaluate
 import faults
 import models
+import optim as O
 import packing as P
 import rollout as R
 import tracking
@@ -168,12 +169,11 @@ def max_row_targets(cfg) -> int:
     return cfg.max_new_tokens
 
 
-def attention_kernel(cfg, device) -> str:
-    """flex (block-sparse, cost follows the tree) on CUDA when available, else tree (SDPA segment by segment
-    over each segment's ancestors: cost follows the tree too); dense (one L × L mask) only when asked."""
-    if cfg.packed_attention == "auto":
-        return "flex" if P.flex_available(device) else "tree"
-    return cfg.packed_attention
+def attention_kernel(cfg, device, model=None) -> str:
+    """flex (block-sparse, cost follows the tree) on CUDA when its start-up probe passes, else tree (SDPA
+    segment by segment over each segment's ancestors: cost follows the tree too); dense (one L × L mask)
+    only when asked. packing.resolve_kernel probes flex once and says why it falls back."""
+    return P.resolve_kernel(cfg.packed_attention, device, model)[0]
 
 
 def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random) -> dict:
@@ -185,7 +185,7 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     Old log-probs: θ_old = θ until the first optimizer step, so the first mini-batch of the first epoch
     uses its own detached log-probs; every other block gets a no-grad forward with the same packing first.
     """
-    kernel = attention_kernel(cfg, device)
+    kernel = attention_kernel(cfg, device, D.unwrap(model))
     # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
     # recomputes the forward there); the rows layout runs the model as it is
     with P.kernel_backend(D.unwrap(model), kernel if cfg.train_layout == "packed" else "dense"):
@@ -204,8 +204,8 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
         return P.layout_micro_batches(trees, units, offsets, cfg.train_layout, cfg.max_tokens_per_micro_batch,
                                       cfg.micro_batch_size)
 
-    def logprobs(micro):
-        return P.micro_logprobs(model, micro, pad_id, device, kernel)
+    def logprobs(micro):   # flex: packed lengths padded to buckets of the configured budget (static shapes)
+        return P.micro_logprobs(model, micro, pad_id, device, kernel, bucket_tokens=cfg.max_tokens_per_micro_batch)
 
     first_epoch = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
     model.eval()  # no dropout: old and new log-probs must come from the same function
@@ -267,6 +267,7 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
     stats["grad_norm"] /= steps
     stats["clip_frac"] = clip_tokens / max(total_tokens, 1)
     stats["forwarded_tokens"] = forwarded / cfg.ppo_epochs      # per pass over the batch
+    stats["attention_kernel"] = kernel if cfg.train_layout == "packed" else "rows"   # in metrics.jsonl
     optimizer.zero_grad(set_to_none=True)
     return stats
 
@@ -435,8 +436,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
         models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
     start_step, cursor, skipped, batch_size, bad_in_a_row = 0, 0, 0, cfg.prompts_per_step, 0
     if checkpoint:
         state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True)
