@@ -56,7 +56,7 @@ class AdamWFP32(torch.optim.Optimizer):
                         state["master"] = p.detach().to(torch.float32, copy=True)
                 weight = state.get("master", p)
                 grad = p.grad.to(torch.float32)
-                state["step"] += 1
+                state["step"] = state["step"] + 1      # not in place: a loaded state_dict may share the tensor
                 step = float(state["step"])
                 weight.mul_(1 - lr * wd)
                 state["exp_avg"].lerp_(grad, 1 - beta1)
