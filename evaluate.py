@@ -175,7 +175,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     import torch
     from tqdm import tqdm
 
-    from rollout import Sampler, sample_base
+    from rollout import Sampler
 
     if not problems:
         raise ValueError("evaluate_problems: no problems")
@@ -200,6 +200,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                dynamic_ncols=True)
     bar.update(len(records))
     unit, saved_units = 0, (journal.units if journal else 0)
+    oom = {"oom_retries": 0}     # generation batches halved after running out of memory (sample_rows)
     try:
         for run in range(runs):
             for first in range(lo, hi, problems_per_call):
@@ -210,10 +211,10 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                         continue   # saved by an earlier, interrupted run
                     n = min(n_per_call, k - done)
                     with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
-                        batch = sample_base(sampler, [prompt_ids[i] for i in group], n, max_new_tokens)
-                    texts = tokenizer.batch_decode(batch.tokens, skip_special_tokens=True)
+                        rows = sample_rows(sampler, [prompt_ids[i] for i in group], n, max_new_tokens, oom)
+                    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
                     new = []
-                    for row, (tokens, text) in enumerate(zip(batch.tokens, texts)):
+                    for row, (tokens, text) in enumerate(zip(rows, texts)):
                         problem = problems[group[row // n]]  # rows are prompt-major, n per prompt
                         answer, correct = grade(text, problem, cfg.answer_fallback)
                         new.append({
@@ -225,7 +226,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                     records += new
                     if journal:
                         journal.append(new)
-                    bar.update(len(batch.tokens))
+                    bar.update(len(rows))
                     if stop is not None and stop.requested:
                         raise faults.Stopped(f"{len(records)} of {len(problems) * k * runs} samples saved")
     finally:
@@ -234,8 +235,32 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))  # 1-process order
     seconds = time.perf_counter() - start
     result = score_records(records, k)
-    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records)
+    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records, oom_retries=oom["oom_retries"])
     return result
+
+
+def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int, oom: dict) -> list[list[int]]:
+    """rollout.sample_base's tokens for these prompts × n samples, prompt-major. Out of memory: the same rows
+    in smaller generate calls (whole prompts, then a prompt's samples in pieces), the rows per call halved
+    until they fit (faults.halving_retry); the size that fit is kept in oom["rows"] for the next calls."""
+    from rollout import sample_base
+
+    def run(size: int) -> list[list[int]]:
+        faults.oom_point("eval")       # DATPO_OOM_AT=eval (tests)
+        out: list[list[int]] = []
+        if size >= n:                  # whole prompts, size // n of them per call
+            per_call = size // n
+            for i in range(0, len(prompt_ids), per_call):
+                out += sample_base(sampler, prompt_ids[i:i + per_call], n, max_new_tokens).tokens
+        else:                          # one prompt per call, `size` of its samples at a time
+            for ids in prompt_ids:
+                for done in range(0, n, size):
+                    out += sample_base(sampler, [ids], min(size, n - done), max_new_tokens).tokens
+        oom["rows"] = size
+        return out
+
+    rows = len(prompt_ids) * n
+    return faults.halving_retry(run, min(rows, oom.get("rows", rows)), "evaluation's generation", oom)
 
 
 # --------------------------------------------------------------------------------------------------------

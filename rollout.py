@@ -280,6 +280,7 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
     results: list[list] = [[] for _ in requests]
 
     def run(chunk):
+        faults.oom_point("branches")     # DATPO_OOM_AT=branches (tests)
         rows = [req.row for _, req in chunk]
         forks = [req.fork for _, req in chunk]
         limits = [T.branch_limit(max_new_tokens, f, budget) for f in forks]
@@ -434,6 +435,7 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
     for first in range(0, len(prompts), per_call):
         group = list(range(first, min(first + per_call, len(prompts))))
         t0 = time.perf_counter()
+        faults.oom_point("base")         # DATPO_OOM_AT=base (tests; the base phase's degradation is the engine's)
         base = sample_base(sampler, [prompt_ids[i] for i in group], n, cfg.max_new_tokens,
                            keep_cache=expandable and not cfg.naive_prefill)
         texts = tokenizer.batch_decode(base.tokens, skip_special_tokens=True)

@@ -200,9 +200,11 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
     old = torch.zeros_like(adv)
     have_old = torch.zeros(len(adv), dtype=torch.bool, device=device)
 
-    def micro_batches(units):
-        return P.layout_micro_batches(trees, units, offsets, cfg.train_layout, cfg.max_tokens_per_micro_batch,
-                                      cfg.micro_batch_size)
+    def micro_batches(units, size=None):   # size: tokens (packed) or rows per micro-batch; halved on OOM
+        packed = cfg.train_layout == "packed"
+        return P.layout_micro_batches(trees, units, offsets, cfg.train_layout,
+                                      size if packed and size else cfg.max_tokens_per_micro_batch,
+                                      size if not packed and size else cfg.micro_batch_size)
 
     def logprobs(micro):   # flex: packed lengths padded to buckets of the configured budget (static shapes)
         return P.micro_logprobs(model, micro, pad_id, device, kernel, bucket_tokens=cfg.max_tokens_per_micro_batch)
@@ -222,36 +224,45 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
 
     stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0,
              "trained_blocks": sum(len(P.live_blocks(tr, tr.trained)) for tr in trees), "nonfinite_minibatches": 0,
-             "forwarded_tokens": 0, "unique_tokens": sum(tr.unique_tokens for tr in trees if tr.trained)}
+             "forwarded_tokens": 0, "unique_tokens": sum(tr.unique_tokens for tr in trees if tr.trained),
+             "oom_retries": 0}
     clip_tokens = total_tokens = forwarded = 0
     for epoch in range(cfg.ppo_epochs):
         epoch_minibatches = first_epoch if epoch == 0 else P.minibatches(
             trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
         for units in epoch_minibatches:
             norm = P.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, max_row_targets(cfg))
-            micros = micro_batches(units)
-            if not micros:
+
+            def accumulate(size):   # this mini-batch's gradients in micro-batches of `size` (halved on OOM)
+                micros = micro_batches(units, size)
+                optimizer.zero_grad(set_to_none=True)
+                sums = torch.zeros(3, dtype=torch.float64, device=device)   # loss, clipped, tokens: one sync
+                mine = D.my_share(micros)          # one process: all of them; torchrun: this rank's, padded
+                for j, micro in enumerate(mine):
+                    D.sync_gradients(model, now=j == len(mine) - 1)   # DDP: one all-reduce per optimizer step
+                    if micro is None:              # no units left here: a zero-gradient pass joins the collectives
+                        D.idle_pass(model, pad_id, device)
+                        continue
+                    faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+                    with models.autocast(device, cfg.precision):
+                        new = logprobs(micro).float()
+                    gidx = torch.tensor(micro.gidx, device=device)
+                    old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
+                    objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
+                    weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
+                    loss = -(weights * objective).sum() / norm
+                    (loss * D.grad_scale()).backward()   # × world size: DDP/FSDP average gradients over ranks
+                    sums += torch.stack([loss.detach().double(), active.sum().double(),
+                                         torch.tensor(float(active.numel()), dtype=torch.float64, device=device)])
+                return len(micros), sums.tolist(), sum(m.forwarded for m in mine if m is not None)
+
+            n_micro, (mb_loss, clipped, counted), fed = faults.halving_retry(   # OOM: smaller micro-batches
+                accumulate, cfg.max_tokens_per_micro_batch if cfg.train_layout == "packed" else cfg.micro_batch_size,
+                "the update's micro-batches", stats, reset=lambda: optimizer.zero_grad(set_to_none=True),
+                retry=not D.active())
+            if not n_micro:
                 continue
-            optimizer.zero_grad(set_to_none=True)
-            mb_loss = 0.0
-            mine = D.my_share(micros)          # one process: all of them; torchrun: this rank's, padded
-            for j, micro in enumerate(mine):
-                D.sync_gradients(model, now=j == len(mine) - 1)   # DDP: one all-reduce per optimizer step
-                if micro is None:              # no units left here: a zero-gradient pass joins the collectives
-                    D.idle_pass(model, pad_id, device)
-                    continue
-                with models.autocast(device, cfg.precision):
-                    new = logprobs(micro).float()
-                gidx = torch.tensor(micro.gidx, device=device)
-                old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
-                objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
-                weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
-                loss = -(weights * objective).sum() / norm
-                (loss * D.grad_scale()).backward()   # × world size: DDP/FSDP average gradients over ranks
-                mb_loss += loss.item()
-                clip_tokens += int(active.sum())
-                total_tokens += active.numel()
-                forwarded += micro.forwarded
+            clip_tokens, total_tokens, forwarded = clip_tokens + int(clipped), total_tokens + int(counted), forwarded + fed
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
                 stats["nonfinite_minibatches"] += 1
@@ -550,7 +561,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
             **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
             **update,
             "recomputed_prefix_tokens": sum(s.recomputed_prefix_tokens for s in rank_stats),
-            "oom_retries": sum(s.oom_retries for s in rank_stats),
+            "oom_retries": sum(s.oom_retries for s in rank_stats) + update["oom_retries"],   # rollout + update
             "skipped_prompts": skipped,
             "seconds_generation": t_gen,
             "seconds_embedding": t_embed,
