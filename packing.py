@@ -658,15 +658,23 @@ def tree_attention_mask(model, subtree_end: torch.Tensor, kernel: str):
 
 
 def _target_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = lm_head(hidden).float()
+    """Logits computed in fp32 (hidden states and lm_head weight upcast, autocast off), then the log-softmax:
+    bf16 logits are rounded to 8 bits before any upcast (|Δ log p| up to ~0.1 at logits of a few tens), which
+    would put that noise into the PPO ratio."""
+    bias = getattr(lm_head, "bias", None)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logits = torch.nn.functional.linear(hidden.float(), lm_head.weight.float(),
+                                            None if bias is None else bias.float())
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def chunked_logprobs(lm_head, hidden: torch.Tensor, pred_index: torch.Tensor, targets: torch.Tensor,
                      chunk: int) -> torch.Tensor:
     """log π(target | its path) for every target, `chunk` targets at a time: lm_head + log-softmax in fp32
-    never materialise for the whole sequence, and under autograd each chunk is recomputed in the backward
-    (activation checkpointing) so only the hidden states stay alive — [chunk, vocab] fp32 at a time."""
+    (from fp32 hidden states and weights, _target_logprobs) never materialise for the whole sequence, and
+    under autograd each chunk is recomputed in the backward (activation checkpointing) so only the hidden
+    states stay alive — [chunk, vocab] fp32 at a time (plus, per chunk, an fp32 copy of the lm_head weight:
+    151,936 × 2,048 × 4 B ≈ 1.2 GB for Qwen2.5-3B, transient)."""
     out = []
     for s in range(0, len(targets), chunk):
         h = hidden.index_select(0, pred_index[s:s + chunk])

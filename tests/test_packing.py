@@ -198,6 +198,30 @@ def test_chunked_logprobs_values_and_gradients_match_one_chunk():
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
 
 
+def test_logprobs_of_a_bf16_model_come_from_fp32_logits():
+    """bf16 hidden states and lm_head: the log-probs equal a float64 computation from the same (bf16) values
+    to fp32 rounding, where bf16 logits (the former lm_head(hidden).float()) are off by up to half a bf16 unit
+    of a logit of ~30 (2^-4 = 0.0625); under bf16 autocast too. The weight still gets its gradient."""
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(64, 500, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(500, 64, generator=gen) * 0.5)
+    hidden = (torch.randn(40, 64, generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 500, (40,), generator=gen)
+    pred = torch.arange(40)
+    logits64 = hidden.detach().double() @ head.weight.detach().double().T
+    assert logits64.abs().max() > 20                                    # large logits: where bf16 hurts
+    exact = logits64.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits64, -1)
+    bf16_logits = head(hidden).detach().float()
+    former = bf16_logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(bf16_logits, -1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = P.chunked_logprobs(head, hidden, pred, targets, chunk=16)
+    assert ours.dtype == torch.float32
+    assert (ours.double() - exact).abs().max() < 1e-4 < (former.double() - exact).abs().max()
+    ours.sum().backward()
+    assert head.weight.grad is not None and head.weight.grad.dtype == torch.bfloat16
+
+
 def test_split_items_keep_ancestors_as_context_and_train_each_block_once():
     tr = datpo_tree()
     items = P.split_items(tr, 0, tr.trained, max_tokens=12)
