@@ -494,10 +494,11 @@ def probe_flex(device, dtype=torch.float32, heads: int = 2, kv_heads: int = 1, h
 _kernel_choice: dict = {}
 
 
-def resolve_kernel(requested: str, device, model=None) -> tuple[str, str | None]:
+def resolve_kernel(requested: str, device, model=None, dtype: torch.dtype | None = None) -> tuple[str, str | None]:
     """The packed attention kernel to use and, when flex was wanted but cannot run, why (a one-line message
     is printed once per process): auto = flex on CUDA when its probe passes, else tree; flex = flex if the
-    probe passes, else tree; tree and dense as asked."""
+    probe passes, else tree; tree and dense as asked. The probe uses the model's head shape and `dtype` (the
+    dtype attention runs in: bf16 under autocast; default the weights')."""
     if requested in ("tree", "dense"):
         return requested, None
     if requested == "auto" and not flex_available(device):
@@ -506,7 +507,7 @@ def resolve_kernel(requested: str, device, model=None) -> tuple[str, str | None]
     heads = getattr(cfg, "num_attention_heads", 2)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 128 * heads) // heads
-    dtype = next(model.parameters()).dtype if model is not None else torch.float32
+    dtype = dtype or (next(model.parameters()).dtype if model is not None else torch.float32)
     key = (str(device), dtype, heads, kv_heads, head_dim)
     if key not in _kernel_choice:
         why = probe_flex(device, dtype, heads, kv_heads, head_dim)

@@ -173,7 +173,8 @@ def attention_kernel(cfg, device, model=None) -> str:
     """flex (block-sparse, cost follows the tree) on CUDA when its start-up probe passes, else tree (SDPA
     segment by segment over each segment's ancestors: cost follows the tree too); dense (one L × L mask)
     only when asked. packing.resolve_kernel probes flex once and says why it falls back."""
-    return P.resolve_kernel(cfg.packed_attention, device, model)[0]
+    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16   # what attention runs in
+    return P.resolve_kernel(cfg.packed_attention, device, model, dtype)[0]
 
 
 def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random) -> dict:
@@ -447,6 +448,8 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
         models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
+    if cfg.train_layout == "packed":   # flex: the start-up probe, not after a whole rollout (one line if it falls back)
+        attention_kernel(cfg, device, model)
     optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
     start_step, cursor, skipped, batch_size, bad_in_a_row = 0, 0, 0, cfg.prompts_per_step, 0
     if checkpoint:

@@ -99,3 +99,46 @@ def test_fp32_state_survives_a_checkpoint_round_trip():
     for x, y in zip(a, b):
         assert torch.equal(x, y)
         assert torch.equal(opt_a.state[x]["master"], opt_b.state[y]["master"])
+
+
+def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path, monkeypatch, capsys):
+    """One tiny pure-bf16 run through train.main with --optimizer_dtype fp32, --packed_attention flex and
+    DATPO_OOM_AT=branches,update: the flex probe falls back at start-up (one line) and metrics.jsonl says
+    'tree'; both injected out-of-memory errors are absorbed and counted; the checkpoint holds fp32 moments
+    and master copies for bf16 weights, and a resume loads them as fp32."""
+    import json
+
+    import faults
+    import packing as P
+    import rollout as R
+    import train
+    from test_train import stand_in_reward
+
+    monkeypatch.setattr(R, "compute_reward", stand_in_reward)
+    monkeypatch.setattr(P, "_kernel_choice", {})
+    monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
+    faults._oom_fired.clear()
+    flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32", "--packed_attention", "flex",
+             "--steps", "1", "--out_dir", str(tmp_path / "run")]
+    try:
+        run = train.main(flags)
+    finally:
+        faults._oom_fired.clear()
+    (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert record["attention_kernel"] == "tree" and record["oom_retries"] == 2 and record["optimizer_steps"] >= 1
+    assert capsys.readouterr().err.count("flex_attention cannot run here") == 1
+    state = torch.load(run / "checkpoints" / "step_000001" / "trainer_state.pt", weights_only=False)["optimizer"]
+    moments = [v for st in state["state"].values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    masters = [st["master"] for st in state["state"].values() if "master" in st]
+    assert moments and all(v.dtype == torch.float32 for v in moments) and masters
+    monkeypatch.delenv("DATPO_OOM_AT")
+    captured = {}
+    real = O.build_optimizer
+
+    def keep(params, cfg):
+        captured["opt"] = real(params, cfg)
+        return captured["opt"]
+
+    monkeypatch.setattr(O, "build_optimizer", keep)
+    train.main(flags[:-4] + ["--steps", "2", "--out_dir", str(tmp_path / "run"), "--resume", str(run)])
+    assert O.state_dtypes(captured["opt"]) == {torch.float32}
