@@ -198,20 +198,26 @@ def memory_table() -> None:
     the fp32 copy of the lm_head weight and its gradient (fp32 logits, packing._target_logprobs) ≈ 2.5 GB.
     Weights + gradients + AdamW state per parameter: 2 + 2 + 4 B (bf16, --optimizer_dtype param: the release),
     2 + 2 + 4 + 8 B (bf16 with fp32 master + moments, --optimizer_dtype fp32), 4 + 4 + 8 B (bf16-autocast)."""
-    params = 3.09e9
-    layer = (7 * 2048 + 2 * 256 + 4 * 11008) * 2 * 1.1
-    per_token = {False: layer * 36, True: 2048 * 2 * 36 + layer}
-    logprobs = 2 * 2048 * 151936 * 4 + 2 * 151936 * 2048 * 4
     print("peak memory, paper's update on one 80 GB GPU (computed, not measured):", flush=True)
     for name, per_param in (("bf16, --optimizer_dtype param (release)", 8), ("bf16, --optimizer_dtype fp32", 16),
                             ("bf16-autocast", 16)):
-        fixed = params * per_param
         for checkpointing in (False, True):
-            cells = []
-            for tokens in (4096, 8192, 16384):
-                cells.append(f"{(fixed + tokens * per_token[checkpointing] + logprobs) / 1e9:5.1f}")
-            print(f"  {name:40s} checkpointing {'on ' if checkpointing else 'off'}  states {fixed / 1e9:4.1f} GB; "
-                  f"4,096 / 8,192 / 16,384 tokens per micro-batch: {' / '.join(cells)} GB", flush=True)
+            cells = [f"{update_memory_gb(per_param, tokens, checkpointing):5.1f}" for tokens in (4096, 8192, 16384)]
+            print(f"  {name:40s} checkpointing {'on ' if checkpointing else 'off'}  states "
+                  f"{QWEN25_3B_PARAMS * per_param / 1e9:4.1f} GB; 4,096 / 8,192 / 16,384 tokens per micro-batch: "
+                  f"{' / '.join(cells)} GB", flush=True)
+
+
+QWEN25_3B_PARAMS = 3.09e9
+
+
+def update_memory_gb(bytes_per_param: float, tokens: int, checkpointing: bool) -> float:
+    """memory_table's estimate (see there) of the paper's update peak in GB: weights + gradients + optimizer
+    state, saved activations of `tokens` tokens, log-prob chunk and fp32 lm_head copy with their gradients."""
+    layer = (7 * 2048 + 2 * 256 + 4 * 11008) * 2 * 1.1
+    per_token = 2048 * 2 * 36 + layer if checkpointing else layer * 36
+    logprobs = 2 * 2048 * 151936 * 4 + 2 * 151936 * 2048 * 4
+    return (QWEN25_3B_PARAMS * bytes_per_param + tokens * per_token + logprobs) / 1e9
 
 
 def main():

@@ -36,3 +36,19 @@ def test_gpu_smoke_harness_runs_train_loop_on_cpu(capsys):
     assert int(phases["base"][1]) == 2 and int(phases["update"][1]) == 2 and float(phases["update"][3]) > 0
     assert "attention kernel: tree" in out
     assert before == (models.load_policy, R.compute_reward, R.sample_base, train.ppo_update)   # restored
+
+
+def test_checkpointing_default_follows_the_memory_estimate():
+    """At paper scale the update's computed peak without activation checkpointing leaves under 20 % of an
+    80 GB GPU free (the release's pure bf16, 8 B per parameter) or does not fit (fp32 states, 16 B); with it both
+    fit with room: so it is on by default there, and off at the CPU scales."""
+    import bench_update
+    import config as C
+
+    without = bench_update.update_memory_gb(8, 8192, False)
+    assert without > 0.8 * 80 and bench_update.update_memory_gb(16, 8192, False) > 80
+    assert bench_update.update_memory_gb(16, 8192, True) < 0.75 * 80
+    assert without == pytest.approx(24.7 + 8192 * 4.69e6 / 1e9 + 5.0, abs=0.3)    # the README's figures
+    assert C.make_config("paper").gradient_checkpointing is True
+    assert C.make_config("release").gradient_checkpointing is True
+    assert C.make_config("demo").gradient_checkpointing is False is C.make_config("tiny").gradient_checkpointing
