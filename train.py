@@ -211,22 +211,28 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
         return P.micro_logprobs(model, micro, pad_id, device, kernel, bucket_tokens=cfg.max_tokens_per_micro_batch)
 
     first_epoch = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
+    budget = cfg.max_tokens_per_micro_batch if cfg.train_layout == "packed" else cfg.micro_batch_size
+    oom = {"oom_retries": 0}   # micro-batch budgets halved after running out of memory (faults.halving_retry)
     model.eval()  # no dropout: old and new log-probs must come from the same function
     with torch.no_grad(), models.autocast(device, cfg.precision), D.full_params(model):
         for k, units in enumerate(first_epoch):
             if k > 0 or cfg.ppo_epochs > 1:
-                for micro in D.my_share(micro_batches(units)):   # torchrun: only this rank's micro-batches
-                    if micro is None:
-                        continue
-                    gidx = torch.tensor(micro.gidx, device=device)
-                    old[gidx] = logprobs(micro).float()
-                    have_old[gidx] = True
+                def fill_old(size, units=units):   # a retry after OOM rewrites the same entries
+                    for micro in D.my_share(micro_batches(units, size)):   # torchrun: this rank's micro-batches
+                        if micro is None:
+                            continue
+                        faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+                        gidx = torch.tensor(micro.gidx, device=device)
+                        old[gidx] = logprobs(micro).float()
+                        have_old[gidx] = True
+
+                faults.halving_retry(fill_old, budget, "the update's old log-probs", oom, retry=not D.active())
     old, have_old = D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
 
     stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "optimizer_steps": 0,
              "trained_blocks": sum(len(P.live_blocks(tr, tr.trained)) for tr in trees), "nonfinite_minibatches": 0,
              "forwarded_tokens": 0, "unique_tokens": sum(tr.unique_tokens for tr in trees if tr.trained),
-             "oom_retries": 0}
+             "oom_retries": oom["oom_retries"]}
     clip_tokens = total_tokens = forwarded = 0
     for epoch in range(cfg.ppo_epochs):
         epoch_minibatches = first_epoch if epoch == 0 else P.minibatches(
@@ -258,9 +264,8 @@ def _ppo_epochs(model, optimizer, trees, cfg, pad_id, device, rng, kernel) -> di
                 return len(micros), sums.tolist(), sum(m.forwarded for m in mine if m is not None)
 
             n_micro, (mb_loss, clipped, counted), fed = faults.halving_retry(   # OOM: smaller micro-batches
-                accumulate, cfg.max_tokens_per_micro_batch if cfg.train_layout == "packed" else cfg.micro_batch_size,
-                "the update's micro-batches", stats, reset=lambda: optimizer.zero_grad(set_to_none=True),
-                retry=not D.active())
+                accumulate, budget, "the update's micro-batches", stats,
+                reset=lambda: optimizer.zero_grad(set_to_none=True), retry=not D.active())
             if not n_micro:
                 continue
             clip_tokens, total_tokens, forwarded = clip_tokens + int(clipped), total_tokens + int(counted), forwarded + fed
