@@ -167,7 +167,8 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
     and cfg.few_shot); max_new_tokens defaults to cfg.eval_max_new_tokens (App. E.1: 2048). Returns the
-    metrics plus "seconds" and "records" (one dict per sample). The caller seeds torch.
+    metrics plus "seconds", "oom_retries" (sample_rows) and "records" (one dict per sample). The caller
+    seeds torch.
     journal: samples are appended to it as each generate call finishes, and the calls it already holds are
     skipped (its RNG state restored), so an interrupted evaluation rerun ends with an uninterrupted one's
     records. stop: after a signal, faults.Stopped is raised once the current call's samples are saved.
@@ -256,7 +257,8 @@ def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: in
             for ids in prompt_ids:
                 for done in range(0, n, size):
                     out += sample_base(sampler, [ids], min(size, n - done), max_new_tokens).tokens
-        oom["rows"] = size
+        if size < rows:                # fitted only after halving: later calls start there
+            oom["rows"] = size
         return out
 
     rows = len(prompt_ids) * n
