@@ -38,6 +38,7 @@ TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "tree", "dense", "flex")
 PARALLELS = ("fsdp", "hsdp", "ddp")
+OPTIMIZER_DTYPES = ("param", "fp32")   # AdamW states in the weights' dtype (the release) | fp32 (optim.py)
 REPORTERS = ("none", "tensorboard", "wandb")   # --report_to: experiment trackers (tracking.py)
 
 # Field name -> allowed values, checked by Config.validate() and shown by the CLI.
@@ -54,6 +55,7 @@ CHOICES = {
     "mini_batch_grouping": GROUPINGS,
     "packed_attention": ATTENTION_KERNELS,
     "parallel": PARALLELS,
+    "optimizer_dtype": OPTIMIZER_DTYPES,
 }
 LIST_CHOICES = {"report_to": REPORTERS}   # list-valued fields: every item must be one of these
 
@@ -111,6 +113,9 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
+    optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16 moments
+                                            # for bf16 weights, v never decays, small updates round away);
+                                            # fp32 = fp32 moments + fp32 master copy (optim.py; for new work)
     clip_low: float = 0.2                   # ε for ratio < 1
     clip_high: float = 0.2                  # ε for ratio > 1 (GRPO clip-higher: 0.28)
     max_grad_norm: float = 1.0              # paper silent; authors' release uses 1.0
@@ -127,7 +132,10 @@ class Config:
                                             # ancestors); dense: one [L, L] mask (the reference path)
     precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
                                             # meant there) | bf16-autocast (fp32 master weights) | fp32
-    gradient_checkpointing: bool = False    # recompute activations in backward: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = True     # recompute activations in backward: less memory, ~1/3 more update
+                                            # compute. On at paper scale: the update's computed peak at 8,192
+                                            # tokens is 68 GB of an 80 GB GPU without it (93 GB with
+                                            # --optimizer_dtype fp32), 32 GB (57) with it (bench_update.memory_table)
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
     # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
@@ -250,6 +258,7 @@ SCALES: dict[str, dict] = {
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
         eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2, log_trees_every=4,
         precision="fp32",   # this CPU has no AMX: bf16 matmuls run slower than fp32 here (measured)
+        gradient_checkpointing=False,      # a 135M model's activations fit; no recompute on 2 cores
     ),
     # Tests: a tiny random model, a handful of tokens. Token-entropy forks: a random model's text has no
     # sentences to speak of.
@@ -259,7 +268,7 @@ SCALES: dict[str, dict] = {
         n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12, max_prompt_tokens=512,
         prompts_per_step=2, mini_batch_size=8, micro_batch_size=4, max_tokens_per_micro_batch=256, gen_batch_size=8, branch_chunk_size=8,
         ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12,
-        save_every=1, precision="fp32", device="cpu",
+        save_every=1, precision="fp32", device="cpu", gradient_checkpointing=False,
     ),
 }
 

@@ -167,7 +167,8 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
     and cfg.few_shot); max_new_tokens defaults to cfg.eval_max_new_tokens (App. E.1: 2048). Returns the
-    metrics plus "seconds" and "records" (one dict per sample). The caller seeds torch.
+    metrics plus "seconds", "oom_retries" (sample_rows) and "records" (one dict per sample). The caller
+    seeds torch.
     journal: samples are appended to it as each generate call finishes, and the calls it already holds are
     skipped (its RNG state restored), so an interrupted evaluation rerun ends with an uninterrupted one's
     records. stop: after a signal, faults.Stopped is raised once the current call's samples are saved.
@@ -175,7 +176,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     import torch
     from tqdm import tqdm
 
-    from rollout import Sampler, sample_base
+    from rollout import Sampler
 
     if not problems:
         raise ValueError("evaluate_problems: no problems")
@@ -200,6 +201,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                dynamic_ncols=True)
     bar.update(len(records))
     unit, saved_units = 0, (journal.units if journal else 0)
+    oom = {"oom_retries": 0}     # generation batches halved after running out of memory (sample_rows)
     try:
         for run in range(runs):
             for first in range(lo, hi, problems_per_call):
@@ -210,10 +212,10 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                         continue   # saved by an earlier, interrupted run
                     n = min(n_per_call, k - done)
                     with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
-                        batch = sample_base(sampler, [prompt_ids[i] for i in group], n, max_new_tokens)
-                    texts = tokenizer.batch_decode(batch.tokens, skip_special_tokens=True)
+                        rows = sample_rows(sampler, [prompt_ids[i] for i in group], n, max_new_tokens, oom)
+                    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
                     new = []
-                    for row, (tokens, text) in enumerate(zip(batch.tokens, texts)):
+                    for row, (tokens, text) in enumerate(zip(rows, texts)):
                         problem = problems[group[row // n]]  # rows are prompt-major, n per prompt
                         answer, correct = grade(text, problem, cfg.answer_fallback)
                         new.append({
@@ -225,7 +227,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                     records += new
                     if journal:
                         journal.append(new)
-                    bar.update(len(batch.tokens))
+                    bar.update(len(rows))
                     if stop is not None and stop.requested:
                         raise faults.Stopped(f"{len(records)} of {len(problems) * k * runs} samples saved")
     finally:
@@ -234,8 +236,33 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))  # 1-process order
     seconds = time.perf_counter() - start
     result = score_records(records, k)
-    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records)
+    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records, oom_retries=oom["oom_retries"])
     return result
+
+
+def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int, oom: dict) -> list[list[int]]:
+    """rollout.sample_base's tokens for these prompts × n samples, prompt-major. Out of memory: the same rows
+    in smaller generate calls (whole prompts, then a prompt's samples in pieces), the rows per call halved
+    until they fit (faults.halving_retry); the size that fit is kept in oom["rows"] for the next calls."""
+    from rollout import sample_base
+
+    def run(size: int) -> list[list[int]]:
+        faults.oom_point("eval")       # DATPO_OOM_AT=eval (tests)
+        out: list[list[int]] = []
+        if size >= n:                  # whole prompts, size // n of them per call
+            per_call = size // n
+            for i in range(0, len(prompt_ids), per_call):
+                out += sample_base(sampler, prompt_ids[i:i + per_call], n, max_new_tokens).tokens
+        else:                          # one prompt per call, `size` of its samples at a time
+            for ids in prompt_ids:
+                for done in range(0, n, size):
+                    out += sample_base(sampler, [ids], min(size, n - done), max_new_tokens).tokens
+        if size < rows:                # fitted only after halving: later calls start there
+            oom["rows"] = size
+        return out
+
+    rows = len(prompt_ids) * n
+    return faults.halving_retry(run, min(rows, oom.get("rows", rows)), "evaluation's generation", oom)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -23,6 +23,10 @@ What each script uses (train.py, evaluate.py, analysis scripts):
   GracefulStop     SIGTERM/SIGINT: stop at the next safe point; a second signal (or --stop_timeout
                    seconds) exits at once.
   halving_chunks   generate in chunks; on CUDA out-of-memory retry that chunk at half the size, down to 1.
+  halving_retry    run a unit of work at a size (the update's micro-batch budget, evaluation's batch); on
+                   out-of-memory (is_oom: torch's error or a cuBLAS/cuDNN allocation failure) halve and rerun.
+  oom_point        fault injection for tests: DATPO_OOM_AT="base|branches|update|eval" raises
+                   torch.OutOfMemoryError the first time the named point is reached.
   crash_point      fault injection for tests: DATPO_CRASH_AT="name:n[:SIGNAL]" signals this process the n-th
                    time the named point is reached (default SIGKILL).
 """
@@ -456,9 +460,63 @@ class GracefulStop:
 
 
 def is_oom(err: BaseException) -> bool:
+    """Out of device memory: torch's OutOfMemoryError, or an allocation failure that reaches Python as a plain
+    RuntimeError — cuBLAS/cuDNN failing to allocate their workspace (CUBLAS_STATUS_ALLOC_FAILED) is the same
+    condition seen from a library."""
     import torch
 
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+    text = str(err)
+    return (isinstance(err, torch.OutOfMemoryError) or "out of memory" in text.lower()
+            or "CUBLAS_STATUS_ALLOC_FAILED" in text or "CUDNN_STATUS_ALLOC_FAILED" in text)
+
+
+OOM_SITES = ("base", "branches", "update", "eval")
+_oom_fired: set[str] = set()
+
+
+def oom_point(name: str) -> None:
+    """Fault injection: with DATPO_OOM_AT="update" (several: comma-separated, from OOM_SITES) the first time
+    this point is reached the process raises torch.OutOfMemoryError, the error CUDA raises, so each
+    out-of-memory degradation path runs on CPU in tests. Once per site and process. Costs one environment
+    lookup otherwise."""
+    spec = os.environ.get("DATPO_OOM_AT")
+    if not spec or name in _oom_fired:
+        return
+    sites = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in sites if s not in OOM_SITES]
+    if unknown:
+        raise UserError(f"DATPO_OOM_AT={spec}: unknown site(s) {', '.join(unknown)}; expected some of "
+                        f"{', '.join(OOM_SITES)}")
+    if name in sites:
+        import torch
+
+        _oom_fired.add(name)
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by DATPO_OOM_AT at '{name}')")
+
+
+def halving_retry(run, size: int, what: str, counters: dict | None = None, reset=None, retry: bool = True):
+    """run(size) → its result; when it runs out of memory, reset() (drop its partial work, e.g. gradients),
+    halve `size` and run it again, down to 1 — each retry logged and counted in counters['oom_retries'].
+    Out of memory at size 1, or with retry=False (torchrun: ranks must run the same collectives), re-raises.
+    The update passes its micro-batch budget: the same mini-batch in smaller micro-batches, the same loss."""
+    import torch
+
+    while True:
+        try:
+            return run(size)
+        except RuntimeError as err:   # torch.OutOfMemoryError is one
+            if not is_oom(err) or size <= 1 or not retry:
+                raise
+        # outside the except block: the failed attempt's tensors are released by now
+        if reset is not None:
+            reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        new = max(1, size // 2)
+        if counters is not None:
+            counters["oom_retries"] = counters.get("oom_retries", 0) + 1
+        say(f"out of memory in {what} at {size}: retrying at {new}")
+        size = new
 
 
 def halving_chunks(jobs: list, chunk_size: int, run, what: str = "chunk", counters: dict | None = None) -> list:

@@ -44,6 +44,7 @@ import evaluate
 import faults
 import methods as M
 import models
+import optim as O
 import packing as P
 import rollout as R
 import runs
@@ -128,12 +129,12 @@ def max_row_targets(cfg) -> int:
     return M.method_of(cfg).max_row_targets(cfg)
 
 
-def attention_kernel(cfg, device) -> str:
-    """flex (block-sparse, cost follows the tree) on CUDA when available, else tree (SDPA segment by segment
-    over each segment's ancestors: cost follows the tree too); dense (one L × L mask) only when asked."""
-    if cfg.packed_attention == "auto":
-        return "flex" if P.flex_available(device) else "tree"
-    return cfg.packed_attention
+def attention_kernel(cfg, device, model=None) -> str:
+    """flex (block-sparse, cost follows the tree) on CUDA when its start-up probe passes, else tree (SDPA
+    segment by segment over each segment's ancestors: cost follows the tree too); dense (one L × L mask)
+    only when asked. packing.resolve_kernel probes flex once and says why it falls back."""
+    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16   # what attention runs in
+    return P.resolve_kernel(cfg.packed_attention, device, model, dtype)[0]
 
 
 def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random,
@@ -145,28 +146,32 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     Blocks whose advantage is zero count in the normaliser but cost no forward or backward.
     Under torchrun `D.deal` gives this rank its share of each mini-batch's micro-batches (and the passes and
     gradient syncs that keep ranks in step) and `D.backward` scales the loss for DDP/FSDP's gradient mean.
-    `guard` (faults.WeightGuard, snapshot taken by the caller): after each optimizer step the weights are
-    checked; a non-finite one ends the update at once with stats["nonfinite_updates"] = 1 (the caller
-    restores the snapshot: undo_broken_update).
+    Out of memory (one process): the mini-batch is redone in micro-batches of half the budget, the same loss
+    (faults.halving_retry; counted in oom_retries). `guard` (faults.WeightGuard, snapshot taken by the
+    caller): after each optimizer step the weights are checked; a non-finite one ends the update at once with
+    stats["nonfinite_updates"] = 1 (the caller restores the snapshot: undo_broken_update).
     """
-    kernel = attention_kernel(cfg, device)
+    kernel = attention_kernel(cfg, device, D.unwrap(model))
     offsets = P.token_offsets(trees)
     adv = torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
                        dtype=torch.float32, device=device)
+    packed = cfg.train_layout == "packed"
+    budget = cfg.max_tokens_per_micro_batch if packed else cfg.micro_batch_size   # halved on out-of-memory
 
-    def micro_batches(units):
-        return P.layout_micro_batches(trees, units, offsets, cfg.train_layout, cfg.max_tokens_per_micro_batch,
-                                      cfg.micro_batch_size)
+    def micro_batches(units, size=budget):   # size: tokens (packed) or rows per micro-batch
+        return P.layout_micro_batches(trees, units, offsets, cfg.train_layout,
+                                      size if packed else cfg.max_tokens_per_micro_batch,
+                                      cfg.micro_batch_size if packed else size)
 
-    def logprobs(micro):
-        return P.micro_logprobs(model, micro, pad_id, device, kernel)
+    def logprobs(micro):   # flex: packed lengths padded to buckets of the budget (static shapes)
+        return P.micro_logprobs(model, micro, pad_id, device, kernel, bucket_tokens=cfg.max_tokens_per_micro_batch)
 
     stats = UpdateStats(trees)
     # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
     # recomputes the forward there); the rows layout runs the model as it is
-    with P.kernel_backend(D.unwrap(model), kernel if cfg.train_layout == "packed" else "dense"):
+    with P.kernel_backend(D.unwrap(model), kernel if packed else "dense"):
         minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
-        old, have_old = old_logprobs(model, minibatches, micro_batches, logprobs, len(adv), cfg, device)
+        old, have_old = old_logprobs(model, minibatches, micro_batches, logprobs, len(adv), cfg, device, stats.oom)
         bar = tqdm(total=cfg.ppo_epochs * len(minibatches), desc="update", unit="mini-batch", leave=False,
                    dynamic_ncols=True, disable=not D.is_main() or cfg.ppo_epochs * len(minibatches) < 2)
         for epoch in range(cfg.ppo_epochs):
@@ -177,22 +182,18 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
             for units in minibatches:
                 bar.update(1)
                 norm = P.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, max_row_targets(cfg))
-                micros = micro_batches(units)
-                if not micros:
+
+                def accumulate(size, units=units, norm=norm):   # this mini-batch's gradients; None: nothing to train
+                    micros = micro_batches(units, size)
+                    optimizer.zero_grad(set_to_none=True)
+                    return minibatch_gradients(model, micros, logprobs, old, have_old, adv, norm, cfg, pad_id,
+                                               device) if micros else None
+
+                sums = faults.halving_retry(accumulate, budget, "the update's micro-batches", stats.oom,
+                                            reset=lambda: optimizer.zero_grad(set_to_none=True), retry=not D.active())
+                if sums is None:
                     continue
-                optimizer.zero_grad(set_to_none=True)
-                mb_loss = 0.0
-                for micro in D.deal(model, micros, pad_id, device):   # one process: every micro-batch
-                    with models.autocast(device, cfg.precision):
-                        new = logprobs(micro).float()
-                    gidx = torch.tensor(micro.gidx, device=device)
-                    old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
-                    objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
-                    weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
-                    loss = -(weights * objective).sum() / norm
-                    D.backward(loss)                                   # torchrun: × world size
-                    mb_loss += loss.item()
-                    stats.add_micro_batch(active, micro)
+                mb_loss = stats.add_minibatch(*sums)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
                     stats.nonfinite_minibatches += 1
@@ -204,29 +205,60 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
                 stats.add_optimizer_step(mb_loss, grad_norm)
         bar.close()
     optimizer.zero_grad(set_to_none=True)
-    return stats.result(cfg.ppo_epochs)
+    return {**stats.result(cfg.ppo_epochs), "attention_kernel": kernel if packed else "rows"}
 
 
-def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg, device):
+def minibatch_gradients(model, micros, logprobs, old, have_old, adv, norm: float, cfg, pad_id: int,
+                        device) -> tuple[float, int, int, int]:
+    """One mini-batch's gradients, accumulated over its micro-batches (under torchrun this rank's share:
+    D.deal). Returns its loss, clipped tokens, tokens and forwarded tokens; the sums stay on the device until
+    the end (one sync per mini-batch, not per micro-batch)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)   # loss, clipped tokens, tokens
+    forwarded = 0
+    for micro in D.deal(model, micros, pad_id, device):   # one process: every micro-batch
+        faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+        with models.autocast(device, cfg.precision):
+            new = logprobs(micro).float()
+        gidx = torch.tensor(micro.gidx, device=device)
+        old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
+        objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
+        weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
+        loss = -(weights * objective).sum() / norm
+        D.backward(loss)                                   # torchrun: × world size
+        sums += torch.stack([loss.detach().double(), active.sum().double(),
+                             torch.tensor(float(active.numel()), dtype=torch.float64, device=device)])
+        forwarded += micro.forwarded
+    loss, clipped, counted = sums.tolist()
+    return loss, int(clipped), int(counted), forwarded
+
+
+def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg, device, oom: dict):
     """θ_old's log-prob of every token (no grad) and a mask of the ones computed. θ_old = θ until the first
     optimizer step, so the first mini-batch of a one-epoch update needs none: it uses its own detached
-    log-probs; every other block gets a no-grad forward with the same packing first."""
+    log-probs; every other block gets a no-grad forward with the same packing first. Out of memory (one
+    process): that mini-batch's pass is redone at half the micro-batch budget (counted in oom)."""
     old = torch.zeros(n_tokens, dtype=torch.float32, device=device)
     have_old = torch.zeros(n_tokens, dtype=torch.bool, device=device)
+    budget = cfg.max_tokens_per_micro_batch if cfg.train_layout == "packed" else cfg.micro_batch_size
     model.eval()  # no dropout: old and new log-probs must come from the same function
     with torch.no_grad(), models.autocast(device, cfg.precision), D.full_params(model):
         for k, units in enumerate(first_epoch):
             if k > 0 or cfg.ppo_epochs > 1:
-                for micro in D.mine(micro_batches(units)):   # torchrun: only this rank's micro-batches
-                    gidx = torch.tensor(micro.gidx, device=device)
-                    old[gidx] = logprobs(micro).float()
-                    have_old[gidx] = True
+                def fill_old(size, units=units):   # a retry after out-of-memory rewrites the same entries
+                    for micro in D.mine(micro_batches(units, size)):   # torchrun: only this rank's micro-batches
+                        faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+                        gidx = torch.tensor(micro.gidx, device=device)
+                        old[gidx] = logprobs(micro).float()
+                        have_old[gidx] = True
+
+                faults.halving_retry(fill_old, budget, "the update's old log-probs", oom, retry=not D.active())
     return D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
 
 
 class UpdateStats:
     """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of tokens,
-    tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained."""
+    tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained, and the
+    out-of-memory retries (`oom`, faults.halving_retry's counters)."""
 
     def __init__(self, trees: list[P.TrainTree]):
         self.loss = self.grad_norm = 0.0
@@ -234,11 +266,14 @@ class UpdateStats:
         self.clip_tokens = self.total_tokens = self.forwarded = 0
         self.trained_blocks = sum(len(P.live_blocks(tr, tr.trained)) for tr in trees)
         self.unique_tokens = sum(tr.unique_tokens for tr in trees if tr.trained)
+        self.oom = {"oom_retries": 0}
 
-    def add_micro_batch(self, active: torch.Tensor, micro) -> None:
-        self.clip_tokens += int(active.sum())
-        self.total_tokens += active.numel()
-        self.forwarded += micro.forwarded
+    def add_minibatch(self, loss: float, clipped: int, tokens: int, forwarded: int) -> float:
+        """A mini-batch's token counts (minibatch_gradients); returns its loss."""
+        self.clip_tokens += clipped
+        self.total_tokens += tokens
+        self.forwarded += forwarded
+        return loss
 
     def add_optimizer_step(self, loss: float, grad_norm) -> None:
         self.loss += loss
@@ -253,7 +288,8 @@ class UpdateStats:
                 "grad_norm": self.grad_norm / steps, "optimizer_steps": self.optimizer_steps,
                 "trained_blocks": self.trained_blocks, "nonfinite_minibatches": self.nonfinite_minibatches,
                 "forwarded_tokens": forwarded / ppo_epochs,      # per pass over the batch
-                "unique_tokens": self.unique_tokens, "nonfinite_updates": self.nonfinite_updates}
+                "unique_tokens": self.unique_tokens, "nonfinite_updates": self.nonfinite_updates,
+                "oom_retries": self.oom["oom_retries"]}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -432,7 +468,7 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[P.TrainTre
         **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
         **update,
         "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in rank_stats),
-        "oom_retries": sum(r.oom_retries for r in rank_stats),
+        "oom_retries": sum(r.oom_retries for r in rank_stats) + update["oom_retries"],   # rollout + update
         "skipped_prompts": run.skipped_prompts,
         **{f"seconds_{name}": value for name, value in seconds.items()},
         "seconds_step": time.perf_counter() - t_step,
@@ -527,8 +563,9 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
         models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                  weight_decay=cfg.weight_decay)
+    if cfg.train_layout == "packed":   # flex: the start-up probe, not after a whole rollout (one line if it falls back)
+        attention_kernel(cfg, device, model)
+    optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
     if checkpoint:
         load_trainer_state(state, model, optimizer, run)
         log.say(f"resumed from {checkpoint} at step {run.step}")

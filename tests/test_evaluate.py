@@ -186,7 +186,7 @@ TINY = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "
 
 
 def metrics_only(result):
-    return {key: v for key, v in result.items() if key not in ("seconds", "max_new_tokens")}
+    return {key: v for key, v in result.items() if key not in ("seconds", "max_new_tokens", "oom_retries")}
 
 
 def test_cli_end_to_end_and_rescore(tmp_path, capsys):
