@@ -665,7 +665,8 @@ def fp32_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
     noise into the PPO ratio."""
     bias = getattr(lm_head, "bias", None)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        return torch.nn.functional.linear(hidden.float(), lm_head.weight.float(), None if bias is None else bias.float())
+        return torch.nn.functional.linear(hidden.float(), lm_head.weight.float(),
+                                          None if bias is None else bias.float())
 
 
 @contextlib.contextmanager

@@ -113,8 +113,9 @@ class RunLock:
 # --------------------------------------------------------------------------------------------------------
 # Fields a resumed run may change: how long it runs, how often it evaluates/saves/logs, where it writes, how
 # it reports, guards and threads, and activation checkpointing (memory and time, the same gradients: a run
-# that ran out of memory may resume with it on). Everything else (method, the preset's algorithm fields, model, data, seeds,
-# shapes, optimisation) changes the experiment: a resumed run that changes one is a mix of two experiments.
+# that ran out of memory may resume with it on). Everything else (method, the preset's algorithm fields,
+# model, data, seeds, shapes, optimisation) changes the experiment: a resumed run that changes one is a mix
+# of two experiments.
 RESUME_MAY_CHANGE = frozenset({
     "steps", "eval_every", "save_every", "log_trees_every", "report_to", "threads", "out_dir", "resume",
     "overwrite", "max_bad_steps", "allow_config_change", "keep_checkpoints", "stop_timeout", "guard_weights",
