@@ -1169,7 +1169,12 @@ def main(argv: list[str] | None = None) -> Study:
         usage = "\n".join(f"  {name:18s} {text}" for name, (_, text) in STUDIES.items())
         print(f"usage: python analysis.py STUDY [--scale paper|demo|tiny] [flags]\nstudies:\n{usage}",
               file=sys.stderr)
-        raise SystemExit(2 if argv and argv[0] not in ("-h", "--help") else 0)
+        if argv and argv[0] in ("-h", "--help"):
+            raise SystemExit(0)
+        # the last line says what was wrong, as every other bad command line does
+        what = f"unknown study {argv[0]!r}" if argv else "a STUDY is required"
+        print(f"analysis.py: error: {what}; expected one of {', '.join(STUDIES)}", file=sys.stderr)
+        raise SystemExit(2)
     study = make_study(argv[0], argv[1:])
     STUDIES[argv[0]][0](study)
     return study

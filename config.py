@@ -39,6 +39,7 @@ TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "tree", "dense", "flex")
 PARALLELS = ("fsdp", "hsdp", "ddp")
+OPTIMIZER_DTYPES = ("param", "fp32")   # AdamW states in the weights' dtype (the release) | fp32 (optim.py)
 REPORTERS = ("none", "tensorboard", "wandb")   # --report_to: experiment trackers (tracking.py)
 
 # Field name -> allowed values, checked by Config.validate() and shown by the CLI.
@@ -57,6 +58,7 @@ CHOICES = {
     "packed_attention": ATTENTION_KERNELS,
     "parallel": PARALLELS,
     "rollout_engine": ("engine", "generate"),
+    "optimizer_dtype": OPTIMIZER_DTYPES,
 }
 LIST_CHOICES = {"report_to": REPORTERS}   # list-valued fields: every item must be one of these
 
@@ -122,6 +124,9 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
+    optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16 moments
+                                            # for bf16 weights, v never decays, small updates round away);
+                                            # fp32 = fp32 moments + fp32 master copy (optim.py; for new work)
     clip_low: float = 0.2                   # ε for ratio < 1
     clip_high: float = 0.2                  # ε for ratio > 1 (GRPO clip-higher: 0.28)
     max_grad_norm: float = 1.0              # paper silent; authors' release uses 1.0
@@ -138,7 +143,10 @@ class Config:
                                             # ancestors); dense: one [L, L] mask (the reference path)
     precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
                                             # meant there) | bf16-autocast (fp32 master weights) | fp32
-    gradient_checkpointing: bool = False    # recompute activations in backward: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = True     # recompute activations in backward: less memory, ~1/3 more update
+                                            # compute. On at paper scale: the update's computed peak at 8,192
+                                            # tokens is 68 GB of an 80 GB GPU without it (93 GB with
+                                            # --optimizer_dtype fp32), 32 GB (57) with it (bench_update.memory_table)
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
     # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
@@ -154,9 +162,14 @@ class Config:
     threads: int = 0                        # torch CPU threads; 0 = torch default
     out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
+    keep_checkpoints: int = 0               # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0) or checkpoint
     overwrite: bool = False                 # a fresh run into a folder holding a run replaces it (else an error)
+    allow_config_change: bool = False       # --resume with experiment-changing fields changed (else an error)
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
+    guard_weights: bool = True              # undo an update that makes a weight or the logits non-finite
+                                            # (faults.WeightGuard: one host copy of weights + optimizer per step)
+    stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in progress; 0 = wait
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp (distributed.py)
     report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N; 0 = never
@@ -182,8 +195,12 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 1")
+        for f in dataclasses.fields(self):   # nan/inf pass every comparison below: refused first
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name}: got {value}, expected a finite number")
         for name in ["k_max", "b_max", "atb_gap", "eval_every", "eval_limit", "save_every", "top_k", "threads",
-                     "max_prompt_tokens", "log_trees_every"]:
+                     "max_prompt_tokens", "log_trees_every", "keep_checkpoints"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0")
         for name in ["max_batch_rows", "max_kv_tokens"]:
@@ -200,8 +217,18 @@ class Config:
         for name in ["clip_low", "clip_high"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected 0 <= eps < 1")
-        if self.lr <= 0:
-            raise ValueError(f"--lr: got {self.lr}, expected > 0")
+        if not 0 < self.lr <= 1:   # AdamW moves every weight by ~lr per step: lr > 1 destroys any model
+            raise ValueError(f"--lr: got {self.lr}, expected 0 < lr <= 1 (fine-tuning uses ~1e-6 to 1e-4)")
+        for name in ["beta1", "beta2"]:
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected 0 <= beta < 1")
+        if not 0 <= self.attnrl_lambda <= 1:
+            raise ValueError(f"--attnrl_lambda: got {self.attnrl_lambda}, expected a fraction in [0, 1]")
+        for name in ["weight_decay", "stop_timeout"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name}: got {getattr(self, name)}, expected >= 0")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"--max_grad_norm: got {self.max_grad_norm}, expected > 0")
         if self.micro_batch_size > self.mini_batch_size:
             raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be <= "
                              f"--mini_batch_size ({self.mini_batch_size})")
@@ -245,6 +272,7 @@ SCALES: dict[str, dict] = {
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
         eval_limit=64, eval_k=4, eval_max_new_tokens=64, save_every=8, threads=2, log_trees_every=4,
         precision="fp32",   # this CPU has no AMX: bf16 matmuls run slower than fp32 here (measured)
+        gradient_checkpointing=False,      # a 135M model's activations fit; no recompute on 2 cores
     ),
     # Tests: a tiny random model, a handful of tokens. Token-entropy forks: a random model's text has no
     # sentences to speak of.
@@ -254,7 +282,7 @@ SCALES: dict[str, dict] = {
         n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12, max_prompt_tokens=512,
         prompts_per_step=2, mini_batch_size=8, micro_batch_size=4, max_tokens_per_micro_batch=256, gen_batch_size=8, branch_chunk_size=8,
         ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12,
-        save_every=1, precision="fp32", device="cpu",
+        save_every=1, precision="fp32", device="cpu", gradient_checkpointing=False,
     ),
 }
 

@@ -27,7 +27,7 @@ import socket
 from urllib.parse import urlparse
 
 import mcq
-from reward import extract_answer
+from reward import extract_answer, unmatchable_gold
 
 # -----------------------------------------------------------------------------
 # Prompts. The paper does not print its prompt; like the common math-RL setups it asks for the final
@@ -100,6 +100,30 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
         messages.append({"role": "user", "content": f"{problem}\n{INSTRUCTION}"})
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     raise ValueError(f"format_prompt: unknown style {style!r}; use 'release', 'chat' or 'plain'")
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of this tokenizer can stand for: the longest vocabulary entry (a
+    byte-level BPE entry spells each byte as one character, and a decoded character is at least one byte;
+    a SentencePiece entry is its text). Cached on the tokenizer: the vocabulary is read once."""
+    cached = getattr(tokenizer, "_datpo_max_token_chars", None)
+    if cached is None:
+        cached = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+        try:
+            tokenizer._datpo_max_token_chars = cached
+        except AttributeError:   # a tokenizer that refuses attributes: recomputed next time
+            pass
+    return max(cached, 1)
+
+
+def surely_too_long(text: str, max_tokens, tokenizer) -> int:
+    """Without tokenizing: a lower bound on the tokens of `text` when that bound already exceeds
+    `max_tokens` (so the prompt is too long whatever its exact count), else 0. Costs len(text): a 50 MB
+    problem is judged in microseconds instead of minutes of tokenizing."""
+    if not max_tokens:
+        return 0
+    at_least = -(-len(text) // max_token_chars(tokenizer))   # every token covers at most that many characters
+    return at_least if at_least > max_tokens else 0
 
 
 # -----------------------------------------------------------------------------
@@ -178,6 +202,9 @@ def to_problem(row, where):
         raise ValueError(f"{where}: missing answer field (expected 'answer', 'final_answer', or 'solution' with \\boxed{{}}); found keys {sorted(row)}")
     if not answer:
         raise ValueError(f"{where}: field '{field}' gives an empty answer")
+    why = unmatchable_gold(answer)
+    if why:
+        raise ValueError(f"{where}: field '{field}' gives the answer {answer!r}, {why}")
     return {"problem": problem, "answer": answer, "level": _parse_level(row.get("level"), where)}
 
 
@@ -194,8 +221,9 @@ def read_rows(path):
     name = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
+    # utf-8-sig: a byte-order mark (Windows editors write one) is read, not taken for part of the first row
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue  # blank lines (e.g. a trailing one) hold no row
@@ -205,7 +233,7 @@ def read_rows(path):
                     raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object per line") from None
                 yield f"{name} line {n}", row
     elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:

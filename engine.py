@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import faults
+
 ATTENTION = "datpo_engine"
 # Rows per step that fit after running out of memory, per device: later engines (next steps) start there.
 ROWS_AFTER_OOM: dict[str, int] = {}
@@ -345,9 +347,11 @@ class Engine:
                                      f"too small for one prompt and its responses; expected more")
                 break
             try:
+                if len(active) > 1:   # DATPO_OOM_AT=base|branches: the error CUDA raises, once (tests)
+                    faults.oom_point("branches" if any(r.fork is not None for r in active) else "base")
                 hidden = self._forward(active, [[r.out.tokens[-1]] for r in active])
             except RuntimeError as err:                    # torch.OutOfMemoryError is one
-                if "out of memory" not in str(err).lower() or len(active) == 1:
+                if not faults.is_oom(err) or len(active) == 1:
                     raise
                 hidden = None
             if hidden is None:                             # fewer rows from now on; the rest wait their turn

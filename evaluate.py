@@ -167,7 +167,8 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
     and cfg.few_shot); max_new_tokens defaults to cfg.eval_max_new_tokens (App. E.1: 2048). Returns the
-    metrics plus "seconds" and "records" (one dict per sample). The caller seeds torch.
+    metrics plus "seconds", "oom_retries" (sample_rows) and "records" (one dict per sample). The caller
+    seeds torch.
     journal: samples are appended to it as each generate call finishes, and the calls it already holds are
     skipped (its RNG state restored), so an interrupted evaluation rerun ends with an uninterrupted one's
     records. stop: after a signal, faults.Stopped is raised once the current call's samples are saved.
@@ -175,7 +176,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     import torch
     from tqdm import tqdm
 
-    from rollout import Sampler, sample_base
+    from rollout import Sampler
 
     if not problems:
         raise ValueError("evaluate_problems: no problems")
@@ -200,6 +201,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                dynamic_ncols=True)
     bar.update(len(records))
     unit, saved_units = 0, (journal.units if journal else 0)
+    oom = {"oom_retries": 0}     # generation batches halved after running out of memory (sample_rows)
     try:
         for run in range(runs):
             for first in range(lo, hi, problems_per_call):
@@ -210,10 +212,10 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                         continue   # saved by an earlier, interrupted run
                     n = min(n_per_call, k - done)
                     with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
-                        batch = sample_base(sampler, [prompt_ids[i] for i in group], n, max_new_tokens)
-                    texts = tokenizer.batch_decode(batch.tokens, skip_special_tokens=True)
+                        rows = sample_rows(sampler, [prompt_ids[i] for i in group], n, max_new_tokens, oom)
+                    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
                     new = []
-                    for row, (tokens, text) in enumerate(zip(batch.tokens, texts)):
+                    for row, (tokens, text) in enumerate(zip(rows, texts)):
                         problem = problems[group[row // n]]  # rows are prompt-major, n per prompt
                         answer, correct = grade(text, problem, cfg.answer_fallback)
                         new.append({
@@ -225,7 +227,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                     records += new
                     if journal:
                         journal.append(new)
-                    bar.update(len(batch.tokens))
+                    bar.update(len(rows))
                     if stop is not None and stop.requested:
                         raise faults.Stopped(f"{len(records)} of {len(problems) * k * runs} samples saved")
     finally:
@@ -234,8 +236,33 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))  # 1-process order
     seconds = time.perf_counter() - start
     result = score_records(records, k)
-    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records)
+    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records, oom_retries=oom["oom_retries"])
     return result
+
+
+def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int, oom: dict) -> list[list[int]]:
+    """rollout.sample_base's tokens for these prompts × n samples, prompt-major. Out of memory: the same rows
+    in smaller generate calls (whole prompts, then a prompt's samples in pieces), the rows per call halved
+    until they fit (faults.halving_retry); the size that fit is kept in oom["rows"] for the next calls."""
+    from rollout import sample_base
+
+    def run(size: int) -> list[list[int]]:
+        faults.oom_point("eval")       # DATPO_OOM_AT=eval (tests)
+        out: list[list[int]] = []
+        if size >= n:                  # whole prompts, size // n of them per call
+            per_call = size // n
+            for i in range(0, len(prompt_ids), per_call):
+                out += sample_base(sampler, prompt_ids[i:i + per_call], n, max_new_tokens).tokens
+        else:                          # one prompt per call, `size` of its samples at a time
+            for ids in prompt_ids:
+                for done in range(0, n, size):
+                    out += sample_base(sampler, [ids], min(size, n - done), max_new_tokens).tokens
+        if size < rows:                # fitted only after halving: later calls start there
+            oom["rows"] = size
+        return out
+
+    rows = len(prompt_ids) * n
+    return faults.halving_retry(run, min(rows, oom.get("rows", rows)), "evaluation's generation", oom)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -337,17 +364,40 @@ def write_jsonl(path, records: list[dict]) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def read_jsonl(path) -> list[dict]:
+def read_jsonl(path, numbered: bool = False) -> list:
+    """The records of a jsonl file; a line that is not a JSON object is a ValueError naming its line.
+    `numbered`: (line number, record) pairs."""
+    out = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"line {n}: not JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"line {n}: expected a JSON object, got {type(record).__name__}")
+            out.append((n, record) if numbered else record)
+    return out
+
+
+SAMPLE_FIELDS = ("index", "run", "response", "gold")   # what rescoring needs of each saved sample
 
 
 def rescore_file(path, answer_fallback: bool = False) -> tuple[str, dict]:
     """(benchmark name, metrics) from a samples jsonl. Records without "answer"/"correct" (e.g. written by
-    hand or by another tool) are graded here with reward.py; k = the samples per (problem, run)."""
-    records = read_jsonl(path)
-    if not records:
-        raise ValueError(f"{path}: no records")
+    hand or by another tool) are graded here with reward.py; k = the samples per (problem, run). A bad line
+    is a ValueError naming that line."""
+    numbered = read_jsonl(path, numbered=True)
+    if not numbered:
+        raise ValueError("no records")
+    for n, record in numbered:
+        missing = [key for key in SAMPLE_FIELDS if key not in record]
+        if missing:
+            raise ValueError(f"line {n}: missing {', '.join(missing)}; expected the fields "
+                             f"{', '.join(SAMPLE_FIELDS)} of a sample written by evaluate.py")
+    records = [record for _, record in numbered]
     for record in records:
         if "answer" not in record:
             record["answer"] = extract_answer(record["response"], answer_fallback)
@@ -422,7 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
                 bench, result = rescore_file(path, bool(given.get("answer_fallback", False)))
             except (OSError, ValueError, KeyError) as err:
                 why = f"{err.strerror}; expected a samples_<bench>.jsonl written by evaluate.py" \
-                    if isinstance(err, OSError) and err.strerror else repr(err)
+                    if isinstance(err, OSError) and err.strerror else str(err) if isinstance(err, ValueError) \
+                    else repr(err)
                 parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {why}\n")
             by_file.setdefault(Path(path).resolve().parent.name, {})[bench] = result
         print(format_table(by_file))
@@ -483,6 +534,11 @@ def main(argv: list[str] | None = None) -> dict:
                                               seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {cfg.model}: cannot load it ({str(err).splitlines()[0]})") from err
+    bad = [name for name, p in model.named_parameters() if not faults.all_finite([p])]
+    if bad:   # sampling would stop on inf/NaN probabilities: say so before any benchmark runs
+        raise faults.UserError(f"--model {cfg.model}: {len(bad)} weight tensor(s) hold non-finite values "
+                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); expected a model or "
+                               f"checkpoint with finite weights (an earlier checkpoint of the run)")
     print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; prompt_style={cfg.prompt_style} "
           f"few_shot={cfg.few_shot} answer_fallback={cfg.answer_fallback} T={cfg.temperature} "
           f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)

@@ -28,6 +28,7 @@ prompt token, where its tree ends). One integer per token describes the whole ma
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -336,21 +337,127 @@ def dense_mask(subtree_end: torch.Tensor) -> torch.Tensor:
     return (idx[None, :] <= idx[:, None]) & (idx[:, None] < subtree_end[None, :])
 
 
+# ---- "flex" kernel: flex_attention over a BlockMask, compiled once per packed-length bucket ----------------
+FLEX_TILE = 128       # flex_attention's block size: the mask is described per 128 × 128 tile
+
+
+def flex_bucket(length: int, max_tokens: int | None = None) -> int:
+    """The length a packed sequence of `length` tokens is padded to before flex_attention, so that the compiled
+    kernel sees a few static shapes (a new shape is a new compile; torch.compile's dynamic-shape recompile
+    of flex fails on CPU and is unproven on CUDA): multiples of max_tokens/8 rounded up to whole 128-token
+    tiles — 8 buckets up to the budget (padding ≤ 1/8 of the budget); without a budget, the next power of two."""
+    if max_tokens:
+        step = -(-max(-(-max_tokens // 8), 1) // FLEX_TILE) * FLEX_TILE
+        return -(-length // step) * step
+    return max(FLEX_TILE, 1 << max(length - 1, 0).bit_length())
+
+
+def pad_packed(packed: Packed, length: int, pad_id: int = 0) -> Packed:
+    """`packed` with padding tokens up to `length`: each sees only itself (subtree_end = its index + 1), so no
+    real token sees it and its output is never a target; position id 0 keeps it inside the rotary tables."""
+    n = length - len(packed)
+    if n <= 0:
+        return packed
+    return Packed(packed.input_ids + [pad_id] * n, packed.position_ids + [0] * n,
+                  packed.subtree_end + list(range(len(packed) + 1, length + 1)), packed.pred_index,
+                  packed.target_ids, packed.target_gidx, packed.target_weights)
+
+
 def flex_block_mask(subtree_end: torch.Tensor):
-    """The same mask as a flex_attention BlockMask: 128×128 tiles that no query of the tile may see are
-    skipped, so attention cost follows the tree, not L². Needs torch ≥ 2.5 (flex_attention)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The tree mask as a flex_attention BlockMask, built tile by tile without the [L, L] mask that
+    create_block_mask evaluates: key k is seen by the queries [k, subtree_end[k]), an interval of query tiles
+    per key, so a difference array over [key tiles, query tiles] marks every tile someone sees. A tile is
+    full (no mask_mod call inside it) when all its keys precede its first query and every key's subtree
+    outlives its last query (and both tiles are whole). Memory O(L + (L/128)²); the same tiles as
+    create_block_mask. Needs torch ≥ 2.5 (flex_attention)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def tree_mask(b, h, q, k):
         return (k <= q) & (q < subtree_end[k])
 
-    length = len(subtree_end)
-    return create_block_mask(tree_mask, B=None, H=None, Q_LEN=length, KV_LEN=length,
-                             device=subtree_end.device)
+    length, tile, device = len(subtree_end), FLEX_TILE, subtree_end.device
+    n = -(-length // tile)
+    keys = torch.arange(length, device=device)
+    k_tile = keys // tile
+    seen = torch.zeros(n, n + 1, dtype=torch.int32, device=device)          # [key tile, query tile]
+    ones = torch.ones(length, dtype=torch.int32, device=device)
+    seen.index_put_((k_tile, k_tile), ones, accumulate=True)                # a key sees its own query tile
+    last_q_tile = (subtree_end.clamp(min=1) - 1).clamp(min=0) // tile
+    seen.index_put_((k_tile, last_q_tile + 1), -ones, accumulate=True)
+    partial = (seen.cumsum(1)[:, :n] > 0).T                                  # [query tile, key tile]
+    q_first = torch.arange(n, device=device) * tile
+    q_last = (q_first + tile).clamp(max=length)                              # one past the tile's last query
+    k_last = (q_first + tile).clamp(max=length) - 1                          # each key tile's last key
+    min_end = torch.full((n,), length + 1, dtype=subtree_end.dtype, device=device).scatter_reduce(
+        0, k_tile, subtree_end, reduce="amin")
+    whole = q_first + tile <= length                                          # a ragged last tile stays partial
+    full = partial & (k_last[None, :] <= q_first[:, None]) & (min_end[None, :] >= q_last[:, None]) \
+        & whole[:, None] & whole[None, :]
+    partial = partial & ~full
+
+    def as_indices(tiles: torch.Tensor):
+        count = tiles.sum(-1, dtype=torch.int32)
+        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        # contiguous: the compiled kernel indexes them as contiguous (a transposed view gave wrong results)
+        return count[None, None].contiguous(), order[None, None].contiguous()
+
+    kv_num, kv_idx = as_indices(partial)
+    full_num, full_idx = as_indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=tree_mask,
+                                    seq_lengths=(length, length))
+
+
+_compiled_flex = None
+
+
+def compiled_flex():
+    """flex_attention compiled with static shapes (dynamic=False), once per process: one compile per packed
+    length bucket and grad mode. HF's own flex integration compiles with dynamic=None, which recompiles
+    with symbolic shapes at the second length — the compile that fails on CPU — hence our own backend."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        import torch._dynamo.config as dynamo_config
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # 8 buckets up to the budget × (no-grad old log-probs, training) + the probe, under the default limit 8
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An HF attention function (registered as "datpo_flex"): compiled flex_attention over the BlockMask of
+    flex_block_mask. query [1, H, L, d], key/value [1, H_kv, L, d] → [1, L, H, d]. Any other mask (a forward
+    without the tree, e.g. torchrun's zero-gradient pass) runs plain SDPA."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(attention_mask, BlockMask):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if dropout:
+        raise ValueError("the flex kernel runs without attention dropout; the update runs the model in eval mode")
+    groups = query.shape[1] // key.shape[1]
+    gqa = groups > 1
+    if gqa and query.shape[1] & (query.shape[1] - 1):      # flex's GQA wants a power-of-two head count
+        key, value, gqa = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), False
+    out = compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_flex_attention() -> str:
+    """Make "datpo_flex" an attention implementation HF models can run (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("datpo_flex", flex_tree_attention)
+    AttentionMaskInterface.register("datpo_flex", sdpa_mask)
+    return "datpo_flex"
 
 
 def flex_available(device) -> bool:
-    """flex_attention is used on CUDA when this torch has it; elsewhere the tree kernel (tree_attention)."""
+    """flex_attention is importable and the device is CUDA (on CPU, flex has no backward)."""
     if torch.device(device).type != "cuda":
         return False
     try:
@@ -358,6 +465,60 @@ def flex_available(device) -> bool:
     except ImportError:
         return False
     return True
+
+
+def probe_flex(device, dtype=torch.float32, heads: int = 2, kv_heads: int = 1, head_dim: int = 64) -> str | None:
+    """One tiny compiled flex forward + backward under a tree mask on `device` (2 tiles, the model's head
+    shape and dtype): None when it runs and matches SDPA, else why not, in one line. Compile, Triton or
+    backward failures show here, at start-up, not at the first update after a whole rollout."""
+    try:
+        length = 2 * FLEX_TILE
+        ends = torch.full((length,), length, device=device)
+        ends[FLEX_TILE // 2:FLEX_TILE] = FLEX_TILE                   # a block whose subtree closes mid-sequence
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(1, h, length, head_dim, generator=gen).to(device, dtype).requires_grad_()
+                   for h in (heads, kv_heads, kv_heads))
+        out, _ = flex_tree_attention(None, q, k, v, flex_block_mask(ends))
+        out.float().sum().backward()
+        groups = heads // kv_heads
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1),
+            attn_mask=dense_mask(ends)).transpose(1, 2)
+        error = (out.float() - ref).abs().max().item()
+        if not error < (1e-2 if dtype != torch.float32 else 1e-4) or q.grad is None:
+            return f"wrong result (max |flex − sdpa| = {error:.2e})"
+    except Exception as err:  # any failure of compile/Triton/backward means: do not use flex here
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:200]
+    return None
+
+
+_kernel_choice: dict = {}
+
+
+def resolve_kernel(requested: str, device, model=None, dtype: torch.dtype | None = None) -> tuple[str, str | None]:
+    """The packed attention kernel to use and, when flex was wanted but cannot run, why (a one-line message
+    is printed once per process): auto = flex on CUDA when its probe passes, else tree; flex = flex if the
+    probe passes, else tree; tree and dense as asked. The probe uses the model's head shape and `dtype` (the
+    dtype attention runs in: bf16 under autocast; default the weights')."""
+    if requested in ("tree", "dense"):
+        return requested, None
+    if requested == "auto" and not flex_available(device):
+        return "tree", None
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", 2)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 128 * heads) // heads
+    dtype = dtype or (next(model.parameters()).dtype if model is not None else torch.float32)
+    key = (str(device), dtype, heads, kv_heads, head_dim)
+    if key not in _kernel_choice:
+        why = probe_flex(device, dtype, heads, kv_heads, head_dim)
+        _kernel_choice[key] = why
+        if why:
+            import faults
+
+            faults.say(f"packed attention: flex_attention cannot run here ({why}); using the tree kernel")
+    why = _kernel_choice[key]
+    return ("tree", why) if why else ("flex", None)
 
 
 # ---- "tree" kernel: SDPA per segment over that segment's ancestors (the CPU default) ----------------------
@@ -479,7 +640,7 @@ def kernel_backend(model, kernel: str):
     if kernel == "tree":
         return attention_implementation(model, register_tree_attention())
     if kernel == "flex":
-        return attention_implementation(model, "flex_attention")
+        return attention_implementation(model, register_flex_attention())
     return contextlib.nullcontext()
 
 
@@ -498,16 +659,41 @@ def tree_attention_mask(model, subtree_end: torch.Tensor, kernel: str):
     return mask
 
 
+def fp32_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits computed in fp32 (hidden states and lm_head weight upcast, autocast off): bf16 logits are
+    rounded to 8 bits before any upcast (|Δ log p| up to ~0.1 at logits of a few tens), which would put that
+    noise into the PPO ratio."""
+    bias = getattr(lm_head, "bias", None)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden.float(), lm_head.weight.float(),
+                                          None if bias is None else bias.float())
+
+
+@contextlib.contextmanager
+def fp32_head(model):
+    """The model's own lm_head computing fp32 logits (fp32_logits) while inside: under torchrun the model's
+    forward must compute the logits (DDP's and FSDP2's hooks live there), and they must be the same fp32
+    logits one process takes its log-softmax of."""
+    head = model.get_output_embeddings()
+    head.forward = functools.partial(fp32_logits, head)
+    try:
+        yield
+    finally:
+        del head.forward     # the class's forward again
+
+
 def _target_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = lm_head(hidden).float()
+    logits = fp32_logits(lm_head, hidden)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def chunked_logprobs(lm_head, hidden: torch.Tensor, pred_index: torch.Tensor, targets: torch.Tensor,
                      chunk: int) -> torch.Tensor:
     """log π(target | its path) for every target, `chunk` targets at a time: lm_head + log-softmax in fp32
-    never materialise for the whole sequence, and under autograd each chunk is recomputed in the backward
-    (activation checkpointing) so only the hidden states stay alive — [chunk, vocab] fp32 at a time."""
+    (from fp32 hidden states and weights, _target_logprobs) never materialise for the whole sequence, and
+    under autograd each chunk is recomputed in the backward (activation checkpointing) so only the hidden
+    states stay alive — [chunk, vocab] fp32 at a time (plus, per chunk, an fp32 copy of the lm_head weight:
+    151,936 × 2,048 × 4 B ≈ 1.2 GB for Qwen2.5-3B, transient)."""
     out = []
     for s in range(0, len(targets), chunk):
         h = hidden.index_select(0, pred_index[s:s + chunk])
@@ -524,13 +710,18 @@ def _logits_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk: int = 2048) -> torch.Tensor:
+def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk: int = 2048,
+                    bucket_tokens: int | None = None) -> torch.Tensor:
     """One model call over a packed sequence (4D tree mask + explicit position ids) → the log-prob of every
     target, in `packed.target_ids` order.
 
     Under torchrun (distributed.py) the model's own forward must run, since DDP's and FSDP2's hooks live there:
     it returns logits at the targets only (logits_to_keep = their positions), a [targets, vocab] tensor per
-    micro-batch rather than `chunk` rows of it; the fp32 log-softmax is still taken `chunk` rows at a time."""
+    micro-batch rather than `chunk` rows of it; the fp32 log-softmax is still taken `chunk` rows at a time.
+    flex: the sequence is padded to its length bucket (flex_bucket of `bucket_tokens`, the micro-batch budget)
+    so the compiled kernel sees a few static shapes."""
+    if kernel == "flex":
+        packed = pad_packed(packed, flex_bucket(len(packed), bucket_tokens))
     ids = torch.tensor([packed.input_ids], device=device)
     positions = torch.tensor([packed.position_ids], device=device)
     ends = torch.tensor(packed.subtree_end, device=device)
@@ -541,8 +732,9 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     extra = {"tree_buckets": tree_buckets(packed.subtree_end, device)} if kernel == "tree" else {}
     with kernel_backend(inner, kernel):
         if D.active():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                           logits_to_keep=pred_index, **extra).logits[0]
+            with fp32_head(inner):
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                               logits_to_keep=pred_index, **extra).logits[0]
             parts = [checkpoint(_logits_logprobs, logits[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
                      if torch.is_grad_enabled() and logits.requires_grad
                      else _logits_logprobs(logits[s:s + chunk], targets[s:s + chunk])
@@ -662,8 +854,9 @@ def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: lis
     return out
 
 
-def micro_logprobs(model, micro: MicroBatch, pad_id: int, device, kernel: str = "dense") -> torch.Tensor:
-    """Log-probs of a micro-batch's targets, in `micro.gidx` order."""
+def micro_logprobs(model, micro: MicroBatch, pad_id: int, device, kernel: str = "dense",
+                   bucket_tokens: int | None = None) -> torch.Tensor:
+    """Log-probs of a micro-batch's targets, in `micro.gidx` order (bucket_tokens: packed_logprobs)."""
     if micro.packed is not None:
-        return packed_logprobs(model, micro.packed, device, kernel)
+        return packed_logprobs(model, micro.packed, device, kernel, bucket_tokens=bucket_tokens)
     return torch.cat(row_logprobs(model, micro.rows, pad_id, device))

@@ -183,6 +183,21 @@ def extract_answer(text: str, fallback_last_number: bool = False, join_boxes: bo
     return None
 
 
+def unmatchable_gold(gold: str) -> str | None:
+    """Why a gold answer can never be matched, or None. A gold answer that is (or boxes down to) an empty
+    \\boxed{} — "\\boxed{\\boxed{}}" — is such: no response's boxed answer equals nothing, so the problem
+    would only ever score 0."""
+    inner = gold
+    for _ in range(8):   # boxes inside boxes, unwrapped one at a time
+        boxed = extract_answer(inner, join_boxes=False)
+        if boxed is None or boxed == inner:
+            return None
+        if not boxed.strip():
+            return "an empty \\boxed{} that no response can match; expected the answer itself"
+        inner = boxed
+    return None
+
+
 def _join_parts(parts: list[str]) -> str:
     """One answer from the contents of several boxes: "1, -2". A single box is returned as it is."""
     if len(parts) == 1:

@@ -328,6 +328,7 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
     results: list[list] = [[] for _ in requests]
 
     def run(chunk):
+        faults.oom_point("branches")     # DATPO_OOM_AT=branches (tests)
         rows = [req.row for _, req in chunk]
         forks = [req.fork for _, req in chunk]
         limits = [T.branch_limit(max_new_tokens, f, budget) for f in forks]
@@ -419,19 +420,18 @@ def atb_step_scores(model, prompt_ids: list[int], response_ids: list[int], spans
     """FCI of each step of one response (tree.fci_step_scores) from one attention-returning forward pass.
 
     The model runs once with eager attention (the only kind that returns weights). Each layer's
-    [heads, L, L] weights are reduced to step level [heads, S, S] as they are produced, so memory holds one
-    layer's token attention at a time.
+    [heads, L, L] weights are reduced to step level [heads, S, S] on the device as they are produced (float64),
+    so memory holds one layer's token attention at a time and only [layers·heads, S, S] reaches the CPU — not
+    ~2.4 GB of fp32 maps per 1,024-token response.
     """
-    import numpy as np
-
-    per_layer: list[np.ndarray] = []
+    per_layer: list[torch.Tensor] = []
     p = len(prompt_ids)
 
     def keep(module, args, output):
         weights = output[1]
         if weights is None:
             raise RuntimeError("attention weights unavailable: ATB needs eager attention")
-        per_layer.append(T.step_attention(weights[0, :, p:, p:].float().cpu().numpy(), spans))
+        per_layer.append(T.step_attention(weights[0, :, p:, p:], spans))
 
     previous = model.config._attn_implementation
     handles = [m.register_forward_hook(keep) for name, m in model.named_modules() if name.endswith("self_attn")]
@@ -443,7 +443,7 @@ def atb_step_scores(model, prompt_ids: list[int], response_ids: list[int], spans
         for handle in handles:
             handle.remove()
         model.set_attn_implementation(previous)
-    return T.fci_step_scores(np.concatenate(per_layer, axis=0), gap=gap)
+    return T.fci_step_scores(torch.cat(per_layer).cpu().numpy(), gap=gap)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -579,6 +579,7 @@ def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, bud
     for first in range(0, len(prompt_ids), per_call):
         group = list(range(first, min(first + per_call, len(prompt_ids))))
         t0 = time.perf_counter()
+        faults.oom_point("base")         # DATPO_OOM_AT=base (tests; the base phase's degradation is the engine's)
         base = sample_base(sampler, [prompt_ids[i] for i in group], n, cfg.max_new_tokens,
                            keep_cache=expandable and not cfg.naive_prefill)
         texts = tokenizer.batch_decode(base.tokens, skip_special_tokens=True)

@@ -72,6 +72,7 @@ class Log:
         self.enabled = enabled
         self.jsonl = jsonl
         self.purge_step: int | None = None
+        self.torn_lines: list[int] = []   # 1-based lines of metrics.jsonl that truncate_after found torn
         self._tb = None
         self._wandb = None
         if enabled:
@@ -99,9 +100,17 @@ class Log:
         if not self.enabled:
             return
         if self.jsonl:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as err:   # disk full, quota, read-only: one line, the checkpoints are untouched
+                import faults
+                import runs
+
+                raise faults.WriteError(f"writing {self.path}: {runs.write_failure(err)}; the step's record is "
+                                        f"lost, checkpoints are intact; free space and --resume "
+                                        f"{self.run_dir}") from err
         if not self.report_to:
             return
         self._open()
@@ -119,11 +128,16 @@ class Log:
         if not self.enabled or not self.path.exists():
             return 0
         lines = self.path.read_text().splitlines()
+        self.torn_lines = [n for n, line in enumerate(lines, 1) if line.strip() and _record_step(line) == math.inf]
         kept = [line for line in lines if _record_step(line) <= step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
         return len(lines) - len(kept)
+
+    def read(self) -> list[dict]:
+        """metrics.jsonl's records, torn lines left out (read_metrics)."""
+        return read_metrics(self.path)[0]
 
     def close(self) -> None:
         if self._tb is not None:
@@ -138,6 +152,38 @@ class Log:
             from tqdm import tqdm
 
             tqdm.write(text, file=sys.stderr)
+
+
+def read_metrics(path) -> tuple[list[dict], list[int]]:
+    """(records, 1-based numbers of torn lines) of a metrics.jsonl; a torn line (a kill mid-write, or any
+    line that is not a JSON object with a step) is left out and named, never a traceback."""
+    records, torn = [], []
+    if not Path(path).exists():
+        return records, torn
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if _record_step(line) == math.inf:
+            torn.append(n)
+        else:
+            records.append(json.loads(line))
+    return records, torn
+
+
+def lost_records(path, upto: int, torn: list[int], same_run: bool = True) -> list[str]:
+    """Console lines for a resume at step `upto`: each torn line of metrics.jsonl by number (it was dropped),
+    and the steps ≤ upto left with no record — they are not redone (the checkpoint is past them), so they
+    are named. `same_run` False (a resume into a new --out_dir) names only the torn lines."""
+    out = [f"{path} line {n}: torn (not a JSON record); dropped" for n in torn]
+    if same_run and upto > 0:
+        records, _ = read_metrics(path)
+        logged = {r["step"] for r in records if "eval" not in r}
+        missing = [s for s in range(1, upto + 1) if s not in logged]
+        if missing:
+            shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+            out.append(f"{path}: no record of step(s) {shown} (lost before the checkpoint at step {upto}; those "
+                       f"steps are not redone)")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -188,25 +234,45 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}.jsonl"
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
-            record = {"step": step, "tree": index, "method": method, "alpha": alpha,
-                      **tree_record(tr, tokenizer, adv, emb, value_estimate, sibling_groups)}
-            f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
+                record = {"step": step, "tree": index, "method": method, "alpha": alpha,
+                          **tree_record(tr, tokenizer, adv, emb, value_estimate, sibling_groups)}
+                f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:   # disk full: one line; the earlier tree logs and the checkpoints are untouched
+        import faults
+        import runs
+
+        tmp.unlink(missing_ok=True)
+        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; free space "
+                                f"and --resume {run_dir}") from err
     return path
 
 
 def read_trees(run_dir, step: int) -> list[dict]:
-    """The trees logged at `step`; a clear error listing the logged steps when there is none."""
+    """The trees logged at `step`; a clear error listing the logged steps when there is none. A torn line
+    is left out with a line naming it; a log with no readable tree is a ValueError."""
     folder = Path(run_dir) / "trees"
     path = folder / f"step_{step:06d}.jsonl"
     if not path.exists():
         logged = sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.jsonl")) if folder.exists() else []
         raise FileNotFoundError(f"{path}: no tree log for step {step}; logged steps: "
                                 f"{', '.join(map(str, logged)) or 'none (train with --log_trees_every N)'}")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    trees = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                trees.append(json.loads(line))
+            except ValueError:   # torn or corrupted: the other trees are still worth drawing
+                print(f"{path} line {n}: torn (not JSON); that tree is left out", file=sys.stderr)
+    if not trees:
+        raise ValueError(f"{path}: holds no readable tree (empty or torn); expected one JSON tree a line, "
+                         f"as train.py --log_trees_every writes")
+    return trees
 
 
 # --------------------------------------------------------------------------------------------------------

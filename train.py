@@ -22,12 +22,11 @@ below it; torchrun (several GPUs) is a handful of `D.` calls (distributed.py).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
-import os
 import random
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -45,8 +44,10 @@ import evaluate
 import faults
 import methods as M
 import models
+import optim as O
 import packing as P
 import rollout as R
+import runs
 import tracking
 import tree as T
 from tracking import Log
@@ -136,15 +137,16 @@ def max_row_targets(cfg) -> int:
     return M.method_of(cfg).max_row_targets(cfg)
 
 
-def attention_kernel(cfg, device) -> str:
-    """flex (block-sparse, cost follows the tree) on CUDA when available, else tree (SDPA segment by segment
-    over each segment's ancestors: cost follows the tree too); dense (one L × L mask) only when asked."""
-    if cfg.packed_attention == "auto":
-        return "flex" if P.flex_available(device) else "tree"
-    return cfg.packed_attention
+def attention_kernel(cfg, device, model=None) -> str:
+    """flex (block-sparse, cost follows the tree) on CUDA when its start-up probe passes, else tree (SDPA
+    segment by segment over each segment's ancestors: cost follows the tree too); dense (one L × L mask)
+    only when asked. packing.resolve_kernel probes flex once and says why it falls back."""
+    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16   # what attention runs in
+    return P.resolve_kernel(cfg.packed_attention, device, model, dtype)[0]
 
 
-def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random) -> dict:
+def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random,
+               guard: faults.WeightGuard | None = None) -> dict:
     """PPO epochs over mini-batches of blocks with micro-batch gradient accumulation (App. E.2, Alg. DATPO).
 
     Each epoch re-shuffles the mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping); each
@@ -152,88 +154,134 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     Blocks whose advantage is zero count in the normaliser but cost no forward or backward.
     Under torchrun `D.deal` gives this rank its share of each mini-batch's micro-batches (and the passes and
     gradient syncs that keep ranks in step) and `D.backward` scales the loss for DDP/FSDP's gradient mean.
+    Out of memory (one process): the mini-batch is redone in micro-batches of half the budget, the same loss
+    (faults.halving_retry; counted in oom_retries). `guard` (faults.WeightGuard, snapshot taken by the
+    caller): after each optimizer step the weights are checked; a non-finite one ends the update at once with
+    stats["nonfinite_updates"] = 1 (the caller restores the snapshot: undo_broken_update).
     """
-    kernel = attention_kernel(cfg, device)
+    kernel = attention_kernel(cfg, device, D.unwrap(model))
     offsets = P.token_offsets(trees)
     adv = torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
                        dtype=torch.float32, device=device)
+    packed = cfg.train_layout == "packed"
+    budget = cfg.max_tokens_per_micro_batch if packed else cfg.micro_batch_size   # halved on out-of-memory
 
-    def micro_batches(units):
-        return P.layout_micro_batches(trees, units, offsets, cfg.train_layout, cfg.max_tokens_per_micro_batch,
-                                      cfg.micro_batch_size)
+    def micro_batches(units, size=budget):   # size: tokens (packed) or rows per micro-batch
+        return P.layout_micro_batches(trees, units, offsets, cfg.train_layout,
+                                      size if packed else cfg.max_tokens_per_micro_batch,
+                                      cfg.micro_batch_size if packed else size)
 
-    def logprobs(micro):
-        return P.micro_logprobs(model, micro, pad_id, device, kernel)
+    def logprobs(micro):   # flex: packed lengths padded to buckets of the budget (static shapes)
+        return P.micro_logprobs(model, micro, pad_id, device, kernel, bucket_tokens=cfg.max_tokens_per_micro_batch)
 
     stats = UpdateStats(trees)
     # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
     # recomputes the forward there); the rows layout runs the model as it is
-    with P.kernel_backend(D.unwrap(model), kernel if cfg.train_layout == "packed" else "dense"):
+    with P.kernel_backend(D.unwrap(model), kernel if packed else "dense"):
         minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
-        old, have_old = old_logprobs(model, minibatches, micro_batches, logprobs, len(adv), cfg, device)
+        old, have_old = old_logprobs(model, minibatches, micro_batches, logprobs, len(adv), cfg, device, stats.oom)
+        bar = tqdm(total=cfg.ppo_epochs * len(minibatches), desc="update", unit="mini-batch", leave=False,
+                   dynamic_ncols=True, disable=not D.is_main() or cfg.ppo_epochs * len(minibatches) < 2)
         for epoch in range(cfg.ppo_epochs):
+            if stats.nonfinite_updates:   # the weight guard ended the update
+                break
             if epoch > 0:
                 minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
             for units in minibatches:
+                bar.update(1)
                 norm = P.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, max_row_targets(cfg))
-                micros = micro_batches(units)
-                if not micros:
+
+                def accumulate(size, units=units, norm=norm):   # this mini-batch's gradients; None: nothing to train
+                    micros = micro_batches(units, size)
+                    optimizer.zero_grad(set_to_none=True)
+                    return minibatch_gradients(model, micros, logprobs, old, have_old, adv, norm, cfg, pad_id,
+                                               device) if micros else None
+
+                sums = faults.halving_retry(accumulate, budget, "the update's micro-batches", stats.oom,
+                                            reset=lambda: optimizer.zero_grad(set_to_none=True), retry=not D.active())
+                if sums is None:
                     continue
-                optimizer.zero_grad(set_to_none=True)
-                mb_loss = 0.0
-                for micro in D.deal(model, micros, pad_id, device):   # one process: every micro-batch
-                    with models.autocast(device, cfg.precision):
-                        new = logprobs(micro).float()
-                    gidx = torch.tensor(micro.gidx, device=device)
-                    old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
-                    objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
-                    weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
-                    loss = -(weights * objective).sum() / norm
-                    D.backward(loss)                                   # torchrun: × world size
-                    mb_loss += loss.item()
-                    stats.add_micro_batch(active, micro)
+                mb_loss = stats.add_minibatch(*sums)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
                     stats.nonfinite_minibatches += 1
                     continue
                 optimizer.step()
+                if guard is not None and D.any_rank(not guard.weights_finite()):   # the caller restores
+                    stats.nonfinite_updates = 1
+                    break
                 stats.add_optimizer_step(mb_loss, grad_norm)
+        bar.close()
     optimizer.zero_grad(set_to_none=True)
-    return stats.result(cfg.ppo_epochs)
+    return {**stats.result(cfg.ppo_epochs), "attention_kernel": kernel if packed else "rows"}
 
 
-def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg, device):
+def minibatch_gradients(model, micros, logprobs, old, have_old, adv, norm: float, cfg, pad_id: int,
+                        device) -> tuple[float, int, int, int]:
+    """One mini-batch's gradients, accumulated over its micro-batches (under torchrun this rank's share:
+    D.deal). Returns its loss, clipped tokens, tokens and forwarded tokens; the sums stay on the device until
+    the end (one sync per mini-batch, not per micro-batch)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)   # loss, clipped tokens, tokens
+    forwarded = 0
+    for micro in D.deal(model, micros, pad_id, device):   # one process: every micro-batch
+        faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+        with models.autocast(device, cfg.precision):
+            new = logprobs(micro).float()
+        gidx = torch.tensor(micro.gidx, device=device)
+        old_lp = torch.where(have_old[gidx], old[gidx], new.detach())
+        objective, active = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
+        weights = torch.tensor(micro.weights, dtype=objective.dtype, device=device)
+        loss = -(weights * objective).sum() / norm
+        D.backward(loss)                                   # torchrun: × world size
+        sums += torch.stack([loss.detach().double(), active.sum().double(),
+                             torch.tensor(float(active.numel()), dtype=torch.float64, device=device)])
+        forwarded += micro.forwarded
+    loss, clipped, counted = sums.tolist()
+    return loss, int(clipped), int(counted), forwarded
+
+
+def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg, device, oom: dict):
     """θ_old's log-prob of every token (no grad) and a mask of the ones computed. θ_old = θ until the first
     optimizer step, so the first mini-batch of a one-epoch update needs none: it uses its own detached
-    log-probs; every other block gets a no-grad forward with the same packing first."""
+    log-probs; every other block gets a no-grad forward with the same packing first. Out of memory (one
+    process): that mini-batch's pass is redone at half the micro-batch budget (counted in oom)."""
     old = torch.zeros(n_tokens, dtype=torch.float32, device=device)
     have_old = torch.zeros(n_tokens, dtype=torch.bool, device=device)
+    budget = cfg.max_tokens_per_micro_batch if cfg.train_layout == "packed" else cfg.micro_batch_size
     model.eval()  # no dropout: old and new log-probs must come from the same function
     with torch.no_grad(), models.autocast(device, cfg.precision), D.full_params(model):
         for k, units in enumerate(first_epoch):
             if k > 0 or cfg.ppo_epochs > 1:
-                for micro in D.mine(micro_batches(units)):   # torchrun: only this rank's micro-batches
-                    gidx = torch.tensor(micro.gidx, device=device)
-                    old[gidx] = logprobs(micro).float()
-                    have_old[gidx] = True
+                def fill_old(size, units=units):   # a retry after out-of-memory rewrites the same entries
+                    for micro in D.mine(micro_batches(units, size)):   # torchrun: only this rank's micro-batches
+                        faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+                        gidx = torch.tensor(micro.gidx, device=device)
+                        old[gidx] = logprobs(micro).float()
+                        have_old[gidx] = True
+
+                faults.halving_retry(fill_old, budget, "the update's old log-probs", oom, retry=not D.active())
     return D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
 
 
 class UpdateStats:
     """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of tokens,
-    tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained."""
+    tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained, and the
+    out-of-memory retries (`oom`, faults.halving_retry's counters)."""
 
     def __init__(self, trees: list[P.TrainTree]):
         self.loss = self.grad_norm = 0.0
-        self.optimizer_steps = self.nonfinite_minibatches = 0
+        self.optimizer_steps = self.nonfinite_minibatches = self.nonfinite_updates = 0
         self.clip_tokens = self.total_tokens = self.forwarded = 0
         self.trained_blocks = sum(len(P.live_blocks(tr, tr.trained)) for tr in trees)
         self.unique_tokens = sum(tr.unique_tokens for tr in trees if tr.trained)
+        self.oom = {"oom_retries": 0}
 
-    def add_micro_batch(self, active: torch.Tensor, micro) -> None:
-        self.clip_tokens += int(active.sum())
-        self.total_tokens += active.numel()
-        self.forwarded += micro.forwarded
+    def add_minibatch(self, loss: float, clipped: int, tokens: int, forwarded: int) -> float:
+        """A mini-batch's token counts (minibatch_gradients); returns its loss."""
+        self.clip_tokens += clipped
+        self.total_tokens += tokens
+        self.forwarded += forwarded
+        return loss
 
     def add_optimizer_step(self, loss: float, grad_norm) -> None:
         self.loss += loss
@@ -248,7 +296,8 @@ class UpdateStats:
                 "grad_norm": self.grad_norm / steps, "optimizer_steps": self.optimizer_steps,
                 "trained_blocks": self.trained_blocks, "nonfinite_minibatches": self.nonfinite_minibatches,
                 "forwarded_tokens": forwarded / ppo_epochs,      # per pass over the batch
-                "unique_tokens": self.unique_tokens}
+                "unique_tokens": self.unique_tokens, "nonfinite_updates": self.nonfinite_updates,
+                "oom_retries": self.oom["oom_retries"]}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -263,12 +312,13 @@ class RunState:
     batch_size: int = 0             # prompts per step: cfg.prompts_per_step, or AttnRL's dynamic batch size
     bad_steps_in_a_row: int = 0     # steps with a non-finite loss or gradient (nonfinite_guard)
     rng: random.Random = field(default_factory=random.Random)   # fork choice, mini-batch order
+    too_long: set = field(default_factory=set)   # problems skipped as longer than --max_prompt_tokens (named once)
 
     def trainer_state(self) -> dict:
         """The checkpoint's trainer_state.pt fields (besides the optimizer and the config)."""
         return {"step": self.step, "cursor": self.cursor, "skipped_prompts": self.skipped_prompts,
                 "batch_size": self.batch_size, "bad_steps_in_a_row": self.bad_steps_in_a_row,
-                "rng": rng_state(self.rng)}
+                "rng": rng_state(self.rng), "too_long": sorted(self.too_long)}
 
     def restore(self, state: dict) -> None:
         """Back to a checkpoint's trainer state (older checkpoints lack the later fields)."""
@@ -276,6 +326,7 @@ class RunState:
         self.skipped_prompts = state.get("skipped_prompts", 0)
         self.batch_size = state.get("batch_size", self.batch_size)
         self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)
+        self.too_long = set(state.get("too_long", ()))
         set_rng_state(self.rng, state["rng"])
 
 
@@ -291,6 +342,7 @@ class Setup:
     policy: torch.nn.Module         # what the update runs: `model`, or under torchrun its FSDP2/DDP form
     tokenizer: object
     optimizer: torch.optim.Optimizer
+    guard: faults.WeightGuard       # undoes an update that breaks the weights (--guard_weights)
     embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
     problems: list[dict]
     eval_problems: list[dict]
@@ -308,7 +360,7 @@ def train_step(s: Setup, run: RunState) -> dict:
     # ---- Phase 1+2: tree rollouts (torchrun: this rank's share of the prompts, its own RNG stream) ----
     s.model.eval()
     lo, hi = D.shard_range(len(prompts))
-    with models.autocast(s.device, cfg.precision), D.full_params(s.policy):
+    with models.autocast(s.device, cfg.precision), D.full_params(s.policy), faults.sampling_guard(step + 1, s.run_dir):
         trees, rollout_stats = R.rollout_trees(s.model, s.tokenizer, prompts[lo:hi], answers[lo:hi], cfg,
                                                D.rollout_rng(run.rng, cfg.seed, step), method=method,
                                                levels=levels[lo:hi])
@@ -330,7 +382,9 @@ def train_step(s: Setup, run: RunState) -> dict:
     # ---- Phase 4: policy update (PPO-clip, token level) ----
     t0 = time.perf_counter()
     s.model.train()
-    update = ppo_update(s.policy, s.optimizer, train_trees, cfg, s.pad_id, s.device, run.rng)
+    s.guard.snapshot()   # faults.WeightGuard: weights and optimizer state as they are before this update
+    update = ppo_update(s.policy, s.optimizer, train_trees, cfg, s.pad_id, s.device, run.rng, guard=s.guard)
+    undo_broken_update(s, update, trees[0].prompt_ids)
     t_update = time.perf_counter() - t0
 
     if method.dynamic_batch:   # AttnRL: aim the surviving leaves at the initial batch's
@@ -346,8 +400,9 @@ def train_step(s: Setup, run: RunState) -> dict:
 
 def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]:
     """The step's prompts, answers and difficulty levels, drawn from the data stream at run.cursor. With
-    --max_prompt_tokens > 0 longer prompts are skipped and counted; a prompt that cannot fit the model's
-    context is an error (check_fits)."""
+    --max_prompt_tokens > 0 longer prompts are skipped and counted (each named once); a prompt that cannot fit
+    the model's context is an error (check_fits). A problem whose characters alone exceed what the bound can
+    hold in tokens is judged before tokenizing it: a 50 MB problem costs no minutes (data.surely_too_long)."""
     cfg, tokenizer = s.cfg, s.tokenizer
     context = faults.model_context(s.model)
     prompts, answers, levels = [], [], []
@@ -356,9 +411,16 @@ def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]
         index = problem_index(len(s.problems), run.cursor, cfg.seed)
         problem = s.problems[index]
         run.cursor += 1
-        prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
-        n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+        n_prompt = at_least = data.surely_too_long(problem["problem"], cfg.max_prompt_tokens or context, tokenizer)
+        if not n_prompt:
+            prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
+            n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
         if cfg.max_prompt_tokens and n_prompt > cfg.max_prompt_tokens:
+            if index not in run.too_long:   # one line per problem skipped; its later turns are counted only
+                run.too_long.add(index)
+                size = f"{len(problem['problem'])} characters" if at_least else f"{n_prompt} tokens"
+                s.log.say(f"{cfg.train_data} problem #{index}: {size}, more than --max_prompt_tokens "
+                          f"{cfg.max_prompt_tokens} tokens; skipped (each time it comes round)")
             run.skipped_prompts += 1
             misses += 1
             if misses > len(s.problems):
@@ -414,7 +476,7 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[P.TrainTre
         **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
         **update,
         "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in rank_stats),
-        "oom_retries": sum(r.oom_retries for r in rank_stats),
+        "oom_retries": sum(r.oom_retries for r in rank_stats) + update["oom_retries"],   # rollout + update
         "skipped_prompts": run.skipped_prompts,
         **{f"seconds_{name}": value for name, value in seconds.items()},
         "seconds_step": time.perf_counter() - t_step,
@@ -428,14 +490,18 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[P.TrainTre
 # --------------------------------------------------------------------------------------------------------
 def train(cfg: C.Config) -> Path:
     """Run (or resume) training; returns the run folder. The first SIGTERM/SIGINT stops it at the end of the
-    step with a checkpoint (faults.GracefulStop); --resume then continues exactly."""
-    with faults.GracefulStop() as stop:
-        return _train(cfg, stop)
+    step with a checkpoint (faults.GracefulStop; a second signal, or --stop_timeout seconds without reaching
+    the end of the step, stops at once); --resume then continues exactly. `held`: the run lock (runs.RunLock),
+    released on the way out whatever happens."""
+    with faults.GracefulStop(timeout=cfg.stop_timeout) as stop, contextlib.ExitStack() as held:
+        return _train(cfg, stop, held)
 
 
-def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
+def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack) -> Path:
     t_run = time.perf_counter()
-    s, run = setup(cfg)
+    s, run = setup(cfg, held)
+    if s is None:   # a resume with nothing left to run (setup said so)
+        return Path(cfg.out_dir)
     start_step, log = run.step, s.log
     if cfg.eval_every and start_step == 0:
         run_eval(s.model, s.tokenizer, s.eval_problems, cfg, s.device, "before", log, 0)
@@ -448,12 +514,14 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
         faults.crash_point("step")
         record = train_step(s, run)
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = \
-            run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] else 0
+            run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"] else 0
         log.write(record)
         nonfinite_guard(s, run, record)
         bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
                         leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{record['loss']:.3f}")
         stopping = D.any_rank(stop.requested)   # torchrun: every rank stops at the same step
+        if stopping:
+            stop.cancel_timeout()   # the safe point is reached: --stop_timeout no longer applies
         saved = evaluate_and_save(s, run, stopping)
         if stopping and run.step < cfg.steps:
             bar.close()
@@ -465,20 +533,21 @@ def _train(cfg: C.Config, stop: faults.GracefulStop) -> Path:
     return s.run_dir
 
 
-def setup(cfg: C.Config) -> tuple[Setup, RunState]:
+def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunState]:
     """Everything before the first step: pre-flight checks (each user mistake is one line, faults.UserError,
-    before anything slow runs), the run folder and its log, data, models, optimizer, and — with --resume —
-    the checkpoint's weights and trainer state."""
+    before anything slow runs), the run folder (locked into `held`) and its log, data, models, optimizer,
+    and — with --resume — the checkpoint's weights and trainer state. (None, run) when a resume finds
+    nothing left to run: said before loading the model."""
     D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
     device = models.pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run_dir = faults.check_writable(cfg.out_dir)
-    if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
-        faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
-        D.barrier()
-    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
-    checkpoint = faults.resume_source(cfg.resume) if cfg.resume else None
+    run_dir, log, checkpoint, state = open_run(cfg, held)
+    run = RunState(batch_size=cfg.prompts_per_step, rng=random.Random(cfg.seed))
+    if state and state["step"] >= cfg.steps:   # e.g. --resume of a finished run into a new --out_dir
+        log.say(f"nothing left to run: {checkpoint} is at step {state['step']} of --steps {cfg.steps}; "
+                f"raise --steps to train further")
+        return None, run
     if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
         log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
     if checkpoint is None:
@@ -490,53 +559,110 @@ def setup(cfg: C.Config) -> tuple[Setup, RunState]:
     problems = faults.load_data(cfg.train_data, "--train_data")
     eval_problems = faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None) if cfg.eval_every else []
     torch.manual_seed(cfg.seed)
-    run = RunState(batch_size=cfg.prompts_per_step, rng=random.Random(cfg.seed))
 
     source = checkpoint or cfg.model
     try:
         model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
+    if not faults.all_finite(model.parameters()):   # an old checkpoint (before the weight guard) or a broken model
+        raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold non-finite "
+                               f"values; expected an earlier checkpoint of the run or a healthy model")
     if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
         models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                  weight_decay=cfg.weight_decay)
+    if cfg.train_layout == "packed":   # flex: the start-up probe, not after a whole rollout (one line if it falls back)
+        attention_kernel(cfg, device, model)
+    optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
     if checkpoint:
-        load_trainer_state(checkpoint, model, optimizer, run)
+        load_trainer_state(state, model, optimizer, run)
         log.say(f"resumed from {checkpoint} at step {run.step}")
     # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
     dropped = log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
     if dropped:
         log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
-    if D.is_main() and (not checkpoint or not (run_dir / "config.json").exists()):
-        (run_dir / "config.json").write_text(cfg.to_json())
-        (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
+    if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps left with no record
+        for line in tracking.lost_records(log.path, run.step, log.torn_lines,
+                                          same_run=runs.run_folder_of(cfg.resume) == run_dir.resolve()):
+            log.say(line)
+    record_config(cfg, run_dir, checkpoint, state, run.step)
     # never loaded when α is 0 for the whole run
     embedder = models.load_embedder(cfg.embed_model, device) if wants_embedder else None
-    return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, embedder, problems,
-                 eval_problems), run
+    guard = faults.WeightGuard(model, optimizer, cfg.guard_weights)
+    return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, guard, embedder,
+                 problems, eval_problems), run
 
 
-def load_trainer_state(checkpoint, model, optimizer, run: RunState) -> None:
-    """A checkpoint's optimizer state (any number of ranks) and trainer state (RunState) — its weights were
-    loaded with the model."""
-    state = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True)
+def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str | None, dict | None]:
+    """The run folder, locked (one run per folder: a second train.py into it stops naming the holder,
+    runs.RunLock), checked (never two runs' records in one folder; --resume A --out_dir B refused when B holds
+    another run) and its log; with --resume, the newest usable checkpoint and its trainer state (a damaged
+    one is skipped with a warning, runs.pick_checkpoint) — whose experiment must be the one asked for
+    (runs.check_resume_config: exit 2 listing the changed fields, unless --allow_config_change)."""
+    run_dir = faults.check_writable(cfg.out_dir)
+    if D.is_main():
+        held.enter_context(runs.RunLock(run_dir))
+    if cfg.resume and runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite):
+        faults.check_new_run(run_dir, True, delete=D.is_main())   # --overwrite true: B's other run replaced
+    if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
+        faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
+        D.barrier()
+    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
+    checkpoint, state = runs.pick_checkpoint(cfg.resume, faults.resume_source(cfg.resume)) if cfg.resume \
+        else (None, None)
+    if state:
+        runs.check_resume_config(state.get("config", {}), json.loads(cfg.to_json()), cfg.allow_config_change)
+    return run_dir, log, checkpoint, state
+
+
+def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int) -> None:
+    """config.json and git_commit.txt of a new run; on a resume that changed allowed (or forced) settings,
+    the change is added to config.json's history (runs.with_history)."""
+    if not D.is_main():
+        return
+    if not checkpoint or not (run_dir / "config.json").exists():
+        (run_dir / "config.json").write_text(cfg.to_json())
+        (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
+        return
+    changes = runs.config_changes(state.get("config", {}), json.loads(cfg.to_json())) if state else {}
+    if changes:
+        saved = json.loads((run_dir / "config.json").read_text())
+        runs.write_json(run_dir / "config.json", runs.with_history(saved, json.loads(cfg.to_json()), changes, step))
+
+
+def load_trainer_state(state: dict, model, optimizer, run: RunState) -> None:
+    """A checkpoint's optimizer state (any number of ranks) and trainer state (RunState), as read by
+    runs.pick_checkpoint — its weights were loaded with the model."""
     D.load_optimizer_state(model, optimizer, state["optimizer"])
     run.restore(state)
 
 
+def undo_broken_update(s: Setup, update: dict, probe_ids) -> None:
+    """The weight guard's verdict after the update (faults.WeightGuard): an update that made a weight
+    non-finite (ppo_update stopped at it) or the policy's logits on a prompt of the step non-finite is undone
+    bit for bit and counted in update["nonfinite_updates"] (a bad step for nonfinite_guard)."""
+    s.model.eval()
+    if s.cfg.guard_weights and (update["nonfinite_updates"] or D.any_rank(
+            not faults.logits_finite(s.policy, probe_ids))):
+        s.guard.restore()
+        update["nonfinite_updates"] = 1
+
+
 def nonfinite_guard(s: Setup, run: RunState, record: dict) -> None:
     """After a step whose update skipped mini-batches with a non-finite loss or gradient norm
-    (faults.skip_nonfinite): say so, and stop the run after --max_bad_steps such steps in a row."""
+    (faults.skip_nonfinite) or was undone by the weight guard (undo_broken_update): say so, and stop the run
+    after --max_bad_steps such steps in a row."""
     if record["nonfinite_minibatches"]:
         s.log.say(f"step {run.step}: {record['nonfinite_minibatches']} mini-batch(es) with a non-finite loss or "
                   f"gradient norm not applied ({run.bad_steps_in_a_row} step(s) in a row)")
+    if record["nonfinite_updates"]:
+        s.log.say(f"step {run.step}: the update made a weight or the policy's logits non-finite; weights and "
+                  f"optimizer state restored to before it ({run.bad_steps_in_a_row} step(s) in a row)")
     if run.bad_steps_in_a_row >= s.cfg.max_bad_steps:
         last = models.resolve_checkpoint(str(s.run_dir))
         raise faults.NonFiniteStop(
-            f"stopped at step {run.step}: {run.bad_steps_in_a_row} steps in a row had non-finite losses or "
-            f"gradient norms (--max_bad_steps {s.cfg.max_bad_steps}); last good checkpoint: "
+            f"stopped at step {run.step}: {run.bad_steps_in_a_row} steps in a row had non-finite losses, "
+            f"gradient norms or weights (--max_bad_steps {s.cfg.max_bad_steps}); last good checkpoint: "
             f"{last if last != str(s.run_dir) else 'none'}; expected a lower --lr or a check of the data")
 
 
@@ -549,7 +675,8 @@ def evaluate_and_save(s: Setup, run: RunState, stopping: bool) -> Path | None:
                  s.log, done)
     if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
         saved = save_checkpoint(s.run_dir, done, s.model, s.tokenizer, s.optimizer,
-                                {**run.trainer_state(), "config": json.loads(cfg.to_json())})
+                                {**run.trainer_state(), "config": json.loads(cfg.to_json())},
+                                keep=cfg.keep_checkpoints)
     return saved
 
 
@@ -557,7 +684,7 @@ def finish(s: Setup, start_step: int, t_run: float) -> None:
     """The before → after held-out line, training.png, and closing the log and the process group."""
     cfg, log = s.cfg, s.log
     if D.is_main():
-        evals = [json.loads(line) for line in (s.run_dir / "metrics.jsonl").read_text().splitlines()]
+        evals = tracking.read_metrics(s.run_dir / "metrics.jsonl")[0]   # torn lines left out
         evals = [r for r in evals if r.get("eval") in ("before", "after")]
         if len(evals) >= 2:
             key = f"avg@{cfg.eval_k}"
@@ -616,32 +743,28 @@ def set_rng_state(rng: random.Random, state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict, keep: int = 0) -> Path:
     """Weights (safetensors, loadable with from_pretrained), tokenizer, optimizer, step and RNG states.
     Written under a temporary name and renamed, so a crash never leaves half a checkpoint; then the
-    `latest` pointer is replaced atomically. Under torchrun every rank calls it (gathering FSDP shards is
+    `latest` pointer is replaced atomically (runs.checkpoint_folder: a full disk is one WriteError line with
+    the previous checkpoint intact; `keep` > 0 deletes all but the newest `keep`). Weights with a non-finite
+    value are never written (NonFiniteStop). Under torchrun every rank calls it (gathering FSDP shards is
     collective) and rank 0 writes the full state."""
     weights, optimizer_state = D.model_state_dict(model), D.optimizer_state_dict(model, optimizer)
     if not D.is_main():
         D.barrier()
         return None
-    folder = run_dir / "checkpoints"
-    final = folder / f"step_{step:06d}"
-    tmp = folder / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    faults.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
-    tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer_state, **trainer}, tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    pointer = folder / ".latest.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, folder / "latest")
+    if not faults.all_finite(weights.values()):   # the WeightGuard should make this unreachable
+        last = models.resolve_checkpoint(str(run_dir))
+        raise faults.NonFiniteStop(f"step {step}: the weights hold a non-finite value; checkpoint not written; "
+                                   f"last good checkpoint: {last if last != str(run_dir) else 'none'}")
+    with runs.checkpoint_folder(run_dir, step, keep) as tmp:
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        faults.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer_state, **trainer}, tmp / "trainer_state.pt")
     D.barrier()   # no rank reads or resumes from a checkpoint before it is complete
-    return final
+    return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
 def git_commit() -> str:
@@ -661,7 +784,7 @@ def plot_run(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = tracking.read_metrics(run_dir / "metrics.jsonl")[0]   # torn lines left out
     steps = [r for r in records if "eval" not in r]
     evals = [r for r in records if "eval" in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

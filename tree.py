@@ -156,13 +156,21 @@ def step_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int
     return _char_spans_to_token_spans(sorted(set(char_starts)), offsets, text)
 
 
-def step_attention(attention: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+def step_attention(attention, spans: list[tuple[int, int]]):
     """Step-to-step attention α[h, j, k] = mean over tokens i ∈ step j, m ∈ step k of a[h, i, m].
 
-    attention: [heads, n, n] token attention (query i, key m) of one layer; returns [heads, S, S].
+    attention: [heads, n, n] token attention (query i, key m) of one layer, a NumPy array or a torch tensor
+    (reduced where it lives, in float64: on the GPU only [heads, S, S] ever leaves the device); returns
+    [heads, S, S] of the same kind.
     """
     n = attention.shape[-1]
-    average = np.zeros((len(spans), n))
+    if isinstance(attention, np.ndarray):
+        average = np.zeros((len(spans), n))
+    else:
+        import torch
+
+        attention = attention.to(torch.float64)
+        average = torch.zeros(len(spans), n, dtype=torch.float64, device=attention.device)
     for s, (a, b) in enumerate(spans):
         average[s, a:b] = 1.0 / (b - a)
     return average @ attention @ average.T

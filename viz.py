@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     step = steps[-1] if args.step is None else args.step
     try:
         trees = tracking.read_trees(args.run, step)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:   # no log for that step, or an empty / torn one
         parser.exit(2, f"viz.py: error: {err}\n")
     if args.tree is not None:
         chosen = [t for t in trees if t["tree"] == args.tree]

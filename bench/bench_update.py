@@ -188,23 +188,36 @@ def paper_part(args) -> None:
 
 def memory_table() -> None:
     """Peak memory of the paper's update on one 80 GB GPU, computed (no GPU here): Qwen2.5-3B (36 layers,
-    hidden 2048, 2 KV heads of 128, MLP 11008, vocab 151936, 3.09 B parameters), no activation checkpointing,
-    flash/flex attention (no L² scores). Saved for backward per token and layer, in bf16: the two norm inputs
-    and outputs (4h), q and the attention output (2h), k and v (2·256), the o_proj input (h), gate, up,
-    silu(gate) and their product (4·11008) → 7h + 512 + 4·11008 ≈ 58.9 k values ≈ 118 KB; ×36 layers ≈ 4.2 MB
-    per token, +10 % for fp32 norm intermediates under autocast ≈ 4.7 MB. Log-probs: one [2048, vocab] fp32
-    chunk and its gradient ≈ 2.5 GB."""
-    params = 3.09e9
-    per_token = (7 * 2048 + 2 * 256 + 4 * 11008) * 2 * 36 * 1.1
-    logits = 2 * 2048 * 151936 * 4
+    hidden 2048, 2 KV heads of 128, MLP 11008, vocab 151936, 3.09 B parameters), flash/flex attention (no L²
+    scores). Saved for backward per token and layer, in bf16: the two norm inputs and outputs (4h), q and the
+    attention output (2h), k and v (2·256), the o_proj input (h), gate, up, silu(gate) and their product
+    (4·11008) → 7h + 512 + 4·11008 ≈ 58.9 k values ≈ 118 KB; ×36 layers ≈ 4.2 MB per token, +10 % for fp32
+    norm intermediates ≈ 4.7 MB. With activation checkpointing (--gradient_checkpointing) each layer keeps
+    only its input (h bf16 = 4 KB, ×36 = 147 KB per token) and one layer's activations live at a time during
+    the backward (+130 KB per token). Log-probs: one [2048, vocab] fp32 chunk and its gradient ≈ 2.5 GB, and
+    the fp32 copy of the lm_head weight and its gradient (fp32 logits, packing._target_logprobs) ≈ 2.5 GB.
+    Weights + gradients + AdamW state per parameter: 2 + 2 + 4 B (bf16, --optimizer_dtype param: the release),
+    2 + 2 + 4 + 8 B (bf16 with fp32 master + moments, --optimizer_dtype fp32), 4 + 4 + 8 B (bf16-autocast)."""
     print("peak memory, paper's update on one 80 GB GPU (computed, not measured):", flush=True)
-    for precision, per_param in (("bf16-autocast (fp32 master + AdamW fp32)", 16), ("bf16 (release: bf16 AdamW)", 8)):
-        fixed = params * per_param
-        for tokens in (4096, 8192, 16384):
-            total = fixed + tokens * per_token + logits
-            print(f"  {precision:42s} {tokens:6d} tokens/micro-batch: {total / 1e9:5.1f} GB "
-                  f"(states {fixed / 1e9:.1f} + activations {tokens * per_token / 1e9:.1f} + log-probs "
-                  f"{logits / 1e9:.1f})", flush=True)
+    for name, per_param in (("bf16, --optimizer_dtype param (release)", 8), ("bf16, --optimizer_dtype fp32", 16),
+                            ("bf16-autocast", 16)):
+        for checkpointing in (False, True):
+            cells = [f"{update_memory_gb(per_param, tokens, checkpointing):5.1f}" for tokens in (4096, 8192, 16384)]
+            print(f"  {name:40s} checkpointing {'on ' if checkpointing else 'off'}  states "
+                  f"{QWEN25_3B_PARAMS * per_param / 1e9:4.1f} GB; 4,096 / 8,192 / 16,384 tokens per micro-batch: "
+                  f"{' / '.join(cells)} GB", flush=True)
+
+
+QWEN25_3B_PARAMS = 3.09e9
+
+
+def update_memory_gb(bytes_per_param: float, tokens: int, checkpointing: bool) -> float:
+    """memory_table's estimate (see there) of the paper's update peak in GB: weights + gradients + optimizer
+    state, saved activations of `tokens` tokens, log-prob chunk and fp32 lm_head copy with their gradients."""
+    layer = (7 * 2048 + 2 * 256 + 4 * 11008) * 2 * 1.1
+    per_token = 2048 * 2 * 36 + layer if checkpointing else layer * 36
+    logprobs = 2 * 2048 * 151936 * 4 + 2 * 151936 * 2048 * 4
+    return (QWEN25_3B_PARAMS * bytes_per_param + tokens * per_token + logprobs) / 1e9
 
 
 def main():

@@ -10,6 +10,9 @@ Three chains of the same short run (same seed, a checkpoint every step) run side
            restarted each time with the same command, which always carries `--resume RUN` as a job script does
   stopped  sent SIGTERM during a step: must finish the step, checkpoint, exit 0; then resumed
 Each must end with the clean run's metrics.jsonl rows (wall-clock fields excluded) and bit-identical weights.
+  poisoned the last step's update runs with lr = inf (finite loss and gradients, non-finite weights after
+           the step): the weight guard must refuse it, so the run's final weights are bit for bit the clean
+           run's weights before that step (its previous checkpoint), and the step is counted
 
 The tiny random model never writes a right answer, so for it the children grade with a deterministic
 stand-in (a hash of the text, as tests/test_train.py does) purely so that advantages are non-zero and the
@@ -35,7 +38,8 @@ KILLS = ["checkpoint-write:1",   # half-written first checkpoint: nothing to res
          "step:2",               # resumed at 1; does step 2, dies as step 3 starts: resumes at 2
          "checkpoint-write:1",   # resumed at 2; does step 3 and the final eval, dies writing its checkpoint
          None]
-STOPS = ["step:2:SIGTERM", None]  # SIGTERM as step 2 starts: finish it, checkpoint, exit 0; then resume
+STOPS = ["step:2:SIGTERM", None]
+POISONS = ["poison-update:3"]     # step 3's update with lr = inf: refused by the weight guard, run exits 0  # SIGTERM as step 2 starts: finish it, checkpoint, exit 0; then resume
 
 TINY_ARGS = ["--preset", "tiny", "--steps", "3", "--save_every", "1", "--eval_every", "2", "--eval_limit", "2",
              "--threads", "1", "--seed", "3"]
@@ -61,14 +65,37 @@ def child(argv: list[str]) -> None:
     if argv and argv[0] == "--stand-in-reward":
         rollout.compute_reward = stand_in_reward
         argv = argv[1:]
+    if argv and argv[0] == "--poison-update":   # the n-th update runs with lr = inf (the weight guard's case)
+        poison_at, real = int(argv[1]), train.ppo_update
+        argv = argv[2:]
+
+        def poisoned(model, optimizer, *args, **kwargs):
+            poisoned.calls += 1
+            if poisoned.calls != poison_at:
+                return real(model, optimizer, *args, **kwargs)
+            lrs = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = float("inf")
+            try:
+                return real(model, optimizer, *args, **kwargs)
+            finally:
+                for group, lr in zip(optimizer.param_groups, lrs):
+                    group["lr"] = lr
+
+        poisoned.calls = 0
+        train.ppo_update = poisoned
     faults.main_guard(train.main, argv)
 
 
 def run_once(args: list[str], crash: str | None, stand_in: bool, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "DATPO_CRASH_AT"}
+    poison = []
+    if crash and crash.startswith("poison-update:"):
+        poison, crash = ["--poison-update", crash.split(":")[1]], None
     if crash:
         env["DATPO_CRASH_AT"] = crash
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + (["--stand-in-reward"] if stand_in else [])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + (["--stand-in-reward"] if stand_in else []) \
+        + poison
     return subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -92,30 +119,38 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in rows]
 
 
-def final_weights(run_dir: Path) -> dict:
+def final_weights(run_dir: Path, step: int | None = None) -> dict:
+    """The weights of a run's latest checkpoint (or of its checkpoint at `step`)."""
     from safetensors.torch import load_file
 
     import models
 
-    return load_file(str(Path(models.resolve_checkpoint(str(run_dir))) / "model.safetensors"))
+    folder = Path(models.resolve_checkpoint(str(run_dir))) if step is None else \
+        Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _same(wa: dict, wb: dict) -> bool:
+    import torch
+
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def identical_weights(a: Path, b: Path) -> bool:
-    import torch
-
-    wa, wb = final_weights(a), final_weights(b)
-    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return _same(final_weights(a), final_weights(b))
 
 
 def scenario(out: Path, args: list[str], stand_in: bool) -> dict:
     """Run the three chains side by side; return what the README reports."""
     sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         clean = pool.submit(run_chain, args, out / "clean", [None], stand_in)
         killed = pool.submit(run_chain, args, out / "killed", KILLS, stand_in)
         stopped = pool.submit(run_chain, args, out / "stopped", STOPS, stand_in)
-        chains = {"clean": clean.result(), "killed": killed.result(), "stopped": stopped.result()}
+        poisoned = pool.submit(run_chain, args, out / "poisoned", POISONS, stand_in)
+        chains = {"clean": clean.result(), "killed": killed.result(), "stopped": stopped.result(),
+                  "poisoned": poisoned.result()}
     report = {"seconds": time.perf_counter() - t0, "chains": chains}
     reference = metric_rows(out / "clean")
     for name in ("killed", "stopped"):
@@ -127,6 +162,17 @@ def scenario(out: Path, args: list[str], stand_in: bool) -> dict:
             "steps_computed": sum(h["logged_to"] - (h["resumed_at"] or 0) for h in chains[name]),
             "kills_survived": sum(h["crash"] is not None for h in chains[name]),
         }
+    steps = len(reference) and max(r["step"] for r in reference if "eval" not in r)
+    rows = [r for r in metric_rows(out / "poisoned") if "eval" not in r]
+    report["poisoned"] = {
+        "returncodes": [h["returncode"] for h in chains["poisoned"]],
+        "nonfinite_updates": [r["nonfinite_updates"] for r in rows],
+        # the refused last update leaves the weights exactly as the clean run had them before that step
+        "weights_equal_before_refused_update": _same(final_weights(out / "poisoned"),
+                                                     final_weights(out / "clean", steps - 1)),
+        "earlier_steps_same": [r for r in rows if r["step"] < steps] ==
+                              [r for r in reference if "eval" not in r and r["step"] < steps],
+    }
     return report
 
 
@@ -150,7 +196,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     report = scenario(out, TINY_ARGS if args.model == "tiny-random" else SMOLLM_ARGS,
                       stand_in=args.model == "tiny-random")
-    for name in ("killed", "stopped"):
+    for name in ("killed", "stopped", "poisoned"):
         print(name, json.dumps(report[name]))
     for name, history in report["chains"].items():
         print(name, [(h["crash"], h["returncode"], round(h["seconds"], 1)) for h in history])

@@ -298,3 +298,16 @@ def test_main_table_tiny_trains_evaluates_and_resumes(tmp_path):
     assert (cell / "checkpoints" / "step_000002").is_dir() and (out / "scores" / "grpo_s1.json").exists()
     steps = [json.loads(x)["step"] for x in (cell / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+def test_cli_unknown_or_missing_study_ends_with_an_error_line(capsys):
+    for argv, what in ((["bogus"], "unknown study 'bogus'"), ([], "a STUDY is required")):
+        with pytest.raises(SystemExit) as exit_info:
+            A.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2
+        assert err[0].startswith("usage: python analysis.py STUDY")
+        assert err[-1] == f"analysis.py: error: {what}; expected one of {', '.join(A.STUDIES)}"
+    with pytest.raises(SystemExit) as exit_info:
+        A.main(["--help"])
+    assert exit_info.value.code == 0 and "error:" not in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """Tests for data.py: datasets (Appendix E.1), loaders, synthetic arithmetic, prompts. Offline, a few seconds."""
+import json
 import os
 import re
 import time
@@ -365,3 +366,37 @@ def test_prompt_errors():
         data.format_prompt("x", style="chat")
     with pytest.raises(ValueError, match="no chat_template"):
         data.format_prompt("x", tiny_chat_tokenizer(template=False), style="chat")
+
+
+def test_utf8_bom_file_is_read(tmp_path):
+    """A file saved by a Windows editor starts with a byte-order mark: read, not refused as bad JSON."""
+    rows = [{"problem": "Wie viel ist 2 + 2?", "answer": "4"}, {"problem": "3 × 3 = ?", "answer": "9"}]
+    jsonl, js = tmp_path / "bom.jsonl", tmp_path / "bom.json"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    js.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode())
+    for path in (jsonl, js):
+        before = path.read_bytes()
+        assert [(p["problem"], p["answer"]) for p in data.read_file(str(path))] == \
+            [(r["problem"], r["answer"]) for r in rows]
+        assert path.read_bytes() == before
+
+
+def test_gold_answer_that_boxes_nothing_is_refused(tmp_path):
+    for row, field in (({"problem": "p", "answer": "\\boxed{\\boxed{}}"}, "answer"),
+                       ({"problem": "p", "final_answer": "$\\boxed{\\boxed{ }}$"}, "final_answer")):
+        path = tmp_path / "gold.jsonl"
+        path.write_text('{"problem": "ok", "answer": "1"}\n' + json.dumps(row) + "\n")
+        with pytest.raises(ValueError) as err:
+            data.read_file(str(path))
+        assert str(err.value).startswith(f"{tmp_path.name}/gold.jsonl line 2: field '{field}' gives the answer ")
+        assert str(err.value).endswith("an empty \\boxed{} that no response can match; expected the answer itself")
+    assert data.to_problem({"problem": "p", "answer": "\\boxed{3}"}, "x")["answer"] == "\\boxed{3}"   # kept
+
+
+def test_surely_too_long_is_a_lower_bound_on_tokens(smollm_tokenizer):
+    text = "Compute 12345 * 6789 and explain. " * 40
+    n_tokens = len(smollm_tokenizer(text, add_special_tokens=False).input_ids)
+    bound = -(-len(text) // data.max_token_chars(smollm_tokenizer))
+    assert bound <= n_tokens                                               # never claims more tokens than there are
+    assert data.surely_too_long(text, bound - 1, smollm_tokenizer) == bound
+    assert data.surely_too_long(text, bound, smollm_tokenizer) == 0 and data.surely_too_long(text, 0, None) == 0

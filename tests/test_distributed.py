@@ -128,11 +128,18 @@ def test_two_rank_update_equals_one_process_update_with_fsdp2_hsdp_and_ddp(tmp_p
         assert weights["lm_head.weight"].dtype == models.policy_dtype(precision), name
         if precision == "bf16":
             # bf16 weights: FSDP2 reduces gradients in fp32 where one process accumulates them in bf16, so ~1 %
-            # of the weights land one bf16 ulp apart (or < 1e-5 apart near zero)
+            # of the weights land one bf16 ulp apart (or < 1e-5 apart near zero). Since the log-softmax is
+            # taken over fp32 logits (packing.fp32_logits, both paths) the bf16-rounded gradients differ in a
+            # few near-zero elements, which Adam's first steps turn into steps of ~lr: measured at most 8
+            # elements of a tensor, ≤ 0.1 % of it; allowed 0.5 %. The gradients themselves agree (norm below).
             for n in reference:
-                assert ((weights[n].float() - reference[n].float()).abs()
-                        <= 2 ** -7 * reference[n].float().abs() + 1e-5).all(), (name, n)
-        else:
+                outside = ((weights[n].float() - reference[n].float()).abs()
+                           > 2 ** -7 * reference[n].float().abs() + 1e-5)
+                assert outside.float().mean() <= 5e-3, (name, n, int(outside.sum()))
+            assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5), name
+            assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-5), name   # terms of |A| ~ 0.5
+            continue
+        if precision == "fp32":
             # SGD: |w_2rank − w_1proc| ≤ lr × steps × the largest gradient difference. The gradients agree to
             # float32 summation order (their norm to 1e-5 below); allowing each element 1e-5 at every step
             # bounds the weights at lr × 3 × 1e-5 = 1.5e-6, against weights that move by ~6e-3
@@ -179,7 +186,8 @@ def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_rank
         assert again[key] == steps[1][key], key
 
     monkeypatch.setattr(R, "compute_reward", W.stand_in_reward)     # the same checkpoint, 1 process
-    run_c = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "c"),
+    run_c = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "c"), "--eval_limit", "3", "--alpha_start",
+                        "0", "--eval_every", "0",    # the run's own settings (a resume refuses others); no eval
                         "--resume", str(run_a / "checkpoints" / "step_000001")])
     (one,) = _read(run_c / "metrics.jsonl")
     assert one["step"] == 2 and one["optimizer_steps"] >= 1

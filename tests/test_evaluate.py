@@ -186,7 +186,7 @@ TINY = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "
 
 
 def metrics_only(result):
-    return {key: v for key, v in result.items() if key not in ("seconds", "max_new_tokens")}
+    return {key: v for key, v in result.items() if key not in ("seconds", "max_new_tokens", "oom_retries")}
 
 
 def test_cli_end_to_end_and_rescore(tmp_path, capsys):
@@ -278,3 +278,71 @@ def test_plot_models_compares_folders(tmp_path, capsys):
     # columns: math500 avg pass maj | aime24 avg pass maj | Average avg pass maj
     assert rows["trained"][1:4] == ["30.0", "60.0", "40.0"] and rows["trained"][7] == "22.5"  # (30 + 15) / 2
     assert rows["base"][9] == "15.0"                                                        # maj: (20 + 10) / 2
+
+
+# ------------------------------------------------------------------------------------------------------
+# Damaged inputs: the bad line named, a corrupted saved sample not trusted, non-finite weights refused
+# ------------------------------------------------------------------------------------------------------
+def _folder_hash(path):
+    import hashlib
+    from pathlib import Path
+
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(path).rglob("*")) if p.is_file()}
+
+
+def _exit_line(capsys, argv):
+    import faults
+
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main_guard(E.main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "Traceback" not in "\n".join(err), err
+    assert sum("error:" in line for line in err) == 1
+    return err[-1]
+
+
+def test_rescore_names_the_bad_line(tmp_path, capsys):
+    good = [{"index": i, "run": 0, "sample": 0, "gold": "1", "response": "\\boxed{1}"} for i in range(5)]
+    path = tmp_path / "samples_toy.jsonl"
+    for line6, expected in [({"index": 5, "run": 0, "response": "x"}, "line 6: missing gold; expected the fields "
+                             "index, run, response, gold of a sample written by evaluate.py"),
+                            ('{"index": 5, "ru', "line 6: not JSON (")]:
+        E.write_jsonl(path, good)
+        with open(path, "a") as f:
+            f.write((json.dumps(line6) if isinstance(line6, dict) else line6) + "\n")
+        before = _folder_hash(tmp_path)
+        line = _exit_line(capsys, ["--rescore", str(path)])
+        assert line.startswith(f"evaluate.py: error: cannot rescore {path}: {expected}"), line
+        assert _folder_hash(tmp_path) == before
+
+
+def test_rerun_over_a_corrupted_saved_sample_line_starts_that_benchmark_over(tmp_path, capsys):
+    args = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "--limit", "2", "--k", "2",
+            "--max_new_tokens", "4", "--gen_batch_size", "2", "--out_dir", str(tmp_path / "ev")]
+    clean = E.main(args)["tiny-random"]["arith-test"]
+    samples = tmp_path / "ev" / "samples_arith-test.jsonl"
+    lines = samples.read_text().splitlines()
+    samples.write_text("\n".join([lines[0], lines[1][:-7] + "\x00garbage"] + lines[2:]) + "\n")
+    capsys.readouterr()
+    again = E.main(args)["tiny-random"]["arith-test"]
+    err = capsys.readouterr().err
+    assert f"{samples} line 2: corrupted (not JSON); its samples are not reused, starting it over" in err
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in clean.items() if k != "seconds"}
+    assert samples.read_text().splitlines() == lines
+
+
+def test_checkpoint_with_nonfinite_weights_is_refused_before_sampling(tmp_path, capsys, smollm_tokenizer):
+    model = models.tiny_random_model(len(smollm_tokenizer), seed=0)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    folder = tmp_path / "bad"
+    model.save_pretrained(folder)
+    smollm_tokenizer.save_pretrained(folder)
+    before = _folder_hash(folder)
+    line = _exit_line(capsys, ["--preset", "tiny", "--model", str(folder), "--bench", "arith-test", "--limit", "1",
+                               "--k", "1", "--out_dir", str(tmp_path / "ev")])
+    assert line.endswith(f"error: --model {folder}: 1 weight tensor(s) hold non-finite values "
+                         f"(model.layers.1.mlp.up_proj.weight); expected a model or checkpoint with finite weights "
+                         f"(an earlier checkpoint of the run)")
+    assert _folder_hash(folder) == before

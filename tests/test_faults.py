@@ -57,7 +57,7 @@ def test_train_bad_inputs_are_one_line(files, capsys, monkeypatch):
         ("--resume", "/no/such/run"): "--resume /no/such/run: no such folder; expected a run folder",
         ("--out_dir", str(files / "a_file" / "run")): "cannot write there",
         ("--bogus", "1"): "unrecognized arguments: --bogus 1",
-        ("--lr", "-1"): "--lr: got -1.0, expected > 0",
+        ("--lr", "-1"): "--lr: got -1.0, expected 0 < lr <= 1",
         ("--max_new_tokens", "4096"): "exceeds the model's context of 2048 tokens",
         ("--max_prompt_tokens", "10"): "every prompt is longer than --max_prompt_tokens 10",
     }
@@ -73,6 +73,28 @@ def test_train_bad_inputs_are_one_line(files, capsys, monkeypatch):
     (files / "run1" / "metrics.jsonl").write_text('{"step": 0}\n')
     assert "already holds a run (metrics.jsonl with 1 record); --resume" in one_line_error(
         capsys, train.main, ["--preset", "tiny", "--out_dir", str(files / "run1")])
+
+
+def test_nonfinite_and_absurd_numeric_flags_are_refused_up_front(tmp_path, capsys):
+    """--lr inf once trained a NaN model to exit 0: every float flag must be finite, lr in (0, 1], before
+    anything is created or loaded."""
+    out = ["--preset", "tiny", "--out_dir", str(tmp_path / "run")]
+    cases = {
+        ("--lr", "inf"): "--lr: got inf, expected a finite number",
+        ("--lr", "nan"): "--lr: got nan, expected a finite number",
+        ("--lr", "1e10"): "--lr: got 10000000000.0, expected 0 < lr <= 1",
+        ("--lr", "0"): "--lr: got 0.0, expected 0 < lr <= 1",
+        ("--temperature", "nan"): "--temperature: got nan, expected a finite number",
+        ("--alpha_start=-inf",): "--alpha_start: got -inf, expected a finite number",
+        ("--beta2", "1"): "--beta2: got 1.0, expected 0 <= beta < 1",
+        ("--weight_decay", "-0.1"): "--weight_decay: got -0.1, expected >= 0",
+        ("--max_grad_norm", "0"): "--max_grad_norm: got 0.0, expected > 0",
+        ("--stop_timeout", "-1"): "--stop_timeout: got -1.0, expected >= 0",
+        ("--keep_checkpoints", "-2"): "--keep_checkpoints: got -2, expected an integer >= 0",
+    }
+    for args, expected in cases.items():
+        assert expected in one_line_error(capsys, train.main, out + list(args)), args
+    assert not (tmp_path / "run").exists()                               # refused before anything was written
 
 
 def test_evaluate_bad_inputs_are_one_line(files, capsys):
@@ -188,15 +210,96 @@ def test_nonfinite_minibatch_leaves_weights_and_optimizer_untouched(smollm_token
     assert opt.state_dict()["state"][0]["step"] == 1
 
 
+def _optimizer_state(opt):
+    return {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            for i, st in enumerate(opt.state.get(p, {}) for g in opt.param_groups for p in g["params"])}
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(
+        a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) if torch.is_tensor(a[i][k])
+                                           else a[i][k] == b[i][k] for k in a[i]) for i in a)
+
+
+@pytest.mark.parametrize("history", [0, 1])   # before any optimizer step (no AdamW state yet), and after one
+def test_update_that_makes_weights_nonfinite_is_undone_bit_for_bit(smollm_tokenizer, history):
+    """The loss and gradients are finite but the step is not (lr inf): the guard restores weights and
+    optimizer state exactly as they were before the update."""
+    tok = smollm_tokenizer
+    model = models.tiny_random_model(len(tok), seed=1)
+    cfg = C.make_config("tiny", mini_batch_size=2, micro_batch_size=2, ppo_epochs=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = faults.WeightGuard(model, opt)
+    for _ in range(history):
+        train.ppo_update(model, opt, _rows(tok), cfg, tok.pad_token_id, "cpu", random.Random(0))
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = _optimizer_state(opt)
+    guard.snapshot()
+    for group in opt.param_groups:
+        group["lr"] = float("inf")
+    stats = train.ppo_update(model, opt, _rows(tok), cfg, tok.pad_token_id, "cpu", random.Random(0), guard=guard)
+    assert stats["nonfinite_updates"] == 1 and stats["nonfinite_minibatches"] == 0
+    assert stats["optimizer_steps"] == 0                                 # the first bad step ends the update
+    assert not all(torch.isfinite(p).all() for p in model.parameters())  # the step did break them ...
+    guard.restore()                                                      # ... and the guard undoes it
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    assert _same_state(state, _optimizer_state(opt))
+    assert sum(bool(st) for st in opt.state.values()) == (len(weights) if history else 0)
+
+
+def test_logits_probe_and_checkpoint_refuse_nonfinite_weights(smollm_tokenizer, tmp_path):
+    tok = smollm_tokenizer
+    model = models.tiny_random_model(len(tok), seed=1)
+    ids = tok("What is 3 + 4?").input_ids
+    assert faults.logits_finite(model, ids)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3e38)                              # finite weights, overflowing logits
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not faults.logits_finite(model, ids)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = float("nan")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(faults.NonFiniteStop, match="non-finite value; checkpoint not written; last good "
+                                                   "checkpoint: none"):
+        train.save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1})
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_run_whose_updates_break_the_weights_stops_with_finite_checkpoints(tmp_path, monkeypatch, capsys):
+    """lr inf slipped past the flags (here: forced into the optimizer): no update is kept, every step is
+    counted, the run stops with exit 3 naming its last good checkpoint, whose weights are the initial ones."""
+    monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
+    adamw = torch.optim.AdamW
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "lr": float("inf")}))
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main_guard(train.main, ["--preset", "tiny", "--steps", "4", "--max_bad_steps", "2",
+                                       "--out_dir", str(run)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 3, err
+    assert "step 1: the update made a weight or the policy's logits non-finite; weights and optimizer state " \
+           "restored to before it (1 step(s) in a row)" in err
+    assert err.strip().splitlines()[-1].endswith(
+        f"stopped at step 2: 2 steps in a row had non-finite losses, gradient norms or weights (--max_bad_steps "
+        f"2); last good checkpoint: {run / 'checkpoints' / 'step_000001'}; expected a lower --lr or a check of "
+        f"the data")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_updates"] for r in rows] == [1, 1]
+    initial = models.tiny_random_model(len(models.load_tokenizer("smollm2-135m")), seed=0).state_dict()
+    saved = FI.final_weights(run)
+    assert all(torch.equal(saved[k], initial[k]) for k in saved)          # nothing of the bad updates was kept
+    assert not (run / "checkpoints" / "step_000002").exists()
+
+
 def test_run_stops_after_max_bad_steps_with_its_last_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
     real = train.ppo_update
 
-    def update(model, optimizer, rows, cfg, *args):   # from step 2 on every loss is NaN
+    def update(model, optimizer, rows, cfg, *args, **kwargs):   # from step 2 on every loss is NaN
         if update.calls >= 1:
             monkeypatch.setattr(P, "micro_logprobs", lambda *a, **k: real_logprobs(*a, **k) * float("nan"))
         update.calls += 1
-        return real(model, optimizer, rows, cfg, *args)
+        return real(model, optimizer, rows, cfg, *args, **kwargs)
 
     update.calls = 0
     real_logprobs = P.micro_logprobs
@@ -322,3 +425,7 @@ def test_killed_and_stopped_runs_end_identical_to_an_uninterrupted_one(tmp_path)
     assert stopped["returncodes"] == [0, 0] and stopped["resumed_at"] == [0, 2], logs
     assert stopped["same_metrics"] and stopped["identical_weights"], logs
     assert stopped["steps_computed"] == 3                     # SIGTERM loses no step
+    poisoned = report["poisoned"]                             # step 3's update with lr = inf: refused, bit for bit
+    assert poisoned["returncodes"] == [0], logs
+    assert poisoned["nonfinite_updates"] == [0, 0, 1], logs
+    assert poisoned["earlier_steps_same"] and poisoned["weights_equal_before_refused_update"], logs

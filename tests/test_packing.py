@@ -198,6 +198,30 @@ def test_chunked_logprobs_values_and_gradients_match_one_chunk():
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
 
 
+def test_logprobs_of_a_bf16_model_come_from_fp32_logits():
+    """bf16 hidden states and lm_head: the log-probs equal a float64 computation from the same (bf16) values
+    to fp32 rounding, where bf16 logits (the former lm_head(hidden).float()) are off by up to half a bf16 unit
+    of a logit of ~30 (2^-4 = 0.0625); under bf16 autocast too. The weight still gets its gradient."""
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(64, 500, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(500, 64, generator=gen) * 0.5)
+    hidden = (torch.randn(40, 64, generator=gen) * 2).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 500, (40,), generator=gen)
+    pred = torch.arange(40)
+    logits64 = hidden.detach().double() @ head.weight.detach().double().T
+    assert logits64.abs().max() > 20                                    # large logits: where bf16 hurts
+    exact = logits64.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits64, -1)
+    bf16_logits = head(hidden).detach().float()
+    former = bf16_logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(bf16_logits, -1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = P.chunked_logprobs(head, hidden, pred, targets, chunk=16)
+    assert ours.dtype == torch.float32
+    assert (ours.double() - exact).abs().max() < 1e-4 < (former.double() - exact).abs().max()
+    ours.sum().backward()
+    assert head.weight.grad is not None and head.weight.grad.dtype == torch.bfloat16
+
+
 def test_split_items_keep_ancestors_as_context_and_train_each_block_once():
     tr = datpo_tree()
     items = P.split_items(tr, 0, tr.trained, max_tokens=12)
@@ -335,3 +359,122 @@ def test_flex_forward_equals_dense_on_cpu():
         flex = P.packed_logprobs(model, pk, "cpu", kernel="flex")
     assert torch.allclose(dense, flex, atol=1e-5)
     assert model.config._attn_implementation == "sdpa"            # restored for the rollout
+
+
+# ---- flex: static shapes (length buckets), a BlockMask without the L × L mask, the start-up probe ----------
+def random_group(n_responses: int, length: int, seed: int) -> P.TrainTree:
+    """A GRPO-like group of `n_responses` random responses of `length` tokens (vocab of SIZES)."""
+    gen = random.Random(seed)
+    tokens = [[gen.randrange(3, 128) for _ in range(length)] for _ in range(n_responses)]
+    return P.TrainTree([5, 6, 7], [None] * n_responses, tokens, [gen.uniform(-1, 1) for _ in tokens],
+                       [1.0] * n_responses)
+
+
+def packed_alone(tr: P.TrainTree) -> P.Packed:
+    (items,) = P.micro_batches([tr], [(0, tuple(tr.trained))], 10_000)
+    return P.pack([tr], items, P.token_offsets([tr]))
+
+
+def block_tiles(mask, full: bool) -> set:
+    num = mask.full_kv_num_blocks if full else mask.kv_num_blocks
+    idx = mask.full_kv_indices if full else mask.kv_indices
+    return {(q, int(idx[0, 0, q, j])) for q in range(num.shape[-1]) for j in range(int(num[0, 0, q]))}
+
+
+@pytest.mark.parametrize("length", [83, 256, 300, 700])
+def test_flex_block_mask_has_create_block_masks_tiles(length):
+    """flex_block_mask (no L × L mask) marks the same partial and full 128×128 tiles as create_block_mask
+    (which evaluates the mask at every [q, k]) for a packed tree padded or not, and its element mask is the
+    dense tree mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    trees = [datpo_tree(), grpo_group(), deep_tree(), random_group(3, 60, 1), random_group(2, 150, 2)]
+    (items,) = P.micro_batches(trees, [(t, tuple(tr.trained)) for t, tr in enumerate(trees)], 10_000)
+    packed = P.pack(trees, items, P.token_offsets(trees))
+    packed = P.pad_packed(packed, length) if length >= len(packed) else packed_alone(random_group(7, length // 7, 3))
+    ends = torch.tensor(packed.subtree_end)
+    ours = P.flex_block_mask(ends)
+    ref = create_block_mask(lambda b, h, q, k: (k <= q) & (q < ends[k]), None, None, len(ends), len(ends),
+                            device="cpu")
+    assert block_tiles(ours, True) == block_tiles(ref, True) and block_tiles(ours, False) == block_tiles(ref, False)
+    assert len(block_tiles(ours, True)) + len(block_tiles(ours, False)) > 0
+    dense = create_mask(ours.mask_mod, None, None, len(ends), len(ends), device="cpu")[0, 0]
+    assert torch.equal(dense, P.dense_mask(ends))
+
+
+def test_flex_buckets_are_few_static_tile_multiples():
+    budget = 8192
+    buckets = {P.flex_bucket(n, budget) for n in range(1, budget + 1)}
+    assert buckets == {1024 * i for i in range(1, 9)}                     # 8 shapes up to the budget
+    assert all(P.flex_bucket(n, budget) - n < 1024 for n in range(1, budget + 1))
+    assert {P.flex_bucket(n, 300) for n in range(1, 301)} == {128, 256, 384}   # budget/8 rounds up to a tile
+    assert [P.flex_bucket(n) for n in (1, 128, 129, 1000)] == [128, 128, 256, 1024]
+
+
+def test_padding_changes_no_logprob():
+    """Padding tokens see only themselves and nothing sees them: the targets' log-probs are unchanged."""
+    model = tiny("qwen2")
+    packed = packed_alone(random_group(3, 20, 4))
+    padded = P.pad_packed(packed, 128)
+    assert len(padded) == 128 and padded.target_ids == packed.target_ids
+    with torch.no_grad():
+        a = P.packed_logprobs(model, packed, "cpu", kernel="dense")
+        b = P.packed_logprobs(model, padded, "cpu", kernel="dense")
+    assert torch.allclose(a, b, atol=1e-6)
+    rows = P.dense_mask(torch.tensor(padded.subtree_end))[len(packed):]
+    assert torch.equal(rows.sum(-1), torch.ones(128 - len(packed), dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_flex_over_three_packed_lengths_equals_dense_on_cpu():
+    """Three packed lengths in three buckets (128, 256, 384 for a 300-token budget) through the compiled
+    flex kernel: each equals the dense kernel, and a fourth sequence in a known bucket compiles nothing new.
+    Forward only: flex_attention has no backward on CPU (torch raises NotImplementedError), so the backward
+    is the CUDA probe's and gpu_smoke's business; here the probe's fallback is tested below."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model = tiny("qwen2")
+    lengths = set()
+    for seed, (n, length) in enumerate([(2, 40), (3, 60), (5, 58), (4, 50)]):
+        packed = packed_alone(random_group(n, length, seed))
+        lengths.add(P.flex_bucket(len(packed), 300))
+        with torch.no_grad():
+            dense = P.packed_logprobs(model, packed, "cpu", kernel="dense")
+            if seed == 3:
+                frames = dict(dynamo_utils.counters["stats"])
+            flex = P.packed_logprobs(model, packed, "cpu", kernel="flex", bucket_tokens=300)
+        assert torch.allclose(dense, flex, atol=1e-5)
+    assert lengths == {128, 256, 384}
+    assert dict(dynamo_utils.counters["stats"]) == frames          # the 4th (bucket 256 again): no compile
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_flex_probe_falls_back_to_tree_with_one_line(monkeypatch, capsys):
+    """On this CPU the real probe fails (flex has no backward here): flex — asked for or auto — falls back to
+    the tree kernel with one message, printed once; a passing probe keeps flex."""
+    monkeypatch.setattr(P, "_kernel_choice", {})
+    model = tiny("qwen2")
+    kernel, why = P.resolve_kernel("flex", "cpu", model)
+    assert kernel == "tree" and "backward" in why
+    assert P.resolve_kernel("flex", "cpu", model) == (kernel, why)
+    err = capsys.readouterr().err
+    assert err.count("using the tree kernel") == 1 and len(err.strip().splitlines()) == 1
+    assert P.resolve_kernel("auto", "cpu", model) == ("tree", None)       # auto: flex only on CUDA
+    assert P.resolve_kernel("dense", "cpu", model) == ("dense", None)
+    monkeypatch.setattr(P, "_kernel_choice", {})
+    monkeypatch.setattr(P, "probe_flex", lambda *a, **k: None)
+    assert P.resolve_kernel("flex", "cpu", model) == ("flex", None)
+
+
+def test_update_with_flex_on_cpu_runs_the_tree_kernel_and_says_so(monkeypatch):
+    """train.ppo_update with --packed_attention flex on CPU: the probe falls back, the update equals the tree
+    kernel's, and the kernel in use is in the update's stats (→ metrics.jsonl)."""
+    monkeypatch.setattr(P, "_kernel_choice", {})
+    cfg = C.make_config("tiny", mini_batch_size=6, ppo_epochs=1, max_tokens_per_micro_batch=20)
+    trees = [datpo_tree(), grpo_group(), deep_tree()]
+    out = {}
+    for kernel in ("flex", "tree"):
+        cfg.packed_attention = kernel
+        out[kernel] = _update(tiny("qwen3"), trees, cfg)
+    assert out["flex"]["attention_kernel"] == "tree" == out["tree"]["attention_kernel"]
+    assert out["flex"]["loss"] == pytest.approx(out["tree"]["loss"], abs=1e-6)

@@ -147,3 +147,29 @@ def test_viewer_in_headless_chromium(logged_run, tmp_path):
     assert detail["toks"] == len(trees[0]["blocks"][1]["token_ids"]) and detail["forks"] == 1   # fork at 2 = token 0
     assert "Div_sib" in detail["text"] and "block 1" in detail["text"]
     print(f"viewer screenshot: {shot}")
+
+
+def _hash(folder):
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_torn_or_empty_tree_log_is_one_line(logged_run, capsys):
+    log = logged_run / "trees" / "step_000007.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text(lines[0] + "\n" + lines[1][:200] + "\n")                  # the second tree torn
+    page, _ = viz.main([str(logged_run), "--step", "7"])                    # the first is still drawn
+    assert f"{log} line 2: torn (not JSON); that tree is left out" in capsys.readouterr().err
+    assert page.exists()
+    for text in ("", lines[1][:200] + "\n"):                                 # empty; nothing readable
+        log.write_text(text)
+        before = _hash(logged_run)
+        with pytest.raises(SystemExit) as exit_info:
+            viz.main([str(logged_run), "--step", "7"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and "Traceback" not in "\n".join(err)
+        assert err[-1] == (f"viz.py: error: {log}: holds no readable tree (empty or torn); expected one JSON tree "
+                           f"a line, as train.py --log_trees_every writes")
+        assert _hash(logged_run) == before

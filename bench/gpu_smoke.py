@@ -1,0 +1,188 @@
+"""GPU smoke test: two training steps of the paper's presets on a random model of Qwen2.5-3B's shape.
+
+    python bench/gpu_smoke.py                                  # --preset paper and grpo, 2 steps each
+    python bench/gpu_smoke.py --presets paper --prompts 4 --max_new_tokens 512   # a quicker look
+    python bench/gpu_smoke.py --extra --optimizer_dtype fp32   # any train.py flags after --extra
+
+Builds Qwen2.5-3B's architecture from a config written here (36 layers, hidden 2,048, 16 query / 2 KV heads of
+128, MLP 11,008, vocab 151,936, tied embeddings — no hub, random weights) directly on the GPU, and runs
+train.py's own loop with it (train.main with models.load_policy replaced; the tokenizer is the embedded
+SmolLM2 one — ids it lacks decode to nothing, harmless for a random model). A random model almost never
+samples EOS, so every response runs to its token budget: the worst case for time and memory. Its answers are
+never right, so rewards are a coin flip per response (hash of the text; not a grader) to give the update work.
+Prints per preset and phase (base generation, branches, update, evaluation if asked): calls, seconds,
+tokens/s and the peak GPU memory allocated / reserved during the phase; then the packed attention kernel in
+use (metrics.jsonl) and any flex fallback with its reason. On a machine without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                 num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643)
+
+
+TINY = dict(QWEN25_3B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)   # --cpu_check: the same code path, small enough for a CPU test
+
+
+def random_qwen25_3b(dtype: torch.dtype, device, seed: int = 0, shape: dict = QWEN25_3B):
+    """Qwen2.5-3B's architecture with random weights, initialised on `device` (seconds, not minutes)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**shape, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    return model
+
+
+class Phases:
+    """Wraps stage functions: seconds, generated/forwarded tokens and peak CUDA memory of every call."""
+
+    def __init__(self):
+        self.calls: dict[str, list[dict]] = {}
+        self.running: str | None = None
+        self.cuda = torch.cuda.is_available()
+
+    def wrap(self, name: str, fn, count_tokens):
+        def measured(*args, **kwargs):
+            if self.running:            # evaluation's generation is evaluation's, not the rollout's base phase
+                return fn(*args, **kwargs)
+            self.running = name
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.running = None
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.calls.setdefault(name, []).append({
+                "seconds": time.perf_counter() - start, "tokens": count_tokens(out),
+                "allocated": torch.cuda.max_memory_allocated() if self.cuda else 0,
+                "reserved": torch.cuda.max_memory_reserved() if self.cuda else 0})
+            return out
+        return measured
+
+    def table(self) -> list[str]:
+        lines = [f"  {'phase':<10} {'calls':>5} {'seconds':>9} {'tokens/s':>10} {'peak alloc GB':>14} "
+                 f"{'peak reserved GB':>17}"]
+        for name, calls in self.calls.items():
+            seconds = sum(c["seconds"] for c in calls)
+            tokens = sum(c["tokens"] for c in calls)
+            lines.append(f"  {name:<10} {len(calls):>5} {seconds:>9.1f} {tokens / max(seconds, 1e-9):>10.0f} "
+                         f"{max(c['allocated'] for c in calls) / 1e9:>14.1f} "
+                         f"{max(c['reserved'] for c in calls) / 1e9:>17.1f}")
+        return lines
+
+
+def smoke(preset: str, args) -> list[str]:
+    import evaluate
+    import models
+    import packing as P
+    import rollout as R
+    import train
+
+    phases = Phases()
+    real = {"load": models.load_policy, "reward": R.compute_reward, "base": R.sample_base, "branches": R.sample_branches,
+            "update": train.ppo_update, "eval": evaluate.evaluate_problems}
+
+    def load_policy(name, device, dtype, seed=0):
+        model = random_qwen25_3b(dtype, device, seed, TINY if args.cpu_check else QWEN25_3B)
+        tokenizer = models.load_tokenizer("smollm2-135m")
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        return model, tokenizer
+
+    def coin_flip_reward(text, answer, fallback=False):
+        """A random model is never right, and all-zero rewards give no update to time: a seeded coin flip
+        per response text, crc32 (a smoke-test stand-in, clearly not a grader)."""
+        return float(zlib.crc32(f"{answer}|{text}".encode()) % 2)
+
+    models.load_policy = load_policy
+    R.compute_reward = coin_flip_reward
+    R.sample_base = phases.wrap("base", real["base"], lambda b: sum(map(len, b.tokens)))
+    R.sample_branches = phases.wrap("branches", real["branches"],
+                                    lambda out: sum(len(t) for req in out for t, _ in req))
+    train.ppo_update = phases.wrap("update", real["update"], lambda s: int(s["forwarded_tokens"]) * args.ppo_epochs)
+    evaluate.evaluate_problems = phases.wrap("eval", real["eval"],
+                                             lambda r: sum(x["tokens"] for x in r["records"]))
+    out_dir = Path(tempfile.mkdtemp(prefix=f"gpu_smoke_{preset}_"))
+    argv = ["--preset", preset, "--model", "tiny-random", "--train_data", "arith-train", "--eval_data", "arith-test",
+            "--steps", "2", "--save_every", "0", "--out_dir", str(out_dir),
+            "--device", "cpu" if args.cpu_check else "cuda",
+            "--prompts_per_step", str(args.prompts), "--max_new_tokens", str(args.max_new_tokens),
+            "--ppo_epochs", str(args.ppo_epochs), "--embed_model", "all-minilm-l6-v2",
+            "--eval_every", "2" if args.eval else "0", "--eval_limit", "8", "--eval_k", "2",
+            "--eval_max_new_tokens", str(args.max_new_tokens)] + args.extra
+    start = time.perf_counter()
+    try:
+        train.main(argv)
+        failure = None
+    except Exception as err:   # report what ran and why it stopped
+        failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    finally:
+        models.load_policy, R.sample_base, R.sample_branches = real["load"], real["base"], real["branches"]
+        R.compute_reward = real["reward"]
+        train.ppo_update, evaluate.evaluate_problems = real["update"], real["eval"]
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (out_dir / "metrics.jsonl").exists() else []
+    steps = [r for r in records if "attention_kernel" in r]
+    lines = [f"--preset {preset}: {len(steps)} step(s) in {time.perf_counter() - start:.0f} s "
+             f"({args.prompts} prompts/step, max_new_tokens {args.max_new_tokens}; run folder {out_dir})"]
+    lines += phases.table()
+    if steps:
+        lines.append(f"  attention kernel: {steps[-1]['attention_kernel']}; oom_retries: "
+                     f"{sum(r.get('oom_retries', 0) for r in steps)}; seconds per step: "
+                     + ", ".join(f"{r['seconds_step']:.0f}" for r in steps))
+    for key, why in P._kernel_choice.items():
+        if why:
+            lines.append(f"  flex fallback ({key[1]}, heads {key[2]}/{key[3]}, head_dim {key[4]}): {why}")
+    if failure:
+        lines.append(f"  FAILED: {failure}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["paper", "grpo"])
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step (the paper: 16)")
+    parser.add_argument("--max_new_tokens", type=int, default=1024, help="the paper: 1024")
+    parser.add_argument("--ppo_epochs", type=int, default=2, help="the paper's release: 2")
+    parser.add_argument("--eval", action="store_true",
+                        help="also time evaluations before and after (8 problems × 2 samples, max_new_tokens)")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train.py flags")
+    parser.add_argument("--cpu_check", action="store_true",
+                        help="run this script's own code on CPU with a 2-layer model of the same family (tests)")
+    args = parser.parse_args(argv)
+    if args.cpu_check:
+        for preset in args.presets:
+            for line in smoke(preset, args):
+                print(line, flush=True)
+        return
+    if not torch.cuda.is_available():
+        print("bench/gpu_smoke.py needs a CUDA GPU and there is none here; nothing was run.")
+        return
+    print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 1e9:.0f} GB), "
+          f"torch {torch.__version__}; random Qwen2.5-3B-shaped model (no hub)", flush=True)
+    for preset in args.presets:
+        for line in smoke(preset, args):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""runs.py — a run folder that cannot be corrupted: one run per folder, resume that checks what it resumes,
+checkpoints written atomically (a full disk is one line, the previous checkpoint intact), damaged ones skipped.
+
+    lock = runs.RunLock(run_dir).acquire()       # a second train.py into the folder: one line naming the holder
+    runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)  # --resume A --out_dir B, B another run: refused
+    checkpoint, state = runs.pick_checkpoint(cfg.resume)          # the newest usable checkpoint (fallback + warning)
+    changed = runs.check_resume_config(state["config"], new, allow)  # experiment-changing fields: exit 2
+    with runs.checkpoint_folder(run_dir, step, keep) as tmp: ...  # atomic write, one-line WriteError, pruning
+
+Everything here is plain functions over paths and dicts, so a training loop of any shape can call them.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import struct
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from faults import UserError, WriteError, say
+
+
+# --------------------------------------------------------------------------------------------------------
+# One run per folder
+# --------------------------------------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:    # alive, someone else's
+        return True
+    return True
+
+
+class RunLock:
+    """RUN/run.lock holds {"pid", "host", "started"} of the run writing into the folder.
+
+    acquire(): the lock file is written whole under a private name and hard-linked into place (a link fails
+    if the name exists, atomically), so two runs started together cannot both get it and nobody reads a half
+    written lock. A lock held by a live process (or by any process on another host: its pid cannot be
+    checked from here) is a UserError naming the holder. A lock of this host whose pid is dead (a killed run)
+    is stale: taken over with a message. release() removes it only while it is still ours."""
+
+    NAME = "run.lock"
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / self.NAME
+        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.held = False
+
+    def holder(self) -> dict | None:
+        """The lock's content; {} when unreadable (torn by a kill before this scheme, or not ours); None if absent."""
+        try:
+            held = json.loads(self.path.read_text())
+            return held if isinstance(held, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> "RunLock":
+        tmp = self.path.with_name(f".{self.NAME}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.mine))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)
+                    self.held = True
+                    return self
+                except FileExistsError:
+                    pass
+                holder = self.holder()
+                if holder is None:
+                    continue                                         # released meanwhile: try again
+                pid, host = holder.get("pid"), holder.get("host")
+                if isinstance(pid, int) and host == self.mine["host"] and _pid_alive(pid):
+                    raise UserError(f"--out_dir {self.path.parent}: another run is writing there (pid {pid} on "
+                                    f"{host}, since {holder.get('started', '?')}, {self.path}); wait for it, stop "
+                                    f"it, or use another --out_dir")
+                if isinstance(pid, int) and host != self.mine["host"]:
+                    raise UserError(f"--out_dir {self.path.parent}: another run holds it (pid {pid} on host "
+                                    f"{host}, since {holder.get('started', '?')}); if that run is gone, delete "
+                                    f"{self.path}")
+                what = f"pid {pid} is not running" if isinstance(pid, int) else "unreadable lock file"
+                say(f"{self.path}: stale lock taken over ({what}; an earlier run was killed)")
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+            raise UserError(f"--out_dir {self.path.parent}: could not take {self.path} (other runs keep taking it)")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self.held and (self.holder() or {}).get("pid") == self.mine["pid"]:
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Resume checks what it resumes
+# --------------------------------------------------------------------------------------------------------
+# Fields a resumed run may change: how long it runs, how often it evaluates/saves/logs, where it writes, how
+# it reports, guards and threads, and activation checkpointing (memory and time, the same gradients: a run
+# that ran out of memory may resume with it on). Everything else (method, the preset's algorithm fields,
+# model, data, seeds, shapes, optimisation) changes the experiment: a resumed run that changes one is a mix
+# of two experiments.
+RESUME_MAY_CHANGE = frozenset({
+    "steps", "eval_every", "save_every", "log_trees_every", "report_to", "threads", "out_dir", "resume",
+    "overwrite", "max_bad_steps", "allow_config_change", "keep_checkpoints", "stop_timeout", "guard_weights",
+    "gradient_checkpointing",
+})
+
+
+def run_folder_of(checkpoint_or_run: str | Path) -> Path:
+    """The run folder of a run folder or of one of its checkpoints/step_NNNNNN folders."""
+    path = Path(checkpoint_or_run).expanduser().resolve()
+    if path.name.startswith("step_") and path.parent.name == "checkpoints":
+        return path.parent.parent
+    return path
+
+
+def holds_run(folder: Path) -> bool:
+    """A folder with metrics records or checkpoints (what check_new_run protects)."""
+    metrics = folder / "metrics.jsonl"
+    return (metrics.exists() and metrics.stat().st_size > 0) or any((folder / "checkpoints").glob("step_*"))
+
+
+def check_resume_target(resume: str, out_dir: str | Path, overwrite: bool) -> bool:
+    """--resume A --out_dir B where B is not A's run folder and already holds another run: resuming would
+    delete B's later metrics rows and overwrite its checkpoints, so it is refused unless --overwrite true.
+    Returns True when B holds another run that --overwrite true replaces (the caller deletes it)."""
+    source, target = run_folder_of(resume), Path(out_dir).expanduser().resolve()
+    if source == target or not holds_run(target):
+        return False
+    if not overwrite:
+        raise UserError(f"--resume {resume} --out_dir {out_dir}: {out_dir} holds another run; continuing "
+                        f"{source.name} there would overwrite its records; use --out_dir {source} (or a new "
+                        f"folder), or --overwrite true to replace it")
+    return True
+
+
+def config_changes(saved: dict, new: dict) -> dict[str, tuple]:
+    """{field: (saved value, new value)} for every field both configs have that differs (a field one side
+    lacks is a knob added or removed since: its default reproduces the old behaviour)."""
+    keys = sorted(set(saved) & set(new))
+    return {k: (saved.get(k), new.get(k)) for k in keys if k != "history" and saved.get(k) != new.get(k)}
+
+
+def check_resume_config(saved: dict, new: dict, allow: bool = False) -> dict[str, tuple]:
+    """Compare the checkpoint's config with the command line's. Experiment-changing fields that differ are a
+    UserError listing them (unless `allow`: --allow_config_change true); returns every change (allowed or
+    forced) for the history in config.json."""
+    changes = config_changes(saved, new)
+    fixed = {k: v for k, v in changes.items() if k not in RESUME_MAY_CHANGE}
+    if fixed and not allow:
+        listed = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in fixed.items())
+        raise UserError(f"--resume: the command line changes the experiment of the run it resumes ({listed}); "
+                        f"expected the run's own settings (its config.json), or --allow_config_change true to "
+                        f"continue it as a mix")
+    return changes
+
+
+def with_history(saved_json: dict, new: dict, changes: dict, step: int) -> dict:
+    """config.json after a resume: the new config plus the saved history and this resume's changes."""
+    history = list(saved_json.get("history", []))
+    if changes:
+        history.append({"resumed_at_step": step, "changed": {k: list(v) for k, v in changes.items()}})
+    return {**new, **({"history": history} if history else {})}
+
+
+def write_json(path: Path, value) -> None:
+    """Replace a JSON file atomically (a kill leaves the old or the new file, never half of one)."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checkpoints: written atomically, pruned, and checked before a resume trusts them
+# --------------------------------------------------------------------------------------------------------
+def checkpoint_steps(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (step_* folders with a trainer state), oldest first."""
+    folder = Path(run_dir) / "checkpoints"
+    return sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists()) if folder.is_dir() else []
+
+
+def write_failure(err: BaseException) -> str | None:
+    """A short cause when `err` is a write error (disk full, quota, read-only, I/O), else None. safetensors
+    reports OS errors as its own exception with the OS error inside the message."""
+    code = getattr(err, "errno", None)
+    text = str(err)
+    if code == errno.ENOSPC or "No space left" in text or "StorageFull" in text or "os error 28" in text:
+        return "disk full (No space left on device)"
+    if code == errno.EDQUOT or "Disk quota" in text:
+        return "disk quota exceeded"
+    if isinstance(err, OSError):
+        return err.strerror or text
+    if "IoError" in text or "os error" in text:
+        return text.splitlines()[0]
+    return None
+
+
+@contextmanager
+def checkpoint_folder(run_dir: Path, step: int, keep: int = 0):
+    """Yields a temporary folder to write checkpoint `step` into; on success it is renamed to
+    checkpoints/step_NNNNNN, the `latest` pointer replaced, and (keep > 0) all but the newest `keep`
+    checkpoints deleted. A write error (disk full, ...) removes the partial folder and raises WriteError,
+    one line naming the path and the cause; earlier checkpoints are never touched by a failed write."""
+    folder = Path(run_dir) / "checkpoints"
+    final, tmp = folder / f"step_{step:06d}", folder / f".tmp_step_{step:06d}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        pointer = folder / ".latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, folder / "latest")
+    except Exception as err:
+        cause = write_failure(err)
+        if cause is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = checkpoint_steps(run_dir)
+        kept = f"previous checkpoint {previous[-1]} intact" if previous else "no earlier checkpoint"
+        raise WriteError(f"writing checkpoint {final}: {cause} ({getattr(err, 'filename', None) or tmp}); "
+                         f"{kept}; free space and resume with --resume {run_dir}") from err
+    if keep > 0:
+        prune_checkpoints(run_dir, keep)
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (--keep_checkpoints); returns what was deleted."""
+    complete = checkpoint_steps(run_dir)
+    doomed = complete[:-keep] if keep > 0 else []
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """Why a .safetensors file is unusable (missing, truncated, bad header), checked from its header and size
+    without reading the tensors; None when it looks whole."""
+    if not path.exists():
+        return f"{path.name} missing"
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} truncated ({size} bytes)"
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                return f"{path.name} truncated (header of {n} bytes, file of {size})"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as err:
+        return f"{path.name} unreadable ({err})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"{path.name} truncated ({size} bytes, expected {8 + n + end})"
+    return None
+
+
+def load_trainer_state(checkpoint: Path):
+    """(trainer state, None) or (None, why it is unusable)."""
+    import torch
+
+    try:
+        return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True), None
+    except Exception as err:   # a torn zip, a truncated pickle, ...: all mean "damaged"
+        return None, f"trainer_state.pt unreadable ({str(err).splitlines()[0][:120]})"
+
+
+def checkpoint_damage(checkpoint: Path):
+    """(trainer state, None) for a usable checkpoint, else (None, the reason)."""
+    for name in ("model.safetensors",):
+        why = safetensors_damage(Path(checkpoint) / name)
+        if why:
+            return None, why
+    return load_trainer_state(checkpoint)
+
+
+def pick_checkpoint(resume: str, source: str | None):
+    """The checkpoint a resume continues from and its trainer state, falling back past damaged ones.
+
+    `source`: faults.resume_source's answer (None: nothing to resume, start at step 0). When --resume names
+    a run folder, its complete checkpoints are tried newest first; a damaged one (unreadable weights or
+    trainer state) is skipped with a one-line warning. A checkpoint named explicitly is not replaced by
+    another one: damaged, it is a UserError. None usable: a UserError naming them all."""
+    if source is None:
+        return None, None
+    named = Path(resume).expanduser()
+    explicit = (named / "trainer_state.pt").exists()
+    candidates = [Path(source)] if explicit else sorted(checkpoint_steps(run_folder_of(source)), reverse=True)
+    if not candidates:
+        candidates = [Path(source)]
+    damaged = []
+    for checkpoint in candidates:
+        state, why = checkpoint_damage(checkpoint)
+        if state is not None:
+            if damaged:
+                say(f"checkpoint {damaged[-1][0]} is damaged ({damaged[-1][1]}); resuming from the previous "
+                    f"complete checkpoint {checkpoint}")
+            return str(checkpoint), state
+        damaged.append((checkpoint, why))
+    listed = "; ".join(f"{c.name}: {why}" for c, why in damaged)
+    raise UserError(f"--resume {resume}: no usable checkpoint ({listed}); expected a checkpoint whose "
+                    f"model.safetensors and trainer_state.pt are whole")

@@ -1,0 +1,121 @@
+"""Out of memory everywhere it can happen, proven on CPU with the DATPO_OOM_AT fault injection (faults.py):
+the update reruns a mini-batch in smaller micro-batches with the same loss, evaluation and branch generation
+in smaller batches with a valid result; cuBLAS allocation failures count as out of memory."""
+import copy
+import random
+
+import pytest
+import torch
+
+import config
+import data
+import evaluate as E
+import faults
+import rollout as R
+import train
+from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
+
+
+@pytest.fixture
+def oom_at(monkeypatch):
+    """Set DATPO_OOM_AT for one test, with the once-per-process memory cleared before and after."""
+    def set_sites(spec: str):
+        monkeypatch.setenv("DATPO_OOM_AT", spec)
+        faults._oom_fired.clear()
+    yield set_sites
+    faults._oom_fired.clear()
+
+
+def test_is_oom_knows_cuda_and_cublas_allocation_failures():
+    assert faults.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert faults.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not faults.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`"))
+    assert not faults.is_oom(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
+
+
+def test_oom_point_raises_the_cuda_error_once_per_site(oom_at):
+    oom_at("update,eval")
+    faults.oom_point("base")                        # not listed: nothing
+    with pytest.raises(torch.OutOfMemoryError, match="DATPO_OOM_AT"):
+        faults.oom_point("update")
+    faults.oom_point("update")                      # once
+    with pytest.raises(torch.OutOfMemoryError):
+        faults.oom_point("eval")
+    oom_at("updates")
+    with pytest.raises(faults.UserError, match="DATPO_OOM_AT=updates.*base, branches, update, eval"):
+        faults.oom_point("update")
+
+
+def test_halving_retry_halves_to_one_then_reraises_and_passes_other_errors():
+    sizes, reset = [], []
+
+    def run(size):
+        sizes.append(size)
+        if size > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return size
+
+    counters = {}
+    assert faults.halving_retry(run, 16, "x", counters, reset=lambda: reset.append(1)) == 2
+    assert sizes == [16, 8, 4, 2] and counters["oom_retries"] == 3 == len(reset)
+    with pytest.raises(torch.OutOfMemoryError):
+        faults.halving_retry(lambda s: run(99), 1, "x")
+    with pytest.raises(torch.OutOfMemoryError):
+        faults.halving_retry(run, 16, "x", retry=False)
+    with pytest.raises(ValueError):
+        faults.halving_retry(lambda s: (_ for _ in ()).throw(ValueError("bug")), 16, "x")
+
+
+@pytest.mark.parametrize("layout,epochs,mini", [("packed", 2, 6), ("rows", 2, 6), ("packed", 1, 64),
+                                                ("rows", 1, 64)])
+def test_update_oom_reruns_the_minibatch_smaller_with_the_same_loss(oom_at, layout, epochs, mini):
+    """DATPO_OOM_AT=update: the first micro-batch's forward runs out of memory — in the no-grad old log-prob
+    pass (2 epochs, several mini-batches) or in the gradient pass (1 epoch, one mini-batch: no old pass) — and
+    that mini-batch is redone at half the micro-batch budget (packed: tokens, rows: rows). Same loss (the
+    normaliser is the mini-batch's), same weights after the step, one retry counted."""
+    cfg = config.make_config("tiny", mini_batch_size=mini, micro_batch_size=4, ppo_epochs=epochs,
+                             max_grad_norm=1e9, max_tokens_per_micro_batch=40, train_layout=layout,
+                             packed_attention="tree")
+    trees = [datpo_tree(), grpo_group(), deep_tree()]
+    base = tiny("qwen3")
+    out = {}
+    for spec in ("", "update"):
+        oom_at(spec)
+        model = copy.deepcopy(base)
+        stats = train.ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.05), trees, cfg, EOS, "cpu",
+                                 random.Random(3))
+        out[spec] = stats, [p.detach().clone() for p in model.parameters()]
+    (clean, w_clean), (hit, w_hit) = out[""], out["update"]
+    assert clean["oom_retries"] == 0 and hit["oom_retries"] == 1
+    assert hit["optimizer_steps"] == clean["optimizer_steps"] >= epochs
+    assert hit["loss"] == pytest.approx(clean["loss"], abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(w_clean, w_hit))
+
+
+def test_eval_oom_generates_in_smaller_batches_with_a_valid_result(tiny_policy, oom_at, monkeypatch):
+    model, tok = tiny_policy
+    calls = []
+    real = R.sample_base
+    monkeypatch.setattr(R, "sample_base", lambda s, p, n, m, **kw: calls.append(len(p) * n) or real(s, p, n, m, **kw))
+    cfg = config.make_config("tiny", gen_batch_size=4)
+    problems = data.load_problems("arith-test", 3)
+    oom_at("eval")
+    torch.manual_seed(0)
+    res = E.evaluate_problems(model, tok, problems, cfg, k=2, max_new_tokens=4, runs=1, progress=False)
+    assert res["oom_retries"] == 1
+    assert calls[0] == 2 and max(calls) <= 2              # 4 rows per call ran out: 2 per call, kept after
+    assert sorted((r["index"], r["sample"]) for r in res["records"]) == [(i, s) for i in range(3) for s in range(2)]
+    assert all(1 <= r["tokens"] <= 4 for r in res["records"]) and res["n_samples"] == 6
+
+
+def test_branch_oom_halves_the_chunk_and_builds_the_same_shape_of_tree(tiny_policy, oom_at, monkeypatch):
+    model, tok = tiny_policy
+    monkeypatch.setattr(R, "compute_reward", lambda text, answer, fallback=False: 0.0)    # V = 0: full budget
+    cfg = config.make_config("tiny", n_base=2, k_max=2, b_max=2, max_new_tokens=12, gen_batch_size=8,
+                             branch_chunk_size=8)
+    oom_at("branches")
+    torch.manual_seed(0)
+    (tree,), stats = R.rollout_trees(model, tok, ["What is 3 + 4?"], ["7"], cfg, random.Random(0))
+    assert stats.oom_retries == 1
+    assert tree.leaves == 2 * (1 + 2 * 2)                 # N(1 + K̂B̂) with K̂ = B̂ = 2 at V = 0
+    assert all(len(b.token_ids) > 0 for b in tree.blocks)
