@@ -10,7 +10,9 @@ train.py's own loop with it (train.main with models.load_policy replaced; the to
 SmolLM2 one — ids it lacks decode to nothing, harmless for a random model). A random model almost never
 samples EOS, so every response runs to its token budget: the worst case for time and memory. Its answers are
 never right, so rewards are a coin flip per response (hash of the text; not a grader) to give the update work.
-Prints per preset and phase (base generation, branches, update, evaluation if asked): calls, seconds,
+Prints per preset and phase (rollout — base responses and branches decode together in the engine, with no
+barrier between them; their split is metrics.jsonl's seconds_base/seconds_branches — update, evaluation if
+asked): calls, seconds,
 tokens/s and the peak GPU memory allocated / reserved during the phase; then the packed attention kernel in
 use (metrics.jsonl) and any flex fallback with its reason. On a machine without CUDA it says so and exits 0.
 """
@@ -99,7 +101,7 @@ def smoke(preset: str, args) -> list[str]:
     import train
 
     phases = Phases()
-    real = {"load": models.load_policy, "reward": R.compute_reward, "base": R.sample_base, "branches": R.sample_branches,
+    real = {"load": models.load_policy, "reward": R.compute_reward, "rollout": R.rollout_trees,
             "update": train.ppo_update, "eval": evaluate.evaluate_problems}
 
     def load_policy(name, device, dtype, seed=0):
@@ -115,9 +117,7 @@ def smoke(preset: str, args) -> list[str]:
 
     models.load_policy = load_policy
     R.compute_reward = coin_flip_reward
-    R.sample_base = phases.wrap("base", real["base"], lambda b: sum(map(len, b.tokens)))
-    R.sample_branches = phases.wrap("branches", real["branches"],
-                                    lambda out: sum(len(t) for req in out for t, _ in req))
+    R.rollout_trees = phases.wrap("rollout", real["rollout"], lambda out: out[1].base_tokens + out[1].branch_tokens)
     train.ppo_update = phases.wrap("update", real["update"], lambda s: int(s["forwarded_tokens"]) * args.ppo_epochs)
     evaluate.evaluate_problems = phases.wrap("eval", real["eval"],
                                              lambda r: sum(x["tokens"] for x in r["records"]))
@@ -136,7 +136,7 @@ def smoke(preset: str, args) -> list[str]:
     except Exception as err:   # report what ran and why it stopped
         failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     finally:
-        models.load_policy, R.sample_base, R.sample_branches = real["load"], real["base"], real["branches"]
+        models.load_policy, R.rollout_trees = real["load"], real["rollout"]
         R.compute_reward = real["reward"]
         train.ppo_update, evaluate.evaluate_problems = real["update"], real["eval"]
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] \
