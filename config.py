@@ -200,12 +200,9 @@ class Config:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"--{f.name}: got {value}, expected a finite number")
         for name in ["k_max", "b_max", "atb_gap", "eval_every", "eval_limit", "save_every", "top_k", "threads",
-                     "max_prompt_tokens", "log_trees_every", "keep_checkpoints"]:
+                     "max_prompt_tokens", "log_trees_every", "keep_checkpoints", "max_batch_rows", "max_kv_tokens"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0")
-        for name in ["max_batch_rows", "max_kv_tokens"]:
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name}: got {getattr(self, name)}, expected an integer >= 0 (0 = automatic)")
         if not self.temperature > 0:
             raise ValueError(f"--temperature: got {self.temperature}, expected > 0")
         if not 0 < self.top_p <= 1:
