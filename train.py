@@ -62,26 +62,23 @@ def embed_blocks(embedder, trees: list[T.Tree], batch_size: int, sibling_groups:
     Paper (Eq. 10): only blocks that have a sibling are embedded (Div_sib of a lone block is 0 whatever its
     embedding). --sibling_groups release: every block, then one row per base response, its whole text (the
     release compares an unforked response with all N whole responses; methods.div_sib)."""
-    wanted, texts = [], []
+    wanted, texts, rows = [], [], []
     for t, tr in enumerate(trees):
         counts: dict = {}
         for b in tr.blocks:
             counts[b.parent] = counts.get(b.parent, 0) + 1
         keep = [i for i, b in enumerate(tr.blocks) if sibling_groups == "release" or counts[b.parent] > 1]
-        wanted += [(t, i) for i in keep]
-        texts += [tr.blocks[i].text for i in keep]
-        if sibling_groups == "release":
-            whole = [tr.blocks[i].text for i in range(len(tr.blocks))]
-            for k in range(sum(b.parent is None for b in tr.blocks)):
-                wanted.append((t, len(tr.blocks) + k))
-                texts.append("".join(w for w, b in zip(whole, tr.blocks) if b.base == k and not b.branch))
+        whole = ["".join(b.text for b in tr.blocks if b.base == k and not b.branch)   # release: the N responses
+                 for k in range(sum(b.parent is None for b in tr.blocks))] if sibling_groups == "release" else []
+        wanted += [(t, i) for i in keep] + [(t, len(tr.blocks) + k) for k in range(len(whole))]
+        texts += [tr.blocks[i].text for i in keep] + whole
+        rows.append(len(tr.blocks) + len(whole))
     out: list[np.ndarray | None] = [None] * len(trees)
     if not wanted:
         return out
     vectors = embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False)
-    for t, tr in enumerate(trees):
-        extra = sum(b.parent is None for b in tr.blocks) if sibling_groups == "release" else 0
-        out[t] = np.zeros((len(tr.blocks) + extra, vectors.shape[1]), dtype=np.float32)
+    for t, n in enumerate(rows):
+        out[t] = np.zeros((n, vectors.shape[1]), dtype=np.float32)
     for (t, i), v in zip(wanted, vectors):
         out[t][i] = v
     return out
