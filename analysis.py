@@ -38,10 +38,6 @@ import faults
 # --------------------------------------------------------------------------------------------------------
 
 
-def _distances(positions) -> list[list[int]]:
-    return [[abs(p - q) for q in positions] for p in positions]
-
-
 def nearest_neighbor_distance(positions, length: int) -> float | None:
     """NND (App. D.2): mean over forks of the distance to the nearest other fork, as a fraction of `length`.
     Fewer than two forks → None. Lower = stronger localization."""
