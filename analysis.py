@@ -248,10 +248,9 @@ def prompt_ids_of(problems, tokenizer, cfg) -> list[list[int]]:
 
 
 def base_rewards(tokenizer, base, answers: list[str], cfg) -> list[float]:
-    from reward import compute_reward
+    import rollout as R
 
-    texts = tokenizer.batch_decode(base.tokens, skip_special_tokens=True)
-    return [compute_reward(t, a, cfg.answer_fallback) for t, a in zip(texts, answers)]
+    return R.grade_responses(tokenizer, base.tokens, answers, cfg.answer_fallback)
 
 
 def fork_cfg(cfg: C.Config, min_dist: float) -> C.Config:

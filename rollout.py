@@ -380,6 +380,12 @@ def response_blocks(tokenizer, j: int, tokens: list[int], entropies: list[float]
     return blocks
 
 
+def grade_responses(tokenizer, token_lists: list[list[int]], answers: list[str], fallback: bool) -> list[float]:
+    """0/1 verifiable reward of each response (reward.compute_reward on its decoded text), answers[i] its gold."""
+    texts = tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+    return [compute_reward(text, answer, fallback) for text, answer in zip(texts, answers)]
+
+
 def grader(tokenizer, answer: str, fallback: bool):
     """ids -> reward of the decoded response (reward.compute_reward)."""
     return lambda ids: compute_reward(tokenizer.decode(ids, skip_special_tokens=True), answer, fallback)
@@ -541,8 +547,8 @@ def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budge
     def on_bases_done(p: int, samples: list[E.Sample]) -> list[E.BranchRequest]:
         nonlocal last_bases_done
         t0 = time.perf_counter()
-        texts = tokenizer.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-        graded[p] = [compute_reward(text, answers[p], cfg.answer_fallback) for text in texts]
+        graded[p] = grade_responses(tokenizer, [s.tokens for s in samples], [answers[p]] * len(samples),
+                                    cfg.answer_fallback)
         plans[p] = plan_prompt(cfg, budget, expand, rng, tokenizer, sampler.model, prompt_ids[p],
                                [s.tokens for s in samples], [s.entropies for s in samples], graded[p])
         _, _, b_hat, forks = plans[p]
@@ -582,8 +588,8 @@ def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, bud
         faults.oom_point("base")         # DATPO_OOM_AT=base (tests; the base phase's degradation is the engine's)
         base = sample_base(sampler, [prompt_ids[i] for i in group], n, cfg.max_new_tokens,
                            keep_cache=expandable and not cfg.naive_prefill)
-        texts = tokenizer.batch_decode(base.tokens, skip_special_tokens=True)
-        rewards = [compute_reward(texts[r], answers[group[r // n]], cfg.answer_fallback) for r in range(len(texts))]
+        rewards = grade_responses(tokenizer, base.tokens, [answers[i] for i in group for _ in range(n)],
+                                  cfg.answer_fallback)
         stats.base_tokens += sum(map(len, base.tokens))
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, sampler.counts["peak_call_kv_bytes"])
         stats.seconds_base += time.perf_counter() - t0
