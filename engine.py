@@ -17,6 +17,10 @@ What it does differently from HF `generate` (rollout.py keeps that path as the r
   * For every sampled token it records H_t of the sampling distribution (after temperature/top-k/top-p), the
     log-probability of the sampled token under that distribution, and (base rows) the final hidden state, so a
     branch's first token is sampled from the distribution at its fork without running the prefix again.
+  * Base responses can also be given (`run(given_bases=...)`): the Section 3 studies grow several fork
+    strategies' branches on one fixed base rollout (Sec. 3.2–3.3, App. C.2, D.5), and one-step off-policy
+    samples a step's bases with the previous weights. Their tokens are fed once (prefill, no sampling) to
+    write the prefix keys/values and hidden states the branches need.
 
 Attention runs through a registered HF attention function ("datpo_engine"): each layer writes the new tokens'
 keys/values into their slots, gathers each row's context slots and calls SDPA with a [rows, 1, q, T] mask.
@@ -181,7 +185,8 @@ class Engine:
         self.device = param.device
         self.trace = trace
         self.events: list[tuple] = []     # (step, kind, ...): prefill, bases_done, branches, end, tree_done[, decode]
-        self.stats = dict(decode_steps=0, row_steps=0, ended_row_steps=0, prefill_tokens=0,
+        # given_tokens: tokens of given base responses fed to the model (run's given_bases)
+        self.stats = dict(decode_steps=0, row_steps=0, ended_row_steps=0, prefill_tokens=0, given_tokens=0,
                           recomputed_prefix_tokens=0, oom_retries=0)
         self.step = 0
         self._next_id = 0
@@ -189,7 +194,8 @@ class Engine:
     # ---- one forward pass -------------------------------------------------------------------------------
     def _forward(self, rows: list[Row], new_tokens: list[list[int]]) -> torch.Tensor:
         """Feed each row its new tokens (all rows the same count q), writing their keys/values into fresh
-        slots appended to the row's context. Returns the final hidden state at each row's last new token."""
+        slots appended to the row's context. Returns the final hidden state of every new token, [rows, q, d]:
+        position i's state produced the distribution of the token after it."""
         q = len(new_tokens[0])
         for row in rows:
             row.slots += self.pool.alloc(q)
@@ -222,7 +228,7 @@ class Engine:
             raise
         finally:
             hook.remove()
-        return hidden[-1][:, -1]
+        return hidden[-1]
 
     def _sample(self, hidden: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
         """Sample one token per row from lm_head(hidden) after the warpers; its H_t and log-probability."""
@@ -248,11 +254,31 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def run(self, prompts: list[list[int]], n: int, max_new_tokens: int, on_bases_done=None,
-            keep_hidden: bool | None = None, on_tree_done=None) -> list[PromptResult]:
+            keep_hidden: bool | set[int] | None = None, on_tree_done=None,
+            given_bases: dict[int, list[Sample]] | None = None) -> list[PromptResult]:
         """N samples per prompt; with `on_bases_done(prompt index, [N base Samples]) -> [BranchRequest]`,
-        each prompt's branches too, started the moment its N base rows have ended. keep_hidden (default: when
-        on_bases_done is given) keeps the base rows' hidden states, which branches need; on_tree_done(p) is
-        called when the last row of prompt p's tree has ended."""
+        each prompt's branches too, started the moment its N base rows have ended (App. C, Sec. 4.1).
+
+        keep_hidden: which prompts' base rows keep their hidden states and slots until their bases are done,
+        which branches need: True / False for all prompts, or a set of prompt indices (the others' base rows
+        give their slots back the step they end); default: all when on_bases_done is given.
+        on_tree_done(p) is called when the last row of prompt p's tree has ended.
+
+        given_bases: prompt index -> its N base Samples, already generated (a Section 3 study's fixed base
+        rollout, or the previous step's bases under one-step off-policy). Such a prompt's bases are not
+        sampled: when it is admitted (within the row and KV budget like any prompt), its prompt is prefilled
+        once and each response's tokens[:-1] is fed once, writing their keys/values into the pool and
+        recording the hidden states its branches start from; on_bases_done fires at once and its branches
+        join the running batch. The given Samples come back unchanged (the same objects) in
+        PromptResult.bases: their entropies and log-probs are the ones recorded when they were generated,
+        not recomputed under the current weights. A given prompt that keeps no hidden states (keep_hidden)
+        can have no branches, so nothing of it is run."""
+        given_bases = given_bases or {}
+        for p, samples in given_bases.items():
+            if not 0 <= p < len(prompts) or len(samples) != n or not all(s.tokens for s in samples):
+                raise ValueError(f"engine.run: given_bases[{p}] must be {n} non-empty Samples of one of the "
+                                 f"{len(prompts)} prompts; got {len(samples)} "
+                                 f"(lengths {[len(s.tokens) for s in samples]})")
         results = [PromptResult([None] * n) for _ in prompts]
         bases_left = [n] * len(prompts)
         rows_left = [n] * len(prompts)            # rows of a prompt's tree not yet ended
@@ -260,7 +286,11 @@ class Engine:
         waiting_prompts = deque(range(len(prompts)))
         waiting: deque[Row] = deque()             # created rows not yet decoding (branches, preempted rows)
         active: list[Row] = []
-        keep_hidden = on_bases_done is not None if keep_hidden is None else keep_hidden
+        if keep_hidden is None:
+            keep_hidden = on_bases_done is not None
+
+        def keep(p: int) -> bool:
+            return p in keep_hidden if isinstance(keep_hidden, (set, frozenset)) else bool(keep_hidden)
 
         def room(rows: list[Row], extra: int) -> bool:
             """Rows fit, and the pool can hold every running row's and these rows' remaining budget."""
@@ -270,12 +300,11 @@ class Engine:
         def finish(row: Row):
             p = row.prompt
             self.events.append((self.step, "end", row.id, p))
-            rows_left[p] -= 1
             if row.fork is None:
                 results[p].bases[row.base] = row.out
                 bases_left[p] -= 1
                 base_rows[p].append(row)
-                if not keep_hidden:               # no branch will read it: its slots go back now
+                if not keep(p):                   # no branch will read it: its slots go back now
                     self.pool.release(row.slots)
                     row.slots = []
                 if bases_left[p] == 0:
@@ -283,6 +312,7 @@ class Engine:
             else:
                 results[p].branches.setdefault((row.base, row.fork), []).append(row.out)
                 self.pool.release(row.slots)
+            rows_left[p] -= 1                     # after bases_done: its branches count before this row leaves
             if rows_left[p] == 0:
                 self.events.append((self.step, "tree_done", p, self.pool.used))
                 if on_tree_done:
@@ -295,10 +325,14 @@ class Engine:
             by_base = sorted(base_rows.pop(p), key=lambda r: r.base)
             requests = on_bases_done(p, [r.out for r in by_base]) if on_bases_done else []
             branch_rows = []
-            if requests and not keep_hidden:
-                raise ValueError("engine: branches requested without keep_hidden (their first token needs it)")
+            if requests and not keep(p):
+                raise ValueError(f"engine: branches requested for prompt {p} without keep_hidden "
+                                 f"(their first token needs the base rows' hidden states)")
             for req in requests:
                 parent = by_base[req.base]
+                if not 0 <= req.fork < len(parent.out.tokens):
+                    raise ValueError(f"engine: fork {req.fork} of prompt {p}'s base {req.base} is outside its "
+                                     f"{len(parent.out.tokens)} tokens (expected 0 <= f < length)")
                 prefix = parent.slots[:len(prompts[p]) + req.fork]
                 for _ in range(req.count):
                     self.pool.retain(prefix)
@@ -317,27 +351,62 @@ class Engine:
                 self.pool.release(row.slots)
                 row.hidden = None
 
-        def admit():
-            while waiting and room([waiting[0]], 0):
-                active.append(waiting.popleft())
-            while waiting_prompts and not waiting:
-                p = waiting_prompts[0]
-                rows = [self._new_row(p, j, None, [], max_new_tokens, keep_hidden) for j in range(n)]
-                if not room(rows[:self.max_rows], len(prompts[p])):   # N > max_rows: the rest wait for room
-                    break
-                waiting_prompts.popleft()
+        def admit_new(p: int) -> bool:
+            """Prefill prompt p once; its N rows share its slots and sample their first token."""
+            rows = [self._new_row(p, j, None, [], max_new_tokens, keep(p)) for j in range(n)]
+            if not room(rows[:self.max_rows], len(prompts[p])):   # N > max_rows: the rest wait for room
+                return False
+            self.events.append((self.step, "prefill", p))
+            hidden = self._forward(rows[:1], [prompts[p]])[:, -1]     # the prompt once, for all N rows
+            self.stats["prefill_tokens"] += len(prompts[p])
+            for row in rows[1:]:
+                row.slots = list(rows[0].slots)
+                self.pool.retain(row.slots)
+            sampled = self._sample(hidden.expand(n, -1))
+            for row, token, ent, lp in zip(rows, *sampled):
+                if self._push(row, token, ent, lp, hidden[0]):
+                    finish(row)
+                else:
+                    (active if room([row], 0) else waiting).append(row)
+            return True
+
+        def admit_given(p: int) -> bool:
+            """Prompt p's given bases: prefill the prompt once, feed each response's tokens[:-1] once (its
+            keys/values and hidden[t], the state that produced token t), then they end at once."""
+            samples = given_bases[p]
+            need = len(prompts[p]) + sum(len(s.tokens) - 1 for s in samples) if keep(p) else 0
+            if not room([], need):
+                return False
+            rows = [self._new_row(p, j, None, [], len(s.tokens), keep(p)) for j, s in enumerate(samples)]
+            if keep(p):
                 self.events.append((self.step, "prefill", p))
-                hidden = self._forward(rows[:1], [prompts[p]])            # the prompt once, for all N rows
+                first = self._forward(rows[:1], [prompts[p]])[0, -1]
                 self.stats["prefill_tokens"] += len(prompts[p])
-                for row in rows[1:]:
-                    row.slots = list(rows[0].slots)
-                    self.pool.retain(row.slots)
-                sampled = self._sample(hidden.expand(n, -1))
-                for row, token, ent, lp in zip(rows, *sampled):
-                    if self._push(row, token, ent, lp, hidden[0]):
-                        finish(row)
-                    else:
-                        (active if room([row], 0) else waiting).append(row)
+                prompt_slots = list(rows[0].slots)
+                for row, sample in zip(rows, samples):
+                    if row is not rows[0]:
+                        row.slots = list(prompt_slots)
+                        self.pool.retain(row.slots)
+                    row.hidden = [first]
+                    if len(sample.tokens) > 1:
+                        row.hidden += list(self._forward([row], [sample.tokens[:-1]])[0])
+                        self.stats["given_tokens"] += len(sample.tokens) - 1
+            for row, sample in zip(rows, samples):
+                row.out = sample                  # returned as given: nothing is appended to it
+                finish(row)
+            return True
+
+        def admit():
+            """Waiting rows first (branches, rows that took turns), then new prompts while room is left."""
+            while True:
+                while waiting and room([waiting[0]], 0):
+                    active.append(waiting.popleft())
+                if waiting or not waiting_prompts:
+                    return
+                p = waiting_prompts[0]
+                if not (admit_given if p in given_bases else admit_new)(p):
+                    return
+                waiting_prompts.popleft()
 
         while waiting_prompts or waiting or active:
             admit()
@@ -349,7 +418,7 @@ class Engine:
             try:
                 if len(active) > 1:   # DATPO_OOM_AT=base|branches: the error CUDA raises, once (tests)
                     faults.oom_point("branches" if any(r.fork is not None for r in active) else "base")
-                hidden = self._forward(active, [[r.out.tokens[-1]] for r in active])
+                hidden = self._forward(active, [[r.out.tokens[-1]] for r in active])[:, -1]
             except RuntimeError as err:                    # torch.OutOfMemoryError is one
                 if not faults.is_oom(err) or len(active) == 1:
                     raise

@@ -254,6 +254,7 @@ class BaseBatch:
     width: int = 0                       # padded prompt width of the generate call
     cache: object = None                 # KV cache of [pad + prompt + response[:-1]] per row
     hidden: list[torch.Tensor] | None = None  # per step [rows, d]: hidden[t] → distribution of token t
+    logprobs: list[list[float]] | None = None  # per row, log p of each token under its sampling distribution (engine)
 
 
 @torch.no_grad()
@@ -261,12 +262,13 @@ def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_t
                 keep_cache: bool = False) -> BaseBatch:
     """N samples per prompt. The prompts are prefilled once (all but their last token) and the cache is
     repeated N times, so the prompt is not recomputed per sample (outputs identical under greedy decoding).
-    With sampler.engine == "engine" (and no cache to keep for branches) engine.py samples them instead."""
-    if sampler.engine == "engine" and not keep_cache:
+    With sampler.engine == "engine" engine.py samples them instead (and records their log-probs); keep_cache
+    (keep what grow_from_forks needs) then keeps nothing: the engine's grow_from_forks feeds the bases again."""
+    if sampler.engine == "engine":
         results = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n).run(prompt_ids, n, max_new_tokens)
         samples = [s for res in results for s in res.bases]
         return BaseBatch([p for p in prompt_ids for _ in range(n)], [s.tokens for s in samples],
-                         [s.entropies for s in samples])
+                         [s.entropies for s in samples], logprobs=[s.logprobs for s in samples])
     ids, mask = left_pad(prompt_ids, sampler.pad_id, sampler.device)
     cache = None
     if ids.shape[1] > 1:
@@ -397,6 +399,9 @@ def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[in
                     base_rewards: list[float] | None = None, budget: str = "full") -> dict[int, list[T.Block]]:
     """Branches from GIVEN forks on GIVEN base responses: the Section 3 analyses (App. C.2, D.5) grow several
     strategies' branches from one fixed base rollout (`base` from sample_base(..., keep_cache=True)).
+    With sampler.engine == "engine" the engine grows them from the given bases (branches_on_given_bases;
+    chunk_size is then unused: the engine's row and KV budget decide); with "generate", sample_branches slices
+    the base generation's cache (the reference path; both give the same subtrees under greedy decoding).
 
     forks: base row → fork prefix lengths (each branch keeps response[:f]); count: B branches per fork;
     answers: the gold answer of each base row; budget: tree.branch_limit's (cfg.branch_budget). Returns, per row in `forks`, its subtree as blocks: the base
@@ -404,10 +409,13 @@ def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[in
     branch blocks per fork, each rewarded on prefix + continuation as in rollout_trees. The base is never
     modified, so it can be branched again with other forks.
     """
-    requests = [BranchRequest(r, f, count) for r, fs in forks.items() for f in sorted(fs)]
-    grown = sample_branches(sampler, base, requests, max_new_tokens, chunk_size, budget=budget) \
-        if requests and count else []
-    by_fork = {(req.row, req.fork): out for req, out in zip(requests, grown)}
+    if sampler.engine == "engine":
+        by_fork = branches_on_given_bases(sampler, base, forks, count, max_new_tokens, budget)
+    else:
+        requests = [BranchRequest(r, f, count) for r, fs in forks.items() for f in sorted(fs)]
+        grown = sample_branches(sampler, base, requests, max_new_tokens, chunk_size, budget=budget) \
+            if requests and count else []
+        by_fork = {(req.row, req.fork): out for req, out in zip(requests, grown)}
     subtrees = {}
     for r, fs in forks.items():
         grade = grader(tokenizer, answers[r], answer_fallback)
@@ -415,6 +423,29 @@ def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[in
         subtrees[r] = response_blocks(tokenizer, 0, base.tokens[r], base.entropies[r], reward, sorted(fs),
                                       {f: by_fork.get((r, f), []) for f in fs}, grade, 0)
     return subtrees
+
+
+def branches_on_given_bases(sampler: Sampler, base: BaseBatch, forks: dict[int, list[int]], count: int,
+                            max_new_tokens: int, budget: str = "full") -> dict[tuple[int, int], list]:
+    """`count` branches at each fork of the given base rows, through engine.Engine.run(given_bases=...):
+    {(row, f): [(tokens, entropies)]}. Each base row with forks is one engine prompt (N = 1) whose response is
+    fed once (prompt + tokens[:-1]: keys/values and the hidden states at the forks) and never resampled; its
+    branches join the running batch as in a training rollout. The prompt is prefilled once per row, and a
+    base branched by several strategies is fed once per call (the price of leaving the base untouched)."""
+    rows = [r for r in sorted(forks) if forks[r] and count]
+    if not rows:
+        return {}
+    limits = {f: T.branch_limit(max_new_tokens, f, budget) for r in rows for f in forks[r]}
+    prompt_ids = [base.prompt_ids[r] for r in rows]
+    given = {i: [E.Sample(base.tokens[r], base.entropies[r], base.logprobs[r] if base.logprobs else [])]
+             for i, r in enumerate(rows)}
+    most_rows = len(rows) * (1 + count * max(len(forks[r]) for r in rows))
+    engine = sampler.make_engine(prompt_ids, max_new_tokens, most_rows, 1)
+    results = engine.run(prompt_ids, 1, max_new_tokens, given_bases=given, keep_hidden=True,
+                         on_bases_done=lambda i, _: [E.BranchRequest(0, f, count, limits[f])
+                                                     for f in sorted(set(forks[rows[i]]))])
+    return {(r, f): [(s.tokens, s.entropies) for s in per]
+            for i, r in enumerate(rows) for (_, f), per in results[i].branches.items()}
 
 
 # --------------------------------------------------------------------------------------------------------

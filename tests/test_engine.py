@@ -277,3 +277,149 @@ def test_every_method_runs_on_the_engine(tiny_policy, monkeypatch):
     for t in attnrl:
         for j, fs in enumerate(t.forks):
             assert sum(1 for b in t.blocks if b.branch and b.base == j) == len(fs) * t.b_hat
+
+
+# ---- given base responses: fed once, never sampled; branches as if the engine had sampled them ----------
+def test_branches_from_given_bases_equal_branches_on_its_own_bases(smollm_tokenizer):
+    """Greedy: the engine samples bases and grows branches; a second engine given those bases (for prompts 0
+    and 2 only; prompt 1 is sampled again) grows the same branches, returns the given Samples themselves,
+    and spends no decode step and no sampling on the given rows."""
+    import copy
+
+    tok = smollm_tokenizer
+    model = tiny_model("qwen2", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    requests = {0: [E.BranchRequest(0, 1, 2, 9), E.BranchRequest(1, 4, 1, 9)],
+                1: [E.BranchRequest(1, 2, 2, 5)], 2: [E.BranchRequest(0, 6, 1, 9), E.BranchRequest(1, 0, 1, 3)]}
+    sampled = engine_for(model, tok, cfg).run(prompts, 2, 9, on_bases_done=lambda p, bases: requests[p])
+    given = {p: sampled[p].bases for p in (0, 2)}
+    saved = copy.deepcopy(given)
+    seen = {}
+    engine = engine_for(model, tok, cfg)
+    results = engine.run(prompts, 2, 9, given_bases=given,
+                         on_bases_done=lambda p, bases: seen.setdefault(p, bases) and requests[p])
+    for p in range(3):
+        assert [s.tokens for s in results[p].bases] == [s.tokens for s in sampled[p].bases]
+        assert {k: [s.tokens for s in v] for k, v in results[p].branches.items()} == \
+            {k: [s.tokens for s in v] for k, v in sampled[p].branches.items()}
+        assert sum(map(len, results[p].branches.values())) == sum(r.count for r in requests[p])
+    for p in (0, 2):
+        assert all(a is b for a, b in zip(results[p].bases, given[p])) and seen[p] == given[p] == saved[p]
+    assert len({t for res in results for per in res.branches.values() for s in per for t in s.tokens}) > 5
+    branch_tokens = sum(len(s.tokens) - 1 for res in results for per in res.branches.values() for s in per)
+    assert engine.stats["row_steps"] == branch_tokens + sum(len(s.tokens) - 1 for s in results[1].bases)
+    assert engine.stats["given_tokens"] == sum(len(s.tokens) - 1 for p in (0, 2) for s in given[p])
+    assert engine.pool.used == 0 and set(engine.pool.refs) == {0}
+
+
+@pytest.mark.parametrize("warpers", [dict(), dict(temperature=0.7, top_k=40, top_p=0.9)])
+def test_branches_on_given_bases_match_a_full_forward(tiny_policy, warpers):
+    """Sampling: every branch token's H_t and log-prob (the first one from the hidden state the feed
+    recorded at the fork) equals a fresh full forward of prompt + base[:f] + branch within 1e-4 (fp32)."""
+    model, tok = tiny_policy
+    cfg = _cfg(**warpers)
+    sampler = R.Sampler.from_config(model, tok, cfg)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    torch.manual_seed(5)
+    given = {p: res.bases for p, res in enumerate(engine_for(model, tok, cfg).run(prompts, 2, 10))}
+    requests = [E.BranchRequest(0, 0, 1, 6), E.BranchRequest(0, 3, 2, 6), E.BranchRequest(1, 7, 2, 6)]
+    results = engine_for(model, tok, cfg).run(prompts, 2, 10, given_bases=given, on_bases_done=lambda p, b:
+                                              [r for r in requests if r.fork < len(b[r.base].tokens)])
+    checked = 0
+    for p, res in enumerate(results):
+        for (j, f), per in res.branches.items():
+            for s in per:
+                ids = prompts[p] + given[p][j].tokens[:f] + s.tokens
+                with torch.no_grad():
+                    logits = model(torch.tensor([ids])).logits[0].float()
+                start = len(prompts[p]) + f - 1
+                scores = sampler.warp(logits[start:start + len(s.tokens)])
+                logp = torch.log_softmax(scores, -1)
+                assert torch.allclose(torch.tensor(s.entropies), R.entropy_of(scores), atol=1e-4)
+                assert torch.allclose(torch.tensor(s.logprobs), logp[torch.arange(len(s.tokens)), s.tokens],
+                                      atol=1e-4)
+                checked += 1
+    assert checked >= 6
+
+
+def test_given_bases_wait_for_kv_room(smollm_tokenizer):
+    """Feeding a given prompt needs P + Σ(len − 1) slots on top of what running rows may still write: with a
+    pool too small for prompt 1's feed beside prompt 0's branches, prompt 1 is prefilled only after prompt 0's
+    tree is done, and the branches are those of a roomy pool (greedy)."""
+    tok = smollm_tokenizer
+    model = tiny_model("llama", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    given = {p: res.bases for p, res in enumerate(engine_for(model, tok, cfg).run(prompts, 2, 8))}
+    fork, count, limit = 2, 3, 6
+    on_bases_done = lambda p, bases: [E.BranchRequest(0, fork, count, limit)]
+    roomy = engine_for(model, tok, cfg)
+    wide = roomy.run(prompts, 2, 8, given_bases=given, on_bases_done=on_bases_done)
+    need = [len(prompts[p]) + sum(len(s.tokens) - 1 for s in given[p]) for p in range(2)]
+    # after prompt 0's bases: its branches hold P0 + f prefix slots and may still write count × (limit − 1)
+    capacity = max(need[0], need[1] + len(prompts[0]) + fork + count * (limit - 1) - 1)
+    assert capacity < need[1] + len(prompts[0]) + fork + count * (limit - 1)
+    engine = engine_for(model, tok, cfg, max_kv_tokens=capacity)
+    results = engine.run(prompts, 2, 8, given_bases=given, on_bases_done=on_bases_done)
+    assert [r.branches for r in results] == [r.branches for r in wide]
+    order = {e: [ev[1:3] for ev in e.events if ev[1] in ("prefill", "tree_done")] for e in (roomy, engine)}
+    assert order[roomy] == [("prefill", 0), ("prefill", 1), ("tree_done", 0), ("tree_done", 1)]
+    assert order[engine] == [("prefill", 0), ("tree_done", 0), ("prefill", 1), ("tree_done", 1)]
+    assert engine.pool.peak <= capacity and engine.pool.used == 0
+    with pytest.raises(ValueError, match="given_bases\\[1\\]"):
+        engine_for(model, tok, cfg).run(prompts, 2, 8, given_bases={1: given[1][:1]})
+
+
+def test_keep_hidden_as_a_set_of_prompts(smollm_tokenizer):
+    """keep_hidden={0}: only prompt 0's base rows hold their slots until its bases are done; prompts 1 and 2
+    give an ended base row's own slots back at once. One row at a time (max_rows=1) makes the peak exact:
+    a kept prompt holds P + Σ_j (len_j − 1), another P + max_j (len_j − 1)."""
+    tok = smollm_tokenizer
+    model = tiny_model("llama", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    on_bases_done = lambda p, bases: [E.BranchRequest(0, 1, 1, 1)] if p == 0 else []
+    peaks, out = {}, {}
+    for keep in (True, frozenset({0})):
+        engine = engine_for(model, tok, cfg, max_rows=1)
+        out[keep] = engine.run(prompts, 2, 8, on_bases_done=on_bases_done, keep_hidden=keep)
+        peaks[keep] = engine.pool.peak
+        assert engine.pool.used == 0
+        # prompt 0's one branch ends at its first token (budget 1), inside bases_done: its tree is done once
+        assert [ev[2] for ev in engine.events if ev[1] == "tree_done"] == [0, 1, 2]
+    tokens = {keep: [[s.tokens for s in r.bases] for r in res] for keep, res in out.items()}
+    assert tokens[True] == tokens[frozenset({0})]
+    lengths = [[len(s.tokens) - 1 for s in r.bases] for r in out[True]]
+    assert peaks[True] == max(len(prompts[p]) + sum(lengths[p]) for p in range(3))
+    assert peaks[frozenset({0})] == max([len(prompts[0]) + sum(lengths[0])] +
+                                         [len(prompts[p]) + max(lengths[p]) for p in (1, 2)])
+    assert peaks[frozenset({0})] < peaks[True]
+    with pytest.raises(ValueError, match="prompt 1 without keep_hidden"):
+        engine_for(model, tok, cfg).run(prompts, 2, 8, keep_hidden={0},
+                                        on_bases_done=lambda p, bases: [E.BranchRequest(0, 1, 1, 2)])
+
+
+def test_grow_from_forks_engine_equals_generate(smollm_tokenizer, monkeypatch):
+    """The Section 3 studies' branches on a fixed base rollout: the engine (given bases) and generate (slices
+    of the base generation's cache) grow the same subtrees under greedy decoding."""
+    tok = smollm_tokenizer
+    model = tiny_model("qwen3", len(tok))
+    monkeypatch.setattr(R, "compute_reward", lambda text, answer, fallback=False: float(len(text) % 2))
+    ids = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    samplers = {e: R.Sampler.from_config(model, tok, _cfg(top_k=1, rollout_engine=e)) for e in ("engine", "generate")}
+    base = R.sample_base(samplers["generate"], ids, 2, 10, keep_cache=True)
+    assert base.cache is not None
+    forks = {0: [2, 5], 1: [1], 3: [4, 7, 8]}
+    subtrees = {}
+    for budget in ("full", "remaining"):
+        for name, sampler in samplers.items():
+            subtrees[name] = R.grow_from_forks(sampler, tok, base, forks, 2, ["7", "7", "35", "35"], 10,
+                                               chunk_size=3, budget=budget)
+        shape = {e: {r: [(b.parent, b.token_ids, b.start, b.branch, b.reward) for b in blocks]
+                     for r, blocks in subtrees[e].items()} for e in subtrees}
+        assert shape["engine"] == shape["generate"]
+        assert sum(b.branch for blocks in subtrees["engine"].values() for b in blocks) == 2 * 6
+        assert len({t for blocks in subtrees["engine"].values() for b in blocks if b.branch for t in b.token_ids}) > 5
+    again = R.sample_base(samplers["engine"], ids, 2, 10, keep_cache=True)
+    assert again.tokens == base.tokens and again.cache is None and len(again.logprobs) == 4

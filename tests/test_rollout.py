@@ -99,7 +99,7 @@ def test_recorded_entropy_matches_an_independent_forward(tiny_policy):
 
 def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
     model, tok = tiny_policy
-    sampler = R.Sampler.from_config(model, tok, _cfg())
+    sampler = R.Sampler.from_config(model, tok, _cfg(rollout_engine="generate"))
     prompts = [tok("What is 3 + 4?", add_special_tokens=False).input_ids,
                tok("Add 10 and 25, then explain.", add_special_tokens=False).input_ids]
     torch.manual_seed(5)
@@ -129,7 +129,7 @@ def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
 @pytest.mark.parametrize("budget", ["full", "remaining"])
 def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
     model, tok = tiny_policy
-    sampler = R.Sampler.from_config(model, tok, _cfg())
+    sampler = R.Sampler.from_config(model, tok, _cfg(rollout_engine="generate"))
     prompts = [tok("What is 3 + 4?", add_special_tokens=False).input_ids,
                tok("Add 10 and 25.", add_special_tokens=False).input_ids]
     torch.manual_seed(11)
