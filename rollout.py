@@ -25,6 +25,10 @@ With `generate`, one call of `rollout_trees` does, for a batch of prompts:
            already samples its second token. `naive_prefill=True` instead re-prefills prompt + response[:f]
            for every branch (the simple path, kept for comparison and as the test oracle).
   Blocks   tree.base_blocks + one terminal block per branch → a `tree.Tree` per prompt.
+
+Both engines record, for every generated token, H_t and log p(token) under the distribution it was sampled
+from (after temperature/top-k/top-p); the blocks carry both (tree.Block.entropies / .logprobs), so a later
+update can tell the behaviour policy's log-probs from its own (one-step off-policy).
 """
 from __future__ import annotations
 
@@ -69,14 +73,27 @@ def entropy_of(scores: torch.Tensor) -> torch.Tensor:
 
 
 class EntropyRecorder(LogitsProcessor):
-    """Records the entropy of each step's sampling distribution: a [batch] vector per step, nothing bigger."""
+    """Records the entropy of each step's sampling distribution and the log-probability of the token sampled
+    from it: a [batch] vector per step each. The token of step t is known only at step t + 1 (the last column
+    of input_ids), so one step's [batch, vocab] log-probs are held until then; `close(last)` gathers the
+    final step's with the tokens generate returned."""
 
     def __init__(self):
         self.steps: list[torch.Tensor] = []
+        self.logprob_steps: list[torch.Tensor] = []
+        self._pending: torch.Tensor | None = None
 
     def __call__(self, input_ids, scores):
         self.steps.append(entropy_of(scores))
+        if self._pending is not None:
+            self.logprob_steps.append(self._pending.gather(1, input_ids[:, -1:])[:, 0])
+        self._pending = torch.log_softmax(scores.float(), dim=-1)
         return scores
+
+    def close(self, last_tokens: torch.Tensor) -> None:
+        if self._pending is not None:
+            self.logprob_steps.append(self._pending.gather(1, last_tokens[:, None])[:, 0])
+            self._pending = None
 
 
 class RowLimits(StoppingCriteria):
@@ -208,7 +225,8 @@ class Sampler:
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, limits: list[int], cache=None, record_hidden=False):
-        """HF generate with per-row budgets; returns (tokens, entropies, hf_output, hidden steps or None)."""
+        """HF generate with per-row budgets; returns (tokens, entropies, log-probs of the sampled tokens,
+        hf_output, hidden steps or None)."""
         recorder = EntropyRecorder()
         processors = LogitsProcessorList([*sampling_processors(self.temperature, self.top_k, self.top_p), recorder])
         limit_t = torch.tensor(limits, device=input_ids.device)
@@ -225,21 +243,28 @@ class Sampler:
             if hidden:
                 hidden.__exit__()
         new = out.sequences[:, input_ids.shape[1]:]
+        if new.shape[1]:
+            recorder.close(new[:, -1])
         ents = torch.stack(recorder.steps, dim=1) if recorder.steps else new.new_zeros(new.shape, dtype=torch.float)
         tokens, entropies = self.trim(new, ents, limits)
+        logps = torch.stack(recorder.logprob_steps, dim=1).tolist() if recorder.logprob_steps else [[]] * len(tokens)
+        logprobs = [row[:len(t)] for row, t in zip(logps, tokens)]
         # generate decodes every row until the batch ends: the row-steps past a row's end are wasted work
         steps = len(recorder.steps)
         self.counts["row_steps"] = self.counts.get("row_steps", 0) + steps * len(limits)
         self.counts["ended_row_steps"] = self.counts.get("ended_row_steps", 0) + steps * len(limits) - sum(map(len, tokens))
         self.counts["peak_call_kv_bytes"] = max(self.counts.get("peak_call_kv_bytes", 0), cache_bytes(out.past_key_values))
-        return tokens, entropies, out, (hidden.steps if hidden else None)
+        return tokens, entropies, logprobs, out, (hidden.steps if hidden else None)
 
     @torch.no_grad()
-    def sample_first(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row from lm_head(hidden) exactly as generate's sampling step does."""
+    def sample_first(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample one token per row from lm_head(hidden) exactly as generate's sampling step does; its H_t and
+        log-probability."""
         scores = self.warp(self.model.get_output_embeddings()(hidden).float())
         probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, num_samples=1).squeeze(1), entropy_of(scores)
+        tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+        logprobs = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None])[:, 0]
+        return tokens, entropy_of(scores), logprobs
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -254,7 +279,7 @@ class BaseBatch:
     width: int = 0                       # padded prompt width of the generate call
     cache: object = None                 # KV cache of [pad + prompt + response[:-1]] per row
     hidden: list[torch.Tensor] | None = None  # per step [rows, d]: hidden[t] → distribution of token t
-    logprobs: list[list[float]] | None = None  # per row, log p of each token under its sampling distribution (engine)
+    logprobs: list[list[float]] | None = None  # per row, log p of each token under its sampling distribution
 
 
 @torch.no_grad()
@@ -278,10 +303,10 @@ def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_t
                       past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(n)
     ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
-    tokens, ents, out, hidden = sampler.generate(ids, mask, [max_new_tokens] * ids.shape[0], cache=cache,
-                                                 record_hidden=keep_cache)
+    tokens, ents, logps, out, hidden = sampler.generate(ids, mask, [max_new_tokens] * ids.shape[0], cache=cache,
+                                                        record_hidden=keep_cache)
     rows_prompt = [p for p in prompt_ids for _ in range(n)]
-    batch = BaseBatch(rows_prompt, tokens, ents, width=ids.shape[1])
+    batch = BaseBatch(rows_prompt, tokens, ents, width=ids.shape[1], logprobs=logps)
     if keep_cache:
         batch.cache, batch.hidden = out.past_key_values, hidden
     return batch
@@ -321,9 +346,10 @@ def slice_prefix_cache(model, base: BaseBatch, rows: list[int], forks: list[int]
 def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequest], max_new_tokens: int,
                     chunk_size: int, naive_prefill: bool = False, counters: dict | None = None,
                     budget: str = "full"):
-    """All branches of all requests, in chunks. Returns, per request, `count` (tokens, entropies) pairs of the
-    branch continuation (from token f on), each at most tree.branch_limit(max_new_tokens, f, budget) long. counters['recomputed_prefix_tokens'] counts prefix tokens whose
-    keys/values were computed again (0 on the cached path)."""
+    """All branches of all requests, in chunks. Returns, per request, `count` (tokens, entropies, log-probs)
+    triples of the branch continuation (from token f on), each at most tree.branch_limit(max_new_tokens, f,
+    budget) long. counters['recomputed_prefix_tokens'] counts prefix tokens whose keys/values were computed
+    again (0 on the cached path)."""
     counters = counters if counters is not None else {}
     counters.setdefault("recomputed_prefix_tokens", 0)
     jobs = [(i, req) for i, req in enumerate(requests) for _ in range(req.count)]
@@ -337,22 +363,23 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
         prefixes = [base.prompt_ids[r] + base.tokens[r][:f] for r, f in zip(rows, forks)]
         if naive_prefill:
             ids, mask = left_pad(prefixes, sampler.pad_id, sampler.device)
-            tokens, ents, _, _ = sampler.generate(ids, mask, limits)
+            tokens, ents, logps, _, _ = sampler.generate(ids, mask, limits)
             counters["recomputed_prefix_tokens"] += sum(map(len, prefixes))
         else:
             hidden = torch.stack([base.hidden[f][r] for r, f in zip(rows, forks)])
-            first, first_ent = sampler.sample_first(hidden)
+            first, first_ent, first_logp = sampler.sample_first(hidden)
             cache, width = slice_prefix_cache(sampler.model, base, rows, forks)
             ids, mask = left_pad([p + [t] for p, t in zip(prefixes, first.tolist())], sampler.pad_id, sampler.device)
             # A branch whose first token already ends it, or whose budget is one token, must not continue:
             # it stays in the batch (same batch shape as the naive path) with a budget of 1 extra step.
             ended = [t in sampler.stop_ids or lim <= 1 for t, lim in zip(first.tolist(), limits)]
             rest_limits = [1 if e else lim - 1 for e, lim in zip(ended, limits)]
-            rest, rest_ents, _, _ = sampler.generate(ids, mask, rest_limits, cache=cache)
+            rest, rest_ents, rest_logps, _, _ = sampler.generate(ids, mask, rest_limits, cache=cache)
             tokens = [[t] + ([] if e else r) for t, e, r in zip(first.tolist(), ended, rest)]
             ents = [[h] + ([] if e else r) for h, e, r in zip(first_ent.tolist(), ended, rest_ents)]
+            logps = [[lp] + ([] if e else r) for lp, e, r in zip(first_logp.tolist(), ended, rest_logps)]
             del cache
-        return list(zip(tokens, ents))
+        return list(zip(tokens, ents, logps))
 
     # A chunk that runs out of GPU memory is retried at half the size, down to one branch (faults.py).
     outputs = faults.halving_chunks(jobs, chunk_size, run, what="branches", counters=counters)
@@ -362,23 +389,24 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
 
 
 def response_blocks(tokenizer, j: int, tokens: list[int], entropies: list[float], reward: float, forks: list[int],
-                    branches: dict, grade, first_index: int) -> list[T.Block]:
+                    branches: dict, grade, first_index: int, logprobs: list[float] | None = None) -> list[T.Block]:
     """The blocks of one base response's subtree (App. C): the response cut at its forks (tree.base_blocks; the
     last block carries its reward) followed, fork by fork, by one terminal block per branch.
 
-    branches: f -> [(tokens, entropies)] of the branches grown at f (continuations from token f on);
-    grade(ids) -> reward of the whole root-to-leaf response ids = tokens[:f] + branch; first_index: where
-    these blocks start in the tree's block list. rollout_trees and grow_from_forks both build blocks here.
+    branches: f -> [(tokens, entropies, log-probs)] of the branches grown at f (continuations from token f on;
+    log-probs may be None); grade(ids) -> reward of the whole root-to-leaf response ids = tokens[:f] + branch;
+    first_index: where these blocks start in the tree's block list; logprobs: the base response's
+    generation-time log-probs (None: unknown). rollout_trees and grow_from_forks both build blocks here.
     """
-    blocks, ends_at = T.base_blocks(j, tokens, entropies, reward, forks, first_index)
+    blocks, ends_at = T.base_blocks(j, tokens, entropies, reward, forks, first_index, logprobs)
     for block in blocks:
         block.text = tokenizer.decode(block.token_ids, skip_special_tokens=True)
     for f in forks:
         grown = branches.get(f, [])
-        texts = tokenizer.batch_decode([tok for tok, _ in grown], skip_special_tokens=True)
-        for (tok, ent), text in zip(grown, texts):
+        texts = tokenizer.batch_decode([tok for tok, *_ in grown], skip_special_tokens=True)
+        for (tok, ent, logp), text in zip(grown, texts):
             blocks.append(T.Block(parent=ends_at[f], token_ids=tok, entropies=ent, text=text,
-                                  reward=grade(tokens[:f] + tok), base=j, start=f, branch=True))
+                                  reward=grade(tokens[:f] + tok), base=j, start=f, branch=True, logprobs=logp))
     return blocks
 
 
@@ -421,14 +449,15 @@ def grow_from_forks(sampler: Sampler, tokenizer, base: BaseBatch, forks: dict[in
         grade = grader(tokenizer, answers[r], answer_fallback)
         reward = base_rewards[r] if base_rewards is not None else grade(base.tokens[r])
         subtrees[r] = response_blocks(tokenizer, 0, base.tokens[r], base.entropies[r], reward, sorted(fs),
-                                      {f: by_fork.get((r, f), []) for f in fs}, grade, 0)
+                                      {f: by_fork.get((r, f), []) for f in fs}, grade, 0,
+                                      base.logprobs[r] if base.logprobs else None)
     return subtrees
 
 
 def branches_on_given_bases(sampler: Sampler, base: BaseBatch, forks: dict[int, list[int]], count: int,
                             max_new_tokens: int, budget: str = "full") -> dict[tuple[int, int], list]:
     """`count` branches at each fork of the given base rows, through engine.Engine.run(given_bases=...):
-    {(row, f): [(tokens, entropies)]}. Each base row with forks is one engine prompt (N = 1) whose response is
+    {(row, f): [(tokens, entropies, log-probs)]}. Each base row with forks is one engine prompt (N = 1) whose response is
     fed once (prompt + tokens[:-1]: keys/values and the hidden states at the forks) and never resampled; its
     branches join the running batch as in a training rollout. The prompt is prefilled once per row, and a
     base branched by several strategies is fed once per call (the price of leaving the base untouched)."""
@@ -444,7 +473,7 @@ def branches_on_given_bases(sampler: Sampler, base: BaseBatch, forks: dict[int, 
     results = engine.run(prompt_ids, 1, max_new_tokens, given_bases=given, keep_hidden=True,
                          on_bases_done=lambda i, _: [E.BranchRequest(0, f, count, limits[f])
                                                      for f in sorted(set(forks[rows[i]]))])
-    return {(r, f): [(s.tokens, s.entropies) for s in per]
+    return {(r, f): [(s.tokens, s.entropies, s.logprobs) for s in per]
             for i, r in enumerate(rows) for (_, f), per in results[i].branches.items()}
 
 
@@ -553,9 +582,9 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
     for i, (samples, rewards, (v_root, k_hat, b_hat, forks), branches) in enumerate(grown):
         grade = grader(tokenizer, answers[i], cfg.answer_fallback)
         blocks: list[T.Block] = []
-        for j, ((tokens, entropies), fs) in enumerate(zip(samples, forks)):
+        for j, ((tokens, entropies, logprobs), fs) in enumerate(zip(samples, forks)):
             blocks += response_blocks(tokenizer, j, tokens, entropies, rewards[j], fs,
-                                      {f: branches[(j, f)] for f in fs}, grade, len(blocks))
+                                      {f: branches[(j, f)] for f in fs}, grade, len(blocks), logprobs)
         trees.append(T.Tree(prompt=prompts[i], prompt_ids=prompt_ids[i], answer=answers[i], blocks=blocks,
                             v_root=v_root, k_hat=k_hat, b_hat=b_hat, forks=forks,
                             level=levels[i] if levels else None))
@@ -565,8 +594,8 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
 
 def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress):
     """All prompts through one engine.Engine: a prompt is planned (plan_prompt) the moment its N bases end, and
-    its branches join the running batch. Returns, per prompt, (base samples as (tokens, entropies), base
-    rewards, plan, {(j, f): [(tokens, entropies)]}) and the RolloutStats."""
+    its branches join the running batch. Returns, per prompt, (base samples as (tokens, entropies, log-probs),
+    base rewards, plan, {(j, f): [(tokens, entropies, log-probs)]}) and the RolloutStats."""
     stats = RolloutStats()
     expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
     most_rows = len(prompt_ids) * n * (1 + (cfg.k_max * cfg.b_max if expandable else 0))
@@ -599,8 +628,8 @@ def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budge
     stats.oom_retries = engine.stats["oom_retries"]
     stats.row_steps, stats.ended_row_steps = engine.stats["row_steps"], engine.stats["ended_row_steps"]
     stats.peak_kv_bytes = engine.pool.peak * engine.pool.bytes_per_token
-    grown = [([(s.tokens, s.entropies) for s in res.bases], graded[p], plans[p],
-              {key: [(s.tokens, s.entropies) for s in per] for key, per in res.branches.items()})
+    grown = [([(s.tokens, s.entropies, s.logprobs) for s in res.bases], graded[p], plans[p],
+              {key: [(s.tokens, s.entropies, s.logprobs) for s in per] for key, per in res.branches.items()})
              for p, res in enumerate(results)]
     return grown, stats
 
@@ -647,12 +676,14 @@ def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, bud
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, base_kv + sampler.counts["peak_call_kv_bytes"])
         stats.recomputed_prefix_tokens += counters.get("recomputed_prefix_tokens", 0)
         stats.oom_retries += counters.get("oom_retries", 0)
-        stats.branch_tokens += sum(len(tok) for per in branches for tok, _ in per)
+        stats.branch_tokens += sum(len(tok) for per in branches for tok, *_ in per)
         base.cache = base.hidden = None  # free the KV cache before the next group
         by_request = {(req.row, req.fork): out for req, out in zip(requests, branches)}
         for g, plan in enumerate(plans):
             rows = range(g * n, (g + 1) * n)
-            grown.append(([(base.tokens[r], base.entropies[r]) for r in rows], [rewards[r] for r in rows], plan,
+            grown.append(([(base.tokens[r], base.entropies[r], base.logprobs[r] if base.logprobs else None)
+                           for r in rows],
+                          [rewards[r] for r in rows], plan,
                           {(j, f): by_request[(r, f)] for j, r in enumerate(rows) for f in plan[3][j]}))
         stats.seconds_branches += time.perf_counter() - t0
         if progress is not None:

@@ -203,7 +203,8 @@ def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embedding
     r(b) + V(s_end) − V(s_start) (Eq. 3); div_sib: Div_sib(b) (Eq. 10, or the release's groups with
     sibling_groups "release": methods.div_sib; None when no embeddings were computed);
     advantage: the value the update used, by the run's method (None when the tree was not trained, e.g.
-    AttnRL's filtered trees). Token pieces join to the block's decoded text; entropies are rounded to 1e-3.
+    AttnRL's filtered trees). Token pieces join to the block's decoded text; entropies are rounded to 1e-3,
+    logprobs (generation-time log p of each token; None when not recorded) to 1e-4.
     """
     parents, rewards, branch = tr.parents, tr.rewards, tr.branch_flags
     # the run's own estimates (--value_estimate), so Â_base is the one it used
@@ -217,6 +218,7 @@ def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embedding
             "id": i, "parent": b.parent, "base": b.base, "start": b.start, "branch": b.branch,
             "terminal": b.terminal, "text": text, "tokens": [text[s:e] for s, e in spans],
             "token_ids": list(b.token_ids), "entropies": [round(float(h), 3) for h in b.entropies],
+            "logprobs": None if b.logprobs is None else [round(float(lp), 4) for lp in b.logprobs],
             "reward": b.reward, "v_start": v_start[i], "v_end": v_end[i], "base_advantage": base[i],
             "div_sib": div[i], "advantage": None if advantages is None else float(advantages[i]),
         })

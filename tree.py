@@ -312,6 +312,8 @@ class Block:
     base: int = 0                   # which base response (0..N−1) the block grows from
     start: int = 0                  # position of its first token within its root-to-leaf response
     branch: bool = False            # a branch rollout (one terminal block) rather than a piece of a base response
+    logprobs: list[float] | None = None  # log p of each token under the distribution it was sampled from, at
+                                         # generation time (the behaviour policy's; None when not recorded)
 
     @property
     def terminal(self) -> bool:
@@ -366,15 +368,19 @@ def split_at_forks(n: int, forks: list[int]) -> list[tuple[int, int]]:
 
 
 def base_blocks(base: int, token_ids: list[int], entropies: list[float], reward: float, forks: list[int],
-                first_index: int) -> tuple[list[Block], dict[int, int]]:
+                first_index: int, logprobs: list[float] | None = None) -> tuple[list[Block], dict[int, int]]:
     """Cut one base response at its forks. Returns its blocks (the last is terminal, carrying the response's
-    reward) and, for each fork f, the index of the block that ends at f — the parent of f's branches."""
+    reward) and, for each fork f, the index of the block that ends at f — the parent of f's branches.
+    logprobs (optional): the response's per-token generation-time log-probs, cut like its entropies."""
+    if logprobs is not None and len(logprobs) != len(token_ids):
+        raise ValueError(f"base_blocks: {len(logprobs)} log-probs for {len(token_ids)} tokens of base {base}")
     blocks, ends_at = [], {}
     for j, (a, b) in enumerate(split_at_forks(len(token_ids), forks)):
         parent = None if j == 0 else first_index + j - 1
         last = b == len(token_ids)
         blocks.append(Block(parent=parent, token_ids=list(token_ids[a:b]), entropies=list(entropies[a:b]),
-                            reward=reward if last else None, base=base, start=a))
+                            reward=reward if last else None, base=base, start=a,
+                            logprobs=None if logprobs is None else list(logprobs[a:b])))
         ends_at[b] = first_index + j
     return blocks, ends_at
 

@@ -151,7 +151,7 @@ function show(t, b, rect) {
   const forks = new Set((t.forks[b.base] || []).map(f => f - b.start));
   const toks = b.tokens.map((s, k) => `<span class="tok${forks.has(k) && !b.branch ? " fork" : ""}" ` +
     `style="background:${b.token_fill[k]};color:${b.entropies[k] > 0.6 * S.entropy_scale ? "#fff" : "#000"}" ` +
-    `title="H=${b.entropies[k]} id=${b.token_ids[k]}">${esc(s)}</span>`).join("");
+    `title="H=${b.entropies[k]}${b.logprobs ? " log p=" + b.logprobs[k] : ""} id=${b.token_ids[k]}">${esc(s)}</span>`).join("");
   document.getElementById("detail").innerHTML =
     `<b>tree ${t.tree}, block ${b.id}</b> (${b.branch ? "branch" : "base response " + b.base}, parent ${b.parent === null ? "prompt" : b.parent}, ` +
     `tokens ${b.start}\\u2013${b.start + b.token_ids.length}) &nbsp; reward ${fmt(b.reward)} &nbsp; V(start) ${fmt(b.v_start)} ` +

@@ -9,6 +9,7 @@ import config
 import engine as E
 import rollout as R
 import methods as M
+import tree as T
 
 PROMPTS = ["What is 3 + 4?", "Add 10 and 25, then explain.", "Compute 12 * 3 step by step, please."]
 ANSWERS = ["7", "35", "36"]
@@ -423,3 +424,28 @@ def test_grow_from_forks_engine_equals_generate(smollm_tokenizer, monkeypatch):
         assert len({t for blocks in subtrees["engine"].values() for b in blocks if b.branch for t in b.token_ids}) > 5
     again = R.sample_base(samplers["engine"], ids, 2, 10, keep_cache=True)
     assert again.tokens == base.tokens and again.cache is None and len(again.logprobs) == 4
+
+
+# ---- per-token log-probs carried into the tree -----------------------------------------------------------
+@pytest.mark.parametrize("engine", ["engine", "generate"])
+def test_tree_blocks_carry_generation_time_logprobs(tiny_policy, engine):
+    """Every block of every tree (base pieces and branches) carries the log p of each of its tokens under the
+    distribution it was sampled from: equal to a fresh full forward of prompt + path within 1e-4 (fp32)."""
+    model, tok = tiny_policy
+    cfg = _cfg(temperature=0.8, top_k=50, top_p=0.95)
+    trees, _ = rollout(model, tok, cfg, engine, seed=3)
+    sampler = R.Sampler.from_config(model, tok, cfg)
+    checked = 0
+    for t in trees:
+        for i, b in enumerate(t.blocks):
+            path = T.path_token_ids(t.blocks, i)
+            ids = t.prompt_ids + path
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0].float()
+            start = len(t.prompt_ids) + b.start - 1
+            logp = torch.log_softmax(sampler.warp(logits[start:start + len(b.token_ids)]), -1)
+            assert len(b.logprobs) == len(b.token_ids)
+            assert torch.allclose(torch.tensor(b.logprobs), logp[torch.arange(len(b.token_ids)), b.token_ids],
+                                  atol=1e-4)
+            checked += b.branch
+    assert checked >= 6

@@ -342,7 +342,7 @@ def test_branch_chunk_halves_on_out_of_memory(tiny_policy, monkeypatch, capsys):
     monkeypatch.setattr(R.Sampler, "generate", small_gpu)
     counters = {}
     out = R.sample_branches(sampler, base, requests, 6, chunk_size=6, counters=counters)
-    assert [len(per) for per in out] == [3, 3] and all(tokens for per in out for tokens, _ in per)
+    assert [len(per) for per in out] == [3, 3] and all(tokens for per in out for tokens, *_ in per)
     assert sizes == [6, 3, 1, 1, 1, 1, 1, 1]       # 6 → 3 → 1 (3 // 2), then every branch once at the size that fits
     assert counters["oom_retries"] == 2
     assert "out of memory generating branches (6 at once): retrying at 3" in capsys.readouterr().err

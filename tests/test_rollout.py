@@ -95,6 +95,9 @@ def test_recorded_entropy_matches_an_independent_forward(tiny_policy):
         p = len(base.prompt_ids[row])
         expected = R.entropy_of(logits[p - 1:p - 1 + len(base.tokens[row])])
         assert torch.allclose(torch.tensor(base.entropies[row]), expected, atol=1e-4)
+        logp = torch.log_softmax(logits[p - 1:p - 1 + len(base.tokens[row])], -1)
+        assert torch.allclose(torch.tensor(base.logprobs[row]),
+                              logp[torch.arange(len(base.tokens[row])), base.tokens[row]], atol=1e-4)
 
 
 def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
@@ -148,8 +151,10 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
     path_lengths = []
     for per_c, per_n, q in zip(cached, naive, requests):
         assert len(per_c) == len(per_n) == q.count
-        for (tok_c, ent_c), (tok_n, ent_n) in zip(per_c, per_n):
+        for (tok_c, ent_c, lp_c), (tok_n, ent_n, lp_n) in zip(per_c, per_n):
             assert tok_c == tok_n
+            # the cached path's first token comes from the saved hidden state, the naive one's from generate
+            assert len(lp_c) == len(tok_c) and lp_c == pytest.approx(lp_n, abs=1e-4)
             # full: every branch may add 10 new tokens (App. E.2); remaining: the path stays within 10
             assert len(tok_c) <= (10 if budget == "full" else 10 - q.fork)
             assert ent_c == pytest.approx(ent_n, abs=1e-4)
@@ -159,7 +164,7 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
     assert max(path_lengths) <= T.max_path_tokens(10, budget)
     assert (max(path_lengths) > 10) == (budget == "full")
     # branches of one fork are different samples, not copies
-    assert len({tuple(t) for t, _ in cached[2]}) > 1
+    assert len({tuple(t) for t, *_ in cached[2]}) > 1
 
 
 def test_branch_limits_and_longest_path():

@@ -100,6 +100,7 @@ def test_tree_logs_at_step_one_and_every_n_hold_every_block(tiny_run):
         assert len(t["forks"]) == cfg.n_base and t["leaves"] == sum(b["terminal"] for b in t["blocks"])
         for b in t["blocks"]:
             assert "".join(b["tokens"]) == b["text"] and len(b["token_ids"]) == len(b["entropies"]) == len(b["tokens"])
+            assert len(b["logprobs"]) == len(b["token_ids"]) and max(b["logprobs"]) <= 0   # log p, generation time
             assert (b["reward"] is not None) == b["terminal"]
             assert b["base_advantage"] == pytest.approx((b["reward"] or 0) + b["v_end"] - b["v_start"])
             assert b["div_sib"] is not None   # α ≠ 0 at step 2 of 3: embeddings were computed
@@ -120,7 +121,8 @@ def test_tree_record_by_hand(smollm_tokenizer):
         T.Block(None, [504, 505], [0.5, 1.5], base=0, start=0),
         T.Block(0, [506, 507], [0.1, 0.2], base=0, start=2),
         T.Block(1, [508, 509], [0.3, 0.4], reward=0.0, base=0, start=4),
-        T.Block(0, [510, 511, 512], [2.0] * 3, reward=1.0, base=0, start=2, branch=True),
+        T.Block(0, [510, 511, 512], [2.0] * 3, reward=1.0, base=0, start=2, branch=True,
+                logprobs=[-0.123456, -2.0, -0.00001]),
         T.Block(1, [513], [0.7], reward=1.0, base=0, start=4, branch=True),
         T.Block(None, [514, 515, 516], [0.0] * 3, reward=0.0, base=1, start=0),
     ]
@@ -139,6 +141,7 @@ def test_tree_record_by_hand(smollm_tokenizer):
     assert by["div_sib"] == pytest.approx([0.5, 1.0, 0.0, 1.0, 0.0, 0.5])
     assert by["advantage"] == [9, 8, 7, 6, 5, 4]           # what the update used, as given
     assert by["entropies"][0] == [0.5, 1.5] and by["token_ids"][3] == [510, 511, 512]
+    assert by["logprobs"] == [None, None, None, [-0.1235, -2.0, -0.0], None, None]   # rounded to 1e-4
     assert rec["forks"] == [[2, 4], []] and rec["leaves"] == 4 and rec["trained"]
     assert tracking.tree_record(tr, smollm_tokenizer, None)["blocks"][0]["div_sib"] is None
     # --value_estimate release: V(root) = mean of the base responses (b2, b5: 0), V(fork) = mean of its branches

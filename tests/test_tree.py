@@ -237,6 +237,12 @@ def test_base_blocks_cut_at_forks_and_carry_the_reward_on_the_last():
     assert [b.parent for b in blocks] == [None, 5, 6]
     assert [b.reward for b in blocks] == [None, None, 1.0]
     assert ends_at == {3: 5, 7: 6, 10: 7}
+    assert all(b.logprobs is None for b in blocks)                 # not recorded: unknown, not zeros
+    logprobs = [-0.1 * t for t in range(10)]
+    cut, _ = T.base_blocks(0, ids, [0.0] * 10, 1.0, [3, 7], first_index=5, logprobs=logprobs)
+    assert [b.logprobs for b in cut] == [logprobs[0:3], logprobs[3:7], logprobs[7:10]]
+    with pytest.raises(ValueError, match="9 log-probs for 10 tokens"):
+        T.base_blocks(0, ids, [0.0] * 10, 1.0, [3, 7], first_index=5, logprobs=logprobs[:9])
     with pytest.raises(ValueError):
         T.split_at_forks(10, [7, 3])
 

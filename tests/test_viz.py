@@ -21,7 +21,7 @@ def _trees(tokenizer):
     f1, f2 = 2, 4
     blocks = [
         T.Block(None, base0[:f1], [0.5, 2.5], base=0, start=0),
-        T.Block(0, base0[f1:f2], [3.0, 0.2], base=0, start=f1),
+        T.Block(0, base0[f1:f2], [3.0, 0.2], base=0, start=f1, logprobs=[-0.5, -1.25]),
         T.Block(1, base0[f2:], [0.1] * len(base0[f2:]), reward=0.0, base=0, start=f2),
         T.Block(0, ids(" subtract: 23 - 4 = 19 </script>"), [1.0] * len(ids(" subtract: 23 - 4 = 19 </script>")),
                 reward=1.0, base=0, start=f1, branch=True),
@@ -34,6 +34,8 @@ def _trees(tokenizer):
     two = T.Tree("q", [1], "5", [T.Block(None, ids("5"), [0.2], reward=1.0, base=0),
                                  T.Block(None, ids("6"), [0.9], reward=0.0, base=1)], 0.5, 1, 1, forks=[[], []])
     rec1 = tracking.tree_record(two, tokenizer, None)
+    for b in rec1["blocks"]:            # a tree log written before blocks carried log-probs
+        del b["logprobs"]
     return [{"step": 7, "tree": i, "method": "datpo", "alpha": 0.1, **r} for i, r in enumerate([rec0, rec1])]
 
 
@@ -110,7 +112,11 @@ def test_viewer_in_headless_chromium(logged_run, tmp_path):
                                    .dispatchEvent(new MouseEvent('click', {bubbles: true}));
                                    const d = document.getElementById('detail');
                                    return {text: d.textContent, toks: d.querySelectorAll('.tok').length,
-                                           forks: d.querySelectorAll('.tok.fork').length}; })()""")
+                                           forks: d.querySelectorAll('.tok.fork').length,
+                                           titles: [...d.querySelectorAll('.tok')].map(e => e.title)}; })()""")
+        old = page.evaluate("""(() => { document.querySelector('rect.block[data-tree="1"][data-id="0"]')
+                                .dispatchEvent(new MouseEvent('click', {bubbles: true}));
+                                return [...document.querySelectorAll('#detail .tok')].map(e => e.title); })()""")
         errors, requests = page.errors, page.requests
     assert drawn["rendered"] == "yes"
     assert errors == []
@@ -146,6 +152,10 @@ def test_viewer_in_headless_chromium(logged_run, tmp_path):
                 assert np.abs(pixel - _hex_rgb(b["fill"])).max() <= 3, (t["tree"], b["id"], pixel, b["fill"])
     assert detail["toks"] == len(trees[0]["blocks"][1]["token_ids"]) and detail["forks"] == 1   # fork at 2 = token 0
     assert "Div_sib" in detail["text"] and "block 1" in detail["text"]
+    # a token's tooltip: its entropy, its generation-time log-prob when the log has them, its id
+    ids1 = trees[0]["blocks"][1]["token_ids"]
+    assert detail["titles"] == [f"H=3 log p=-0.5 id={ids1[0]}", f"H=0.2 log p=-1.25 id={ids1[1]}"]
+    assert old == [f"H=0.2 id={trees[1]['blocks'][0]['token_ids'][0]}"]
     print(f"viewer screenshot: {shot}")
 
 
