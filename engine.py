@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 import faults
 
@@ -167,6 +168,38 @@ class PromptResult:
     branches: dict = field(default_factory=dict)      # (j, f) -> list[Sample]
 
 
+@dataclass
+class RunState:
+    """What one Engine.run call tracks (a fresh one per call): its arguments, the results so far, and the
+    work in each state — prompts not yet admitted, rows waiting for room, rows decoding."""
+    prompts: list[list[int]]
+    n: int
+    max_new_tokens: int
+    on_bases_done: object
+    keep_hidden: bool | set[int]
+    on_tree_done: object
+    given_bases: dict[int, list[Sample]]
+    results: list[PromptResult] = field(default_factory=list)
+    bases_left: list[int] = field(default_factory=list)   # per prompt: base rows not yet ended
+    rows_left: list[int] = field(default_factory=list)    # per prompt: rows of its tree not yet ended
+    base_rows: dict[int, list[Row]] = field(default_factory=dict)   # ended base rows, until their bases are done
+    waiting_prompts: deque = field(default_factory=deque)
+    waiting: deque = field(default_factory=deque)        # created rows not yet decoding (branches, preempted)
+    active: list[Row] = field(default_factory=list)
+    bar: object = None                                    # the tqdm bar, and what it shows:
+    sampled: int = 0                                      # tokens sampled (given bases are not)
+    rows_started: int = 0
+    rows_done: int = 0
+    trees_done: int = 0
+
+    def __post_init__(self):
+        count = len(self.prompts)
+        self.results = [PromptResult([None] * self.n) for _ in range(count)]
+        self.bases_left, self.rows_left = [self.n] * count, [self.n] * count
+        self.base_rows = {p: [] for p in range(count)}
+        self.waiting_prompts = deque(range(count))
+
+
 # --------------------------------------------------------------------------------------------------------
 # The engine
 # --------------------------------------------------------------------------------------------------------
@@ -240,6 +273,7 @@ class Engine:
 
     def _new_row(self, prompt, base, fork, slots, limit, keep_hidden) -> Row:
         self._next_id += 1
+        self.state.rows_started += 1
         return Row(self._next_id - 1, prompt, base, fork, slots, limit, hidden=[] if keep_hidden else None)
 
     def _push(self, row: Row, token: int, entropy: float, logprob: float, hidden) -> bool:
@@ -247,6 +281,7 @@ class Engine:
         row.out.tokens.append(token)
         row.out.entropies.append(entropy)
         row.out.logprobs.append(logprob)
+        self.state.sampled += 1
         if row.hidden is not None:
             row.hidden.append(hidden)
         return token in self.stop_ids or len(row.out.tokens) >= row.limit
@@ -255,7 +290,7 @@ class Engine:
     @torch.no_grad()
     def run(self, prompts: list[list[int]], n: int, max_new_tokens: int, on_bases_done=None,
             keep_hidden: bool | set[int] | None = None, on_tree_done=None,
-            given_bases: dict[int, list[Sample]] | None = None) -> list[PromptResult]:
+            given_bases: dict[int, list[Sample]] | None = None, progress: bool = True) -> list[PromptResult]:
         """N samples per prompt; with `on_bases_done(prompt index, [N base Samples]) -> [BranchRequest]`,
         each prompt's branches too, started the moment its N base rows have ended (App. C, Sec. 4.1).
 
@@ -272,176 +307,214 @@ class Engine:
         join the running batch. The given Samples come back unchanged (the same objects) in
         PromptResult.bases: their entropies and log-probs are the ones recorded when they were generated,
         not recomputed under the current weights. A given prompt that keeps no hidden states (keep_hidden)
-        can have no branches, so nothing of it is run."""
+        can have no branches, so nothing of it is run.
+
+        progress: a tqdm bar of generated tokens, finished rows and trees (off when stderr is not a terminal).
+
+        Each step: admit waiting work (_admit: branches first, then new or given prompts while the row and KV
+        budget allow), then one decode step of every active row (_decode_step); a row that ends leaves at
+        once (_finish), and the last base of a prompt starts its branches (_bases_done)."""
         given_bases = given_bases or {}
         for p, samples in given_bases.items():
             if not 0 <= p < len(prompts) or len(samples) != n or not all(s.tokens for s in samples):
                 raise ValueError(f"engine.run: given_bases[{p}] must be {n} non-empty Samples of one of the "
                                  f"{len(prompts)} prompts; got {len(samples)} "
                                  f"(lengths {[len(s.tokens) for s in samples]})")
-        results = [PromptResult([None] * n) for _ in prompts]
-        bases_left = [n] * len(prompts)
-        rows_left = [n] * len(prompts)            # rows of a prompt's tree not yet ended
-        base_rows: dict[int, list[Row]] = {p: [] for p in range(len(prompts))}
-        waiting_prompts = deque(range(len(prompts)))
-        waiting: deque[Row] = deque()             # created rows not yet decoding (branches, preempted rows)
-        active: list[Row] = []
-        if keep_hidden is None:
-            keep_hidden = on_bases_done is not None
+        s = self.state = RunState(prompts, n, max_new_tokens, on_bases_done,
+                                  on_bases_done is not None if keep_hidden is None else keep_hidden,
+                                  on_tree_done, given_bases)
+        s.bar = tqdm(desc="rollout", unit="tok", leave=False, dynamic_ncols=True, disable=None if progress else True)
+        try:
+            while s.waiting_prompts or s.waiting or s.active:
+                self._admit()
+                if not s.active:
+                    if s.waiting_prompts or s.waiting:
+                        raise ValueError(f"--max_kv_tokens {self.pool.capacity} / --max_batch_rows "
+                                         f"{self.max_rows}: too small for one prompt and its responses; "
+                                         f"expected more")
+                    break
+                self._decode_step()
+        finally:
+            self._show()
+            s.bar.close()
+        return s.results
 
-        def keep(p: int) -> bool:
-            return p in keep_hidden if isinstance(keep_hidden, (set, frozenset)) else bool(keep_hidden)
+    def _keeps(self, p: int) -> bool:
+        """Whether prompt p's base rows keep hidden states and slots for branches (run's keep_hidden)."""
+        keep = self.state.keep_hidden
+        return p in keep if isinstance(keep, (set, frozenset)) else bool(keep)
 
-        def room(rows: list[Row], extra: int) -> bool:
-            """Rows fit, and the pool can hold every running row's and these rows' remaining budget."""
-            growth = sum(r.limit - len(r.out.tokens) for r in active + rows)
-            return len(active) + len(rows) <= self.max_rows and growth + extra <= len(self.pool.free)
+    def _room(self, rows: list[Row], extra: int) -> bool:
+        """Rows fit, and the pool can hold every running row's and these rows' remaining budget + extra."""
+        active = self.state.active
+        growth = sum(r.limit - len(r.out.tokens) for r in active + rows)
+        return len(active) + len(rows) <= self.max_rows and growth + extra <= len(self.pool.free)
 
-        def finish(row: Row):
-            p = row.prompt
-            self.events.append((self.step, "end", row.id, p))
-            if row.fork is None:
-                results[p].bases[row.base] = row.out
-                bases_left[p] -= 1
-                base_rows[p].append(row)
-                if not keep(p):                   # no branch will read it: its slots go back now
-                    self.pool.release(row.slots)
-                    row.slots = []
-                if bases_left[p] == 0:
-                    bases_done(p)
+    # ---- admission --------------------------------------------------------------------------------------
+    def _admit(self):
+        """Waiting rows first (branches, rows that took turns), then new prompts while room is left."""
+        s = self.state
+        while True:
+            while s.waiting and self._room([s.waiting[0]], 0):
+                s.active.append(s.waiting.popleft())
+            if s.waiting or not s.waiting_prompts:
+                return
+            p = s.waiting_prompts[0]
+            if not (self._admit_given if p in s.given_bases else self._admit_new)(p):
+                return
+            s.waiting_prompts.popleft()
+
+    def _admit_new(self, p: int) -> bool:
+        """Prefill prompt p once; its N rows share its slots and sample their first token."""
+        s = self.state
+        rows = [self._new_row(p, j, None, [], s.max_new_tokens, self._keeps(p)) for j in range(s.n)]
+        if not self._room(rows[:self.max_rows], len(s.prompts[p])):   # N > max_rows: the rest wait for room
+            return False
+        self.events.append((self.step, "prefill", p))
+        hidden = self._forward(rows[:1], [s.prompts[p]])[:, -1]     # the prompt once, for all N rows
+        self.stats["prefill_tokens"] += len(s.prompts[p])
+        for row in rows[1:]:
+            row.slots = list(rows[0].slots)
+            self.pool.retain(row.slots)
+        sampled = self._sample(hidden.expand(s.n, -1))
+        for row, token, ent, lp in zip(rows, *sampled):
+            if self._push(row, token, ent, lp, hidden[0]):
+                self._finish(row)
             else:
-                results[p].branches.setdefault((row.base, row.fork), []).append(row.out)
-                self.pool.release(row.slots)
-            rows_left[p] -= 1                     # after bases_done: its branches count before this row leaves
-            if rows_left[p] == 0:
-                self.events.append((self.step, "tree_done", p, self.pool.used))
-                if on_tree_done:
-                    on_tree_done(p)
+                (s.active if self._room([row], 0) else s.waiting).append(row)
+        return True
 
-        def bases_done(p: int):
-            """V(root), K̂, B̂ and forks (the caller's), then B̂ branch rows per fork, each reading its base
-            row's first P + f slots by reference; then the base rows let go of their slots."""
-            self.events.append((self.step, "bases_done", p))
-            by_base = sorted(base_rows.pop(p), key=lambda r: r.base)
-            requests = on_bases_done(p, [r.out for r in by_base]) if on_bases_done else []
-            branch_rows = []
-            if requests and not keep(p):
-                raise ValueError(f"engine: branches requested for prompt {p} without keep_hidden "
-                                 f"(their first token needs the base rows' hidden states)")
-            for req in requests:
-                parent = by_base[req.base]
-                if not 0 <= req.fork < len(parent.out.tokens):
-                    raise ValueError(f"engine: fork {req.fork} of prompt {p}'s base {req.base} is outside its "
-                                     f"{len(parent.out.tokens)} tokens (expected 0 <= f < length)")
-                prefix = parent.slots[:len(prompts[p]) + req.fork]
-                for _ in range(req.count):
-                    self.pool.retain(prefix)
-                    branch_rows.append((self._new_row(p, req.base, req.fork, list(prefix), req.limit, False),
-                                        parent.hidden[req.fork]))
-            if branch_rows:
-                self.events.append((self.step, "branches", p, len(branch_rows)))
-                rows_left[p] += len(branch_rows)
-                sampled = self._sample(torch.stack([h for _, h in branch_rows]))
-                for (row, _), token, ent, lp in zip(branch_rows, *sampled):
-                    if self._push(row, token, ent, lp, None):
-                        finish(row)
-                    else:
-                        waiting.append(row)
-            for row in by_base:
-                self.pool.release(row.slots)
-                row.hidden = None
-
-        def admit_new(p: int) -> bool:
-            """Prefill prompt p once; its N rows share its slots and sample their first token."""
-            rows = [self._new_row(p, j, None, [], max_new_tokens, keep(p)) for j in range(n)]
-            if not room(rows[:self.max_rows], len(prompts[p])):   # N > max_rows: the rest wait for room
-                return False
+    def _admit_given(self, p: int) -> bool:
+        """Prompt p's given bases: prefill the prompt once, feed each response's tokens[:-1] once (its
+        keys/values and hidden[t], the state that produced token t), then they end at once."""
+        s = self.state
+        samples, keep = s.given_bases[p], self._keeps(p)
+        need = len(s.prompts[p]) + sum(len(x.tokens) - 1 for x in samples) if keep else 0
+        if not self._room([], need):
+            return False
+        rows = [self._new_row(p, j, None, [], len(x.tokens), keep) for j, x in enumerate(samples)]
+        if keep:
             self.events.append((self.step, "prefill", p))
-            hidden = self._forward(rows[:1], [prompts[p]])[:, -1]     # the prompt once, for all N rows
-            self.stats["prefill_tokens"] += len(prompts[p])
-            for row in rows[1:]:
-                row.slots = list(rows[0].slots)
-                self.pool.retain(row.slots)
-            sampled = self._sample(hidden.expand(n, -1))
-            for row, token, ent, lp in zip(rows, *sampled):
-                if self._push(row, token, ent, lp, hidden[0]):
-                    finish(row)
-                else:
-                    (active if room([row], 0) else waiting).append(row)
-            return True
-
-        def admit_given(p: int) -> bool:
-            """Prompt p's given bases: prefill the prompt once, feed each response's tokens[:-1] once (its
-            keys/values and hidden[t], the state that produced token t), then they end at once."""
-            samples = given_bases[p]
-            need = len(prompts[p]) + sum(len(s.tokens) - 1 for s in samples) if keep(p) else 0
-            if not room([], need):
-                return False
-            rows = [self._new_row(p, j, None, [], len(s.tokens), keep(p)) for j, s in enumerate(samples)]
-            if keep(p):
-                self.events.append((self.step, "prefill", p))
-                first = self._forward(rows[:1], [prompts[p]])[0, -1]
-                self.stats["prefill_tokens"] += len(prompts[p])
-                prompt_slots = list(rows[0].slots)
-                for row, sample in zip(rows, samples):
-                    if row is not rows[0]:
-                        row.slots = list(prompt_slots)
-                        self.pool.retain(row.slots)
-                    row.hidden = [first]
-                    if len(sample.tokens) > 1:
-                        row.hidden += list(self._forward([row], [sample.tokens[:-1]])[0])
-                        self.stats["given_tokens"] += len(sample.tokens) - 1
+            first = self._forward(rows[:1], [s.prompts[p]])[0, -1]
+            self.stats["prefill_tokens"] += len(s.prompts[p])
+            prompt_slots = list(rows[0].slots)
             for row, sample in zip(rows, samples):
-                row.out = sample                  # returned as given: nothing is appended to it
-                finish(row)
-            return True
+                if row is not rows[0]:
+                    row.slots = list(prompt_slots)
+                    self.pool.retain(row.slots)
+                row.hidden = [first]
+                if len(sample.tokens) > 1:
+                    row.hidden += list(self._forward([row], [sample.tokens[:-1]])[0])
+                    self.stats["given_tokens"] += len(sample.tokens) - 1
+        for row, sample in zip(rows, samples):
+            row.out = sample                  # returned as given: nothing is appended to it
+            self._finish(row)
+        return True
 
-        def admit():
-            """Waiting rows first (branches, rows that took turns), then new prompts while room is left."""
-            while True:
-                while waiting and room([waiting[0]], 0):
-                    active.append(waiting.popleft())
-                if waiting or not waiting_prompts:
-                    return
-                p = waiting_prompts[0]
-                if not (admit_given if p in given_bases else admit_new)(p):
-                    return
-                waiting_prompts.popleft()
+    # ---- one decode step of every active row ------------------------------------------------------------
+    def _decode_step(self):
+        """One token for every active row. Out of memory (more than one row): halve the row budget, the rows
+        beyond it wait their turn, and the step is retried by the next loop iteration."""
+        s = self.state
+        try:
+            if len(s.active) > 1:   # DATPO_OOM_AT=base|branches: the error CUDA raises, once (tests)
+                faults.oom_point("branches" if any(r.fork is not None for r in s.active) else "base")
+            hidden = self._forward(s.active, [[r.out.tokens[-1]] for r in s.active])[:, -1]
+        except RuntimeError as err:                    # torch.OutOfMemoryError is one
+            if not faults.is_oom(err) or len(s.active) == 1:
+                raise
+            self._fewer_rows(len(s.active) // 2)
+            return
+        if self.trace:
+            self.events.append((self.step, "decode", [r.id for r in s.active]))
+        self.stats["decode_steps"] += 1
+        self.stats["row_steps"] += len(s.active)
+        sampled = self._sample(hidden)
+        still = []
+        for row, h, token, ent, lp in zip(s.active, hidden, *sampled):
+            if self._push(row, token, ent, lp, h):
+                self._finish(row)           # it leaves the batch now: never decoded again
+            else:
+                still.append(row)
+        s.active = still
+        self.step += 1
+        self._show()
 
-        while waiting_prompts or waiting or active:
-            admit()
-            if not active:
-                if waiting_prompts or waiting:
-                    raise ValueError(f"--max_kv_tokens {self.pool.capacity} / --max_batch_rows {self.max_rows}: "
-                                     f"too small for one prompt and its responses; expected more")
-                break
-            try:
-                if len(active) > 1:   # DATPO_OOM_AT=base|branches: the error CUDA raises, once (tests)
-                    faults.oom_point("branches" if any(r.fork is not None for r in active) else "base")
-                hidden = self._forward(active, [[r.out.tokens[-1]] for r in active])[:, -1]
-            except RuntimeError as err:                    # torch.OutOfMemoryError is one
-                if not faults.is_oom(err) or len(active) == 1:
-                    raise
-                hidden = None
-            if hidden is None:                             # fewer rows from now on; the rest wait their turn
-                self.max_rows = ROWS_AFTER_OOM[str(self.device)] = max(1, len(active) // 2)
-                self.stats["oom_retries"] += 1
-                waiting.extendleft(reversed(active[self.max_rows:]))
-                del active[self.max_rows:]
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                continue
-            if self.trace:
-                self.events.append((self.step, "decode", [r.id for r in active]))
-            self.stats["decode_steps"] += 1
-            self.stats["row_steps"] += len(active)
-            sampled = self._sample(hidden)
-            still = []
-            for row, h, token, ent, lp in zip(active, hidden, *sampled):
-                if self._push(row, token, ent, lp, h):
-                    finish(row)           # it leaves the batch now: never decoded again
+    def _show(self):
+        """The bar: tokens sampled so far; rows ended / created, trees done / prompts."""
+        s = self.state
+        s.bar.update(s.sampled - s.bar.n)
+        s.bar.set_postfix(rows=f"{s.rows_done}/{s.rows_started}", trees=f"{s.trees_done}/{len(s.prompts)}",
+                          refresh=False)
+
+    def _fewer_rows(self, rows: int):
+        """Decode at most `rows` rows from now on (remembered for this device); the rest wait their turn."""
+        s = self.state
+        self.max_rows = ROWS_AFTER_OOM[str(self.device)] = max(1, rows)
+        self.stats["oom_retries"] += 1
+        s.waiting.extendleft(reversed(s.active[self.max_rows:]))
+        del s.active[self.max_rows:]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ---- rows that end ----------------------------------------------------------------------------------
+    def _finish(self, row: Row):
+        """Row has ended: record it; a base row gives its slots back unless branches will read them, and the
+        last base of its prompt starts the branches; the tree is done when its last row ends."""
+        s = self.state
+        p = row.prompt
+        self.events.append((self.step, "end", row.id, p))
+        s.rows_done += 1
+        if row.fork is None:
+            s.results[p].bases[row.base] = row.out
+            s.bases_left[p] -= 1
+            s.base_rows[p].append(row)
+            if not self._keeps(p):                # no branch will read it: its slots go back now
+                self.pool.release(row.slots)
+                row.slots = []
+            if s.bases_left[p] == 0:
+                self._bases_done(p)
+        else:
+            s.results[p].branches.setdefault((row.base, row.fork), []).append(row.out)
+            self.pool.release(row.slots)
+        s.rows_left[p] -= 1                       # after _bases_done: its branches count before this row leaves
+        if s.rows_left[p] == 0:
+            self.events.append((self.step, "tree_done", p, self.pool.used))
+            s.trees_done += 1
+            if s.on_tree_done:
+                s.on_tree_done(p)
+
+    def _bases_done(self, p: int):
+        """V(root), K̂, B̂ and forks (the caller's on_bases_done), then B̂ branch rows per fork, each reading its
+        base row's first P + f slots by reference and sampling its first token from the base's hidden state
+        at f; then the base rows let go of their slots."""
+        s = self.state
+        self.events.append((self.step, "bases_done", p))
+        by_base = sorted(s.base_rows.pop(p), key=lambda r: r.base)
+        requests = s.on_bases_done(p, [r.out for r in by_base]) if s.on_bases_done else []
+        branch_rows = []
+        if requests and not self._keeps(p):
+            raise ValueError(f"engine: branches requested for prompt {p} without keep_hidden "
+                             f"(their first token needs the base rows' hidden states)")
+        for req in requests:
+            parent = by_base[req.base]
+            if not 0 <= req.fork < len(parent.out.tokens):
+                raise ValueError(f"engine: fork {req.fork} of prompt {p}'s base {req.base} is outside its "
+                                 f"{len(parent.out.tokens)} tokens (expected 0 <= f < length)")
+            prefix = parent.slots[:len(s.prompts[p]) + req.fork]
+            for _ in range(req.count):
+                self.pool.retain(prefix)
+                branch_rows.append((self._new_row(p, req.base, req.fork, list(prefix), req.limit, False),
+                                    parent.hidden[req.fork]))
+        if branch_rows:
+            self.events.append((self.step, "branches", p, len(branch_rows)))
+            s.rows_left[p] += len(branch_rows)
+            sampled = self._sample(torch.stack([h for _, h in branch_rows]))
+            for (row, _), token, ent, lp in zip(branch_rows, *sampled):
+                if self._push(row, token, ent, lp, None):
+                    self._finish(row)
                 else:
-                    still.append(row)
-            active = still
-            self.step += 1
-        return results
+                    s.waiting.append(row)
+        for row in by_base:
+            self.pool.release(row.slots)
+            row.hidden = None

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
@@ -290,7 +291,8 @@ def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_t
     With sampler.engine == "engine" engine.py samples them instead (and records their log-probs); keep_cache
     (keep what grow_from_forks needs) then keeps nothing: the engine's grow_from_forks feeds the bases again."""
     if sampler.engine == "engine":
-        results = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n).run(prompt_ids, n, max_new_tokens)
+        engine = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n)
+        results = engine.run(prompt_ids, n, max_new_tokens, progress=False)   # callers draw their own bars
         samples = [s for res in results for s in res.bases]
         return BaseBatch([p for p in prompt_ids for _ in range(n)], [s.tokens for s in samples],
                          [s.entropies for s in samples], logprobs=[s.logprobs for s in samples])
@@ -470,7 +472,7 @@ def branches_on_given_bases(sampler: Sampler, base: BaseBatch, forks: dict[int, 
              for i, r in enumerate(rows)}
     most_rows = len(rows) * (1 + count * max(len(forks[r]) for r in rows))
     engine = sampler.make_engine(prompt_ids, max_new_tokens, most_rows, 1)
-    results = engine.run(prompt_ids, 1, max_new_tokens, given_bases=given, keep_hidden=True,
+    results = engine.run(prompt_ids, 1, max_new_tokens, given_bases=given, keep_hidden=True, progress=False,
                          on_bases_done=lambda i, _: [E.BranchRequest(0, f, count, limits[f])
                                                      for f in sorted(set(forks[rows[i]]))])
     return {(r, f): [(s.tokens, s.entropies, s.logprobs) for s in per]
@@ -560,14 +562,15 @@ def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int
 
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
                   method: M.Method | None = None, levels: list | None = None,
-                  progress=None) -> tuple[list[T.Tree], RolloutStats]:
+                  progress: bool = True) -> tuple[list[T.Tree], RolloutStats]:
     """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
 
     method: the methods.py row whose rollout this is (default: cfg.method's). Its `rollout_shape` gives the
     responses per prompt (GRPO: G parallel responses, no branches), the budget v_root -> (K, B) (DATPO's
     adaptive_budget(v, k_max, b_max), or fixed (k_max, b_max)), and which base responses get forks (all, or
     AttnRL's tree.attnrl_expansion).
-    progress(k): k more trees are done. cfg.rollout_engine picks engine.py (default) or HF generate (the
+    progress: one tqdm bar for the rollout (the engine's: tokens, rows and trees; generate's: trees), off when
+    stderr is not a terminal. cfg.rollout_engine picks engine.py (default) or HF generate (the
     reference); both return the same trees under greedy decoding. With the engine, prompts are planned in the
     order their bases end, so a method that draws from `rng` (random forks, AttnRL's expansion) draws in that
     order.
@@ -618,7 +621,7 @@ def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budge
                 for j, fs in enumerate(forks) for f in fs]
 
     results = engine.run(prompt_ids, n, cfg.max_new_tokens, on_bases_done, keep_hidden=expandable,
-                         on_tree_done=(lambda p: progress(1)) if progress else None)
+                         progress=progress)
     end = time.perf_counter()
     # no phase barrier: "base" is until the last prompt's bases ended, "branches" is what ran after
     stats.seconds_base = last_bases_done - start - stats.seconds_forks
@@ -642,6 +645,8 @@ def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, bud
     grown = []
     per_call = max(1, cfg.gen_batch_size // n)           # whole prompt groups per generate call
     expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
+    bar = tqdm(total=len(prompt_ids), desc="rollout", unit="tree", leave=False, dynamic_ncols=True,
+               disable=None if progress else True)
     for first in range(0, len(prompt_ids), per_call):
         group = list(range(first, min(first + per_call, len(prompt_ids))))
         t0 = time.perf_counter()
@@ -686,8 +691,8 @@ def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, bud
                           [rewards[r] for r in rows], plan,
                           {(j, f): by_request[(r, f)] for j, r in enumerate(rows) for f in plan[3][j]}))
         stats.seconds_branches += time.perf_counter() - t0
-        if progress is not None:
-            progress(len(group))
+        bar.update(len(group))
+    bar.close()
     stats.row_steps = sampler.counts.get("row_steps", 0)
     stats.ended_row_steps = sampler.counts.get("ended_row_steps", 0)
     return grown, stats

@@ -360,7 +360,7 @@ def train_step(s: Setup, run: RunState) -> dict:
     with models.autocast(s.device, cfg.precision), D.full_params(s.policy), faults.sampling_guard(step + 1, s.run_dir):
         trees, rollout_stats = R.rollout_trees(s.model, s.tokenizer, prompts[lo:hi], answers[lo:hi], cfg,
                                                D.rollout_rng(run.rng, cfg.seed, step), method=method,
-                                               levels=levels[lo:hi])
+                                               levels=levels[lo:hi], progress=D.is_main())
 
     # ---- Phase 3: block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) ----
     t0 = time.perf_counter()

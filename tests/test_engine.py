@@ -449,3 +449,43 @@ def test_tree_blocks_carry_generation_time_logprobs(tiny_policy, engine):
                                   atol=1e-4)
             checked += b.branch
     assert checked >= 6
+
+
+# ---- the progress bar ------------------------------------------------------------------------------------
+class _Terminal:
+    """A stderr that says it is a terminal (tqdm draws only on one unless told otherwise)."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, []
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text.append(s)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty,progress,drawn", [(True, True, True), (True, False, False), (False, True, False)])
+def test_progress_bar_counts_tokens_rows_and_trees(tiny_policy, monkeypatch, tty, progress, drawn):
+    import sys
+
+    model, tok = tiny_policy
+    cfg = _cfg()
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    given = {1: engine_for(model, tok, cfg).run(prompts[1:2], 2, 6, progress=False)[0].bases}
+    stderr = _Terminal(tty)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    engine = engine_for(model, tok, cfg)
+    results = engine.run(prompts, 2, 6, on_bases_done=lambda p, bases: [E.BranchRequest(0, 1, 2, 4)],
+                         given_bases=given, progress=progress)
+    assert any("rollout" in s for s in stderr.text) == drawn
+    sampled = [s for p, r in enumerate(results) for s in (r.bases if p != 1 else [])] + \
+        [s for r in results for per in r.branches.values() for s in per]
+    state = engine.state
+    assert state.sampled == sum(len(s.tokens) for s in sampled)        # given bases are not sampled
+    assert (state.rows_done, state.rows_started, state.trees_done) == (3 * 2 + 3 * 2, 3 * 2 + 3 * 2, 3)
+    if drawn:
+        assert state.bar.n == state.sampled and state.bar.postfix == "rows=12/12, trees=3/3"
