@@ -468,6 +468,10 @@ def run_tree_vs_parallel(study: Study) -> None:
 
     t0 = time.perf_counter()
     cfg, o = study.cfg, study.opts
+    if o.get("from_result"):   # the table, intervals and figure again from a finished run's records
+        records, problems = json.loads((study.out / "result.json").read_text())["records"], range(0)
+        summary, table = summarise_tree_vs_parallel(records, o, len({r["problem"] for r in records}))
+        return tree_vs_parallel_figure(study, summary, table, time.perf_counter() - t0, records)
     problems, model, tokenizer, device, sampler, ids = sampling_setup(study)
     import models
     m_max, n_max = max(o["parallel_m"]), max(o["tree_n"])
@@ -510,6 +514,16 @@ def run_tree_vs_parallel(study: Study) -> None:
             del base
     bar.close()
 
+    summary, table = summarise_tree_vs_parallel(records, o, len(problems))
+    tree_vs_parallel_figure(study, summary, table, time.perf_counter() - t0, records)
+
+
+def summarise_tree_vs_parallel(records: list[dict], o: dict, n_problems: int) -> tuple[dict, str]:
+    """Per curve point: means over (repeat, problem) units with 95 % t-intervals on PassRate; then each tree
+    point against the parallel M nearest in mean tokens, paired by unit (the tree's bases are those parallel
+    samples): ΔPassRate with its interval, and what it says about Sec. 3.2's claim."""
+    import numpy as np
+
     curves = {"parallel": [(m, f"parallel/{m}") for m in o["parallel_m"]]}
     for method in o["methods"]:
         curves[f"tree {method}"] = [(n, f"{method}/{n}") for n in o["tree_n"]]
@@ -517,34 +531,67 @@ def run_tree_vs_parallel(study: Study) -> None:
     for name, points in curves.items():
         summary[name] = []
         for size, key in points:
-            point = {"size": size, "tokens": float(np.mean([r[key]["tokens"] for r in records])),
-                     "pass_rate": float(np.mean([r[key]["pass_rate"] for r in records])),
+            rate, half = t_interval([r[key]["pass_rate"] for r in records])
+            point = {"size": size, "key": key, "tokens": float(np.mean([r[key]["tokens"] for r in records])),
+                     "pass_rate": rate, "pass_rate_ci": half,
                      "leaves": float(np.mean([r[key]["leaves"] for r in records]))}
             summary[name].append(point)
             label = f"M = {size}" if name == "parallel" else f"(N, K, B) = ({size}, {o['k']}, {o['b']})"
-            rows.append([name, label, point["leaves"], point["tokens"], 100 * point["pass_rate"]])
-    table = markdown_table(["method", "size", "leaves / problem", "generated tokens / problem", "PassRate (%)"], rows)
-    table += f"\n{len(problems)} problems ({o['data']}, levels {o['levels'] or 'all'}) × {o['repeats']} repeat(s).\n"
+            rows.append([name, label, point["leaves"], point["tokens"], pm(100 * rate, half and 100 * half)])
+    table = markdown_table(["method", "size", "leaves / problem", "generated tokens / problem",
+                            "PassRate (%) ± 95 % CI"], rows)
+    pairs = []
+    for name, points in summary.items():
+        if name == "parallel":
+            continue
+        for point in points:
+            near = min(summary["parallel"], key=lambda q: abs(q["tokens"] - point["tokens"]))
+            diff, half = t_interval([r[point["key"]]["pass_rate"] - r[near["key"]]["pass_rate"] for r in records])
+            pairs.append([f"{name} N = {point['size']}", f"M = {near['size']}", point["tokens"] / near["tokens"],
+                          pm(100 * diff, half and 100 * half), verdict(diff, half, "tree", "parallel")])
+    table += "\nPaired (same problems and samples): tree − parallel at the nearest token count\n\n" + markdown_table(
+        ["tree", "parallel", "token ratio", "ΔPassRate (pp) ± 95 % CI", "shows"], pairs)
+    table += f"\n{n_problems} problems ({o['data']}, levels {o['levels'] or 'all'}) × {o['repeats']} repeat(s).\n"
+    summary["paired"] = pairs
+    return summary, table
 
+
+def pm(value: float, half: float | None, digits: int = 1) -> str:
+    """'value ± half' (half None: one unit, no interval)."""
+    return f"{value:.{digits}f}" if half is None else f"{value:.{digits}f} ± {half:.{digits}f}"
+
+
+def verdict(diff: float, half: float | None, first: str, second: str) -> str:
+    """What a paired difference's 95 % interval says: one side higher, or no difference shown."""
+    if half is None:
+        return "one unit: no interval"
+    if diff - half > 0:
+        return f"{first} higher"
+    if diff + half < 0:
+        return f"{second} higher"
+    return "no difference shown"
+
+
+def tree_vs_parallel_figure(study, summary: dict, table: str, seconds: float, records: list) -> None:
     plt = plt_module()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, points in summary.items():
+    for name, points in ((k, v) for k, v in summary.items() if k != "paired"):
         color = STRATEGY_COLORS.get(name.replace("tree ", ""), None)
-        ax.plot([p["tokens"] for p in points], [100 * p["pass_rate"] for p in points], "o-" if name == "parallel"
-                else "s--", color=color, label=name)
+        ax.errorbar([p["tokens"] for p in points], [100 * p["pass_rate"] for p in points],
+                    yerr=[100 * (p["pass_rate_ci"] or 0) for p in points], fmt="o-" if name == "parallel" else "s--",
+                    color=color, label=name, capsize=3)
         for p in points:
             ax.annotate(str(p["size"]), (p["tokens"], 100 * p["pass_rate"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
     ax.set_xlabel("generated tokens per problem")
     ax.set_ylabel("PassRate (%)")
-    ax.set_title(f"tree vs parallel ({o['data']}; labels: M or N)")
+    ax.set_title(f"tree vs parallel ({study.opts['data']}; labels: M or N; bars: 95 % CI)")
     ax.legend()
     fig.tight_layout()
     figure = study.out / "tree_vs_parallel.png"
     fig.savefig(figure, dpi=110)
     plt.close(fig)
-    write_outputs(study, {"summary": summary, "records": records, "figures": [str(figure)]}, table,
-                  time.perf_counter() - t0)
+    write_outputs(study, {"summary": summary, "records": records, "figures": [str(figure)]}, table, seconds)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -571,9 +618,15 @@ def run_forks(study: Study) -> None:
 
     t0 = time.perf_counter()
     cfg, o = study.cfg, study.opts
+    strategies = [s for s in FORK_STRATEGIES if s[0] in o["strategies"]] if o.get("strategies") else FORK_STRATEGIES
+    if o.get("from_result"):   # the tables, intervals and figures again from a finished run's records
+        records = json.loads((study.out / "result.json").read_text())["records"]
+        strategies = [s for s in strategies if any(r["strategy"] == s[0] for r in records)]
+        summary, table = summarise_forks(records, strategies, o, len({r["problem"] for r in records}),
+                                         cfg.embed_model)
+        return forks_figures(study, strategies, summary, table, time.perf_counter() - t0, records)
     problems, model, tokenizer, device, sampler, ids = sampling_setup(study)
     embedder = models.load_embedder(cfg.embed_model, device)
-    strategies = [s for s in FORK_STRATEGIES if s[0] in o["strategies"]] if o.get("strategies") else FORK_STRATEGIES
     rng = random.Random(cfg.seed)
     records = []
     per_call = max(1, cfg.gen_batch_size)
@@ -613,32 +666,72 @@ def run_forks(study: Study) -> None:
             del base
     bar.close()
 
+    summary, table = summarise_forks(records, strategies, o, len(problems), cfg.embed_model)
+    forks_figures(study, strategies, summary, table, time.perf_counter() - t0, records)
+
+
+def summarise_forks(records: list[dict], strategies: list, o: dict, n_problems: int, embed_model: str):
+    """Fork table and localization table: means over (repeat, problem) units (each one base rollout shared by
+    every strategy) with 95 % t-intervals on PassRate and SibDiv, and each strategy paired against
+    sent-entropy on the same rollouts (Sec. 3.3's claims: sent-entropy's PassRate highest, tok-entropy's SibDiv)."""
+    import numpy as np
+
     summary, rows = {}, []
+    by_unit = {(r["repeat"], r["problem"], r["strategy"]): r for r in records}
+    units = sorted({(r["repeat"], r["problem"]) for r in records})
     for label, _, _ in strategies:
         mine = [r for r in records if r["strategy"] == label]
         summary[label] = {key: mean_of(r[key] for r in mine) for key in
                           ("pass_rate", "sib_div", "leaves", "branch_tokens", "NND", "MPD", "WCR@5", "WCR@10")}
         summary[label]["forks"] = float(np.mean([len(r["forks"]) for r in mine]))
-        s = summary[label]
-        rows.append([label, 100 * s["pass_rate"], s["sib_div"], s["forks"], s["leaves"], s["branch_tokens"]])
-    n_trees = o["repeats"] * len(problems)
+        summary[label]["pass_rate_ci"] = t_interval([r["pass_rate"] for r in mine])[1]
+        sib = [r["sib_div"] for r in mine if r["sib_div"] is not None]
+        summary[label]["sib_div_ci"] = t_interval(sib)[1] if sib else None
+        x = summary[label]
+        rows.append([label, pm(100 * x["pass_rate"], x["pass_rate_ci"] and 100 * x["pass_rate_ci"]),
+                     None if x["sib_div"] is None else pm(x["sib_div"], x["sib_div_ci"], 3),
+                     x["forks"], x["leaves"], x["branch_tokens"]])
     table = "Fork table (App. D.5; paper: AIME26, Qwen2.5-3B-Instruct)\n\n" + markdown_table(
-        ["strategy", "PassRate (%)", "SibDiv", "forks / response", "leaves", "branch tokens"], rows)
-    loc = [s for s in LOCALIZATION_STRATEGIES if s in summary]
+        ["strategy", "PassRate (%) ± 95 % CI", "SibDiv ± 95 % CI", "forks / response", "leaves", "branch tokens"], rows)
+    pairs = []
+    if any(s[0] == "sent-entropy" for s in strategies):
+        for label, _, _ in strategies:
+            if label == "sent-entropy":
+                continue
+            both = [u for u in units if (*u, label) in by_unit and (*u, "sent-entropy") in by_unit]
+            d_pass, h_pass = t_interval([by_unit[(*u, "sent-entropy")]["pass_rate"] - by_unit[(*u, label)]["pass_rate"]
+                                         for u in both])
+            sib = [(by_unit[(*u, "sent-entropy")]["sib_div"], by_unit[(*u, label)]["sib_div"]) for u in both]
+            sib = [a - b for a, b in sib if a is not None and b is not None]
+            d_sib, h_sib = t_interval(sib) if sib else (None, None)
+            pairs.append([label, pm(100 * d_pass, h_pass and 100 * h_pass),
+                          verdict(d_pass, h_pass, "sent-entropy", label),
+                          None if d_sib is None else pm(d_sib, h_sib, 3),
+                          None if d_sib is None else verdict(d_sib, h_sib, "sent-entropy", label)])
+        table += ("\nPaired on the same base rollouts: sent-entropy − strategy\n\n" + markdown_table(
+            ["strategy", "ΔPassRate (pp) ± 95 % CI", "PassRate shows", "ΔSibDiv ± 95 % CI", "SibDiv shows"], pairs))
+    summary["paired"] = pairs
+    loc = [x for x in LOCALIZATION_STRATEGIES if x in summary]
     table += "\nLocalization (App. D.2; lower NND/MPD, higher WCR = stronger localization)\n\n" + markdown_table(
-        ["metric"] + loc, [[m] + [summary[s][m] for s in loc] for m in ("NND", "MPD", "WCR@5", "WCR@10")])
-    table += (f"\n{len(problems)} problems ({o['data']}, levels {o['levels'] or 'all'}) × {o['repeats']} repeats = "
-              f"{n_trees} base rollouts; K = {o['k']}, B = {o['b']}; embedder {cfg.embed_model}.\n")
+        ["metric"] + loc, [[m] + [summary[x][m] for x in loc] for m in ("NND", "MPD", "WCR@5", "WCR@10")])
+    table += (f"\n{n_problems} problems ({o['data']}, levels {o['levels'] or 'all'}) × {o['repeats']} repeats = "
+              f"{len(units)} base rollouts; K = {o['k']}, B = {o['b']}; embedder {embed_model}.\n")
+    return summary, table
 
+
+def forks_figures(study, strategies: list, summary: dict, table: str, seconds: float, records: list) -> None:
+    o = study.opts
+    loc = [x for x in LOCALIZATION_STRATEGIES if x in summary]
     plt = plt_module()
     labels = [s[0] for s in strategies]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     colors = [STRATEGY_COLORS.get(s[1]) for s in strategies]
-    left.bar(range(len(labels)), [100 * summary[x]["pass_rate"] for x in labels], color=colors)
-    left.set_ylabel("PassRate (%)")
-    twin_values = [summary[x]["sib_div"] or 0.0 for x in labels]
-    right.bar(range(len(labels)), twin_values, color=colors)
-    right.set_ylabel("SibDiv")
+    left.bar(range(len(labels)), [100 * summary[x]["pass_rate"] for x in labels], color=colors,
+             yerr=[100 * (summary[x]["pass_rate_ci"] or 0) for x in labels], capsize=3)
+    left.set_ylabel("PassRate (%) ± 95 % CI")
+    right.bar(range(len(labels)), [summary[x]["sib_div"] or 0.0 for x in labels], color=colors,
+              yerr=[summary[x]["sib_div_ci"] or 0 for x in labels], capsize=3)
+    right.set_ylabel("SibDiv ± 95 % CI")
     for ax in (left, right):
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     fig.suptitle(f"forking strategies on one fixed base rollout (K = {o['k']}, B = {o['b']})")
@@ -655,7 +748,7 @@ def run_forks(study: Study) -> None:
     fig.savefig(figures[1], dpi=110)
     plt.close(fig)
     write_outputs(study, {"summary": summary, "records": records, "figures": [str(f) for f in figures]}, table,
-                  time.perf_counter() - t0)
+                  seconds)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1119,6 +1212,7 @@ STUDY_FLAGS = {
     "from_dir": (str, None, "folder of the difficulty study (its runs/)"),
     "seeds": (int, "+", "main-table: training seeds per method (intervals are over seeds)"),
     "equal_tokens": (C.parse_bool, None, "main-table: set GRPO/Dr.GRPO's G to DATPO's measured tokens per problem"),
+    "from_result": (C.parse_bool, None, "rebuild the table, intervals and figures from OUT/result.json (no sampling)"),
 }
 
 
@@ -1127,7 +1221,8 @@ def build_parser(study: str) -> argparse.ArgumentParser:
     parser.prog = f"analysis.py {study}"
     group = parser.add_argument_group(study)
     names = set(STUDY_SCALES[study]["demo"]) - {"config"} | ({"runs"} if study == "dynamics" else set()) \
-        | ({"from_dir"} if study == "difficulty-report" else set()) | ({"strategies"} if study == "forks" else set())
+        | ({"from_dir"} if study == "difficulty-report" else set()) | ({"strategies"} if study == "forks" else set()) \
+        | ({"from_result"} if study in ("tree-vs-parallel", "forks") else set())
     for name in sorted(names):
         kind, nargs, text = STUDY_FLAGS[name]
         group.add_argument(f"--{name}", type=kind, nargs=nargs, default=None, help=text)

@@ -185,8 +185,36 @@ def test_tree_vs_parallel_tiny(tmp_path):
     assert rec["parallel/2"]["tokens"] <= rec["parallel/4"]["tokens"]          # nested samples
     for method in ("fixed-seg", "random"):
         assert rec[f"{method}/1"]["leaves"] <= 5 and rec[f"{method}/2"]["tokens"] >= rec[f"{method}/1"]["tokens"]
-    assert set(result["summary"]) == {"parallel", "tree fixed-seg", "tree random"}
+    assert set(result["summary"]) == {"parallel", "tree fixed-seg", "tree random", "paired"}
     assert (out / "tree_vs_parallel.png").exists() and "PassRate" in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    (out / "table.md").unlink()                                              # rebuilt from result.json alone
+    A.main(["tree-vs-parallel", "--scale", "tiny", "--out_dir", str(out), "--from_result", "true"])
+    assert (out / "table.md").read_text() == table
+
+
+def _tvp_records(parallel, tree):
+    return [{"repeat": 0, "problem": i, "parallel/2": {"tokens": 10, "pass_rate": p, "leaves": 2},
+             "random/1": {"tokens": 8, "pass_rate": t, "leaves": 3}} for i, (p, t) in enumerate(zip(parallel, tree))]
+
+
+def test_tree_vs_parallel_intervals_and_paired_verdicts_by_hand():
+    o = {"parallel_m": [2], "tree_n": [1], "methods": ["random"], "k": 1, "b": 1, "data": "x", "levels": [],
+         "repeats": 1}
+    summary, table = A.summarise_tree_vs_parallel(_tvp_records([0, 0, 1, 0], [1, 1, 1, 0]), o, 4)
+    (point,) = summary["tree random"]
+    # PassRate 3/4; sd of (1,1,1,0) = 0.5, t(0.975, 3) = 3.1824 → half-width 3.1824 · 0.5 / 2
+    assert point["pass_rate"] == 0.75 and point["pass_rate_ci"] == pytest.approx(3.182446 * 0.5 / 2, rel=1e-5)
+    # paired differences (1, 1, 0, 0): mean 0.5, sd √(1/3), half-width 3.1824 · 0.57735 / 2 = 0.9187 → not shown
+    (pair,) = summary["paired"]
+    assert pair[:3] == ["tree random N = 1", "M = 2", 0.8] and pair[3] == "50.0 ± 91.9"
+    assert pair[4] == "no difference shown" and "no difference shown" in table
+    summary, _ = A.summarise_tree_vs_parallel(_tvp_records([0, 0, 0, 0], [1, 1, 1, 1]), o, 4)
+    assert summary["paired"][0][4] == "tree higher"             # every unit +1: a zero-width interval above 0
+    summary, _ = A.summarise_tree_vs_parallel(_tvp_records([1, 1, 0, 1], [0, 0, 0, 0]), o, 4)
+    assert summary["paired"][0][4] == "no difference shown"     # (−1, −1, 0, −1): −0.75 ± 0.80 straddles 0
+    summary, _ = A.summarise_tree_vs_parallel(_tvp_records([1, 1, 1, 1], [0, 0, 0, 0]), o, 4)
+    assert summary["paired"][0][4] == "parallel higher"
 
 
 def test_forks_share_one_base_rollout_per_repeat(tmp_path):
@@ -202,6 +230,27 @@ def test_forks_share_one_base_rollout_per_repeat(tmp_path):
             assert r["leaves"] == 1 + 2 * len(r["forks"])
             assert r["NND"] == A.nearest_neighbor_distance(r["forks"], r["length"])
     assert (out / "fork_table.png").exists() and (out / "localization.png").exists()
+    table = (out / "table.md").read_text()
+    A.main(["forks", "--scale", "tiny", "--out_dir", str(out), "--from_result", "true"])
+    assert (out / "table.md").read_text() == table                       # rebuilt from result.json alone
+
+
+def test_fork_table_pairs_every_strategy_with_sent_entropy_on_the_same_rollouts():
+    def rec(problem, strategy, passed, sib):
+        return {"repeat": 0, "problem": problem, "strategy": strategy, "forks": [1, 2], "length": 10, "leaves": 3,
+                "pass_rate": passed, "sib_div": sib, "branch_tokens": 5, "NND": 0.1, "MPD": 0.1, "WCR@5": 0.0,
+                "WCR@10": 0.0}
+    records = [rec(i, "sent-entropy", 1.0, 0.5 + 0.1 * i) for i in range(3)] + \
+        [rec(i, "tok-entropy", float(i == 0), 0.7 + 0.1 * i) for i in range(3)]
+    strategies = [s for s in A.FORK_STRATEGIES if s[0] in ("tok-entropy", "sent-entropy")]
+    o = {"k": 2, "b": 1, "data": "x", "levels": [], "repeats": 1}
+    summary, table = A.summarise_forks(records, strategies, o, 3, "m")
+    (pair,) = summary["paired"]
+    # PassRate differences (0, 1, 1): mean 2/3, sd 0.57735, t(0.975, 2) = 4.3027 → ± 1.434: not shown;
+    # SibDiv differences −0.2 each: a zero-width interval below 0 → tok-entropy's SibDiv higher
+    assert pair[0] == "tok-entropy" and pair[1] == "66.7 ± 143.4" and pair[2] == "no difference shown"
+    assert pair[3] == "-0.200 ± 0.000" and pair[4] == "tok-entropy higher"
+    assert summary["sent-entropy"]["pass_rate_ci"] == 0.0 and "Paired on the same base rollouts" in table
 
 
 def test_show_forks_tiny(tmp_path):
