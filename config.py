@@ -107,6 +107,9 @@ class Config:
     max_batch_rows: int = 0                 # engine: rows decoded at once; 0 = max(gen_batch_size, branch_chunk_size)
     max_kv_tokens: int = 0                  # engine: KV pool size in tokens; 0 = the step's prompts + max_batch_rows
                                             # × max_new_tokens (prefixes are shared; rows that don't fit wait)
+    off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. E runtime table, offpolicy.py):
+                                            # step t+1's N base responses decode inside step t's rollout with
+                                            # step t's weights (before its update); 0: on-policy
 
     # ---- advantage (Sec. 4.2, App. F) ----------------------------------------------------------------
     alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
@@ -229,6 +232,12 @@ class Config:
         if self.micro_batch_size > self.mini_batch_size:
             raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be <= "
                              f"--mini_batch_size ({self.mini_batch_size})")
+        if self.off_policy_steps not in (0, 1):
+            raise ValueError(f"--off_policy_steps: got {self.off_policy_steps}, expected 0 (on-policy) or 1 (one-step "
+                             f"off-policy)")
+        if self.off_policy_steps and self.rollout_engine != "engine":
+            raise ValueError("--off_policy_steps 1 folds the next step's base responses into this step's running "
+                             "batch, which only the engine does: expected --rollout_engine engine")
         if self.loss_norm == "constant" and M.METHODS[self.method].paths and self.mini_batch_grouping == "blocks":
             raise ValueError("--loss_norm constant counts TreeRL/AttnRL's root-to-leaf paths per mini-batch; a "
                              "mini-batch of random blocks may hold none: expected --mini_batch_grouping trees")
@@ -295,7 +304,9 @@ ROWS: dict[str, dict] = {
     "grpo": _GRPO,
     "drgrpo": dict(method="drgrpo", loss_norm="constant"),                    # r − mean, constant normaliser
     "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),
-    "attnrl": dict(method="attnrl", fork="atb", **_TREE_BASELINE),
+    "attnrl": dict(method="attnrl", fork="atb", off_policy_steps=1, **_TREE_BASELINE),   # AttnRL: one-step off-policy
+    # Table "wall clock" (App. E.3): "DATPO w/ one-step off-policy", AttnRL's pipeline (offpolicy.py)
+    "datpo-off-policy": dict(off_policy_steps=1),
     # Table "forking strategies" (Sec. 5.4) and App. D.4 (distance-forced token entropy)
     "datpo-fork-random": dict(fork="random"),
     "datpo-fork-fixed-seg": dict(fork="fixed-seg"),
@@ -313,7 +324,7 @@ ROWS: dict[str, dict] = {
     "datpo-nonadaptive": dict(adaptive=False, **_TREE_BASELINE),
     # Table "wider topology" (App. E.6): the baselines with DATPO's (4, 3, 4)
     "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
-    "attnrl-434": dict(method="attnrl", fork="atb", n_base=4, k_max=3, b_max=4),
+    "attnrl-434": dict(method="attnrl", fork="atb", off_policy_steps=1, n_base=4, k_max=3, b_max=4),
     # Sec. 3.1 / App. B: the difficulty study's G sweep (analysis.py difficulty). GRPO-Zero style: 256 samples per
     # step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a plain token-level
     # policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards (difficulty-report).

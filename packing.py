@@ -49,7 +49,8 @@ class TrainTree:
     baselines (every tree token trained once), the number of trained root-to-leaf paths through the block for
     TreeRL/AttnRL (their flattened objective), 0 for a block that is context only (never trained).
     `paths` lists the trained root-to-leaf paths of the flattened methods (block indices from the prompt
-    down); the rows layout forwards exactly those sequences, as TreeRL/AttnRL do.
+    down); the rows layout forwards exactly those sequences, as TreeRL/AttnRL do. `behaviour` (one-step
+    off-policy): a stale block's generation-time log-probs, the loss's old log-probs for its tokens.
     """
     prompt_ids: list[int]
     parents: list[int | None]
@@ -57,6 +58,8 @@ class TrainTree:
     advantages: list[float]
     weights: list[float]
     paths: list[list[int]] | None = None
+    behaviour: list[list[float] | None] | None = None   # per block: the log-probs its tokens were sampled with
+                                                        # when older than the weights updated (offpolicy.py)
 
     @property
     def trained(self) -> list[int]:

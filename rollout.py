@@ -529,6 +529,10 @@ class RolloutStats:
     row_steps: int = 0                   # rows × decode steps run
     ended_row_steps: int = 0             # of those, steps on rows that had already ended (generate only)
     peak_kv_bytes: int = 0               # most keys/values held at once
+    decode_steps: int = 0                # engine: decode steps run (row_steps / decode_steps = rows per step)
+    ahead_tokens: int = 0                # one-step off-policy: the next step's base tokens sampled in this run
+    ahead_row_steps: int = 0             # ... and their share of row_steps
+    seconds_ahead: float = 0.0           # decode seconds attributed to them (by their share of each step's rows)
 
 
 def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entropies, rng, cfg) -> list[int]:
@@ -561,8 +565,8 @@ def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int
 
 
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
-                  method: M.Method | None = None, levels: list | None = None,
-                  progress: bool = True) -> tuple[list[T.Tree], RolloutStats]:
+                  method: M.Method | None = None, levels: list | None = None, progress: bool = True,
+                  bases: list | None = None, ahead: list[str] | None = None):
     """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
 
     method: the methods.py row whose rollout this is (default: cfg.method's). Its `rollout_shape` gives the
@@ -574,12 +578,23 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
     reference); both return the same trees under greedy decoding. With the engine, prompts are planned in the
     order their bases end, so a method that draws from `rng` (random forks, AttnRL's expansion) draws in that
     order.
+    One-step off-policy (offpolicy.py; the engine only): `bases` gives each prompt's N base responses,
+    sampled last step, as [tokens, entropies, logprobs] — V(root), K̂, B̂ and forks come from them and only the
+    branches are sampled now; `ahead` (the next step's prompts) get their N base responses sampled in the same
+    running batch, returned as a third value in the same form. Returns (trees, stats[, ahead_bases]).
     """
     n, budget, expand = (method or M.method_of(cfg)).rollout_shape(cfg)
     sampler = Sampler.from_config(model, tokenizer, cfg)
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    run = rollout_with_engine if sampler.engine == "engine" else rollout_with_generate
-    grown, stats = run(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress)
+    if (bases is not None or ahead is not None) and sampler.engine != "engine":
+        raise ValueError("one-step off-policy needs --rollout_engine engine (it folds two steps into one run)")
+    if sampler.engine == "engine":
+        ahead_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in ahead or []]
+        grown, stats, ahead_bases = rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget,
+                                                        n, expand, progress, bases, ahead_ids)
+    else:
+        grown, stats = rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand,
+                                             progress)
     t0 = time.perf_counter()
     trees = []
     for i, (samples, rewards, (v_root, k_hat, b_hat, forks), branches) in enumerate(grown):
@@ -592,23 +607,31 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
                             v_root=v_root, k_hat=k_hat, b_hat=b_hat, forks=forks,
                             level=levels[i] if levels else None))
     stats.seconds_branches += time.perf_counter() - t0    # grading the branches is part of growing them
-    return trees, stats
+    return (trees, stats) if ahead is None else (trees, stats, ahead_bases)
 
 
-def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress):
+def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress,
+                        given=None, ahead_ids=()):
     """All prompts through one engine.Engine: a prompt is planned (plan_prompt) the moment its N bases end, and
     its branches join the running batch. Returns, per prompt, (base samples as (tokens, entropies, log-probs),
-    base rewards, plan, {(j, f): [(tokens, entropies, log-probs)]}) and the RolloutStats."""
+    base rewards, plan, {(j, f): [(tokens, entropies, log-probs)]}), the RolloutStats, and the `ahead_ids`
+    prompts' N base samples each as [tokens, entropies, logprobs] (one-step off-policy: their rows join the
+    same batch, are never branched, and fill the room the branches leave). `given`: the prompts' base
+    responses sampled earlier ([tokens, entropies, logprobs] each): prefilled once, not sampled
+    (engine.Engine.run)."""
     stats = RolloutStats()
     expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
-    most_rows = len(prompt_ids) * n * (1 + (cfg.k_max * cfg.b_max if expandable else 0))
-    engine = sampler.make_engine(prompt_ids, cfg.max_new_tokens, most_rows, n)
+    current = len(prompt_ids)                              # prompts index ≥ current are the next step's
+    most_rows = current * n * (1 + (cfg.k_max * cfg.b_max if expandable else 0)) + len(ahead_ids) * n
+    engine = sampler.make_engine(prompt_ids + list(ahead_ids), cfg.max_new_tokens, most_rows, n)
     graded, plans = {}, {}
     start = time.perf_counter()
     last_bases_done = start
 
     def on_bases_done(p: int, samples: list[E.Sample]) -> list[E.BranchRequest]:
         nonlocal last_bases_done
+        if p >= current:                                   # the next step's: planned next step
+            return []
         t0 = time.perf_counter()
         graded[p] = grade_responses(tokenizer, [s.tokens for s in samples], [answers[p]] * len(samples),
                                     cfg.answer_fallback)
@@ -620,21 +643,31 @@ def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budge
         return [E.BranchRequest(j, f, b_hat, T.branch_limit(cfg.max_new_tokens, f, cfg.branch_budget))
                 for j, fs in enumerate(forks) for f in fs]
 
-    results = engine.run(prompt_ids, n, cfg.max_new_tokens, on_bases_done, keep_hidden=expandable,
+    given_bases = {p: [E.Sample(*map(list, b)) for b in per] for p, per in enumerate(given)} if given else None
+    results = engine.run(prompt_ids + list(ahead_ids), n, cfg.max_new_tokens, on_bases_done,
+                         keep_hidden=set(range(current)) if expandable else False, given_bases=given_bases,
                          progress=progress)
     end = time.perf_counter()
+    results, ahead_results = results[:current], results[current:]
     # no phase barrier: "base" is until the last prompt's bases ended, "branches" is what ran after
     stats.seconds_base = last_bases_done - start - stats.seconds_forks
     stats.seconds_branches = end - last_bases_done
-    stats.base_tokens = sum(len(s.tokens) for res in results for s in res.bases)
+    stats.base_tokens = 0 if given else sum(len(s.tokens) for res in results for s in res.bases)   # sampled now
     stats.branch_tokens = sum(len(s.tokens) for res in results for per in res.branches.values() for s in per)
     stats.oom_retries = engine.stats["oom_retries"]
     stats.row_steps, stats.ended_row_steps = engine.stats["row_steps"], engine.stats["ended_row_steps"]
     stats.peak_kv_bytes = engine.pool.peak * engine.pool.bytes_per_token
+    stats.decode_steps = engine.stats["decode_steps"]
+    # A row of L tokens is in L − 1 decode steps (its first token comes with the prefill, no step after it ends):
+    # the next step's rows' share of the decode loop, and of its seconds by that share
+    stats.ahead_tokens = sum(len(s.tokens) for res in ahead_results for s in res.bases)
+    stats.ahead_row_steps = sum(len(s.tokens) - 1 for res in ahead_results for s in res.bases)
+    stats.seconds_ahead = (end - start - stats.seconds_forks) * stats.ahead_row_steps / max(stats.row_steps, 1)
+    ahead_bases = [[[s.tokens, s.entropies, s.logprobs] for s in res.bases] for res in ahead_results]
     grown = [([(s.tokens, s.entropies, s.logprobs) for s in res.bases], graded[p], plans[p],
               {key: [(s.tokens, s.entropies, s.logprobs) for s in per] for key, per in res.branches.items()})
              for p, res in enumerate(results)]
-    return grown, stats
+    return grown, stats, ahead_bases
 
 
 def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, budget, n, expand, progress):

@@ -44,6 +44,7 @@ import evaluate
 import faults
 import methods as M
 import models
+import offpolicy
 import optim as O
 import packing as P
 import rollout as R
@@ -99,7 +100,10 @@ def train_tree(tr: T.Tree, adv: list[float], method: str) -> P.TrainTree:
     paths_of = M.METHODS[method].paths
     paths = paths_of(tr) if paths_of else None
     weights = [float(m) for m in P.path_multiplicity(tr.parents, paths)] if paths_of else [1.0] * len(tr.blocks)
-    return P.TrainTree(tr.prompt_ids, tr.parents, [b.token_ids for b in tr.blocks], list(adv), weights, paths)
+    behaviour = offpolicy.stale_logprobs([not b.branch for b in tr.blocks], [b.logprobs for b in tr.blocks],
+                                         tr.policy_lag) if tr.policy_lag else None
+    return P.TrainTree(tr.prompt_ids, tr.parents, [b.token_ids for b in tr.blocks], list(adv), weights, paths,
+                       behaviour)
 
 
 def trainable(tr: T.Tree, method: str) -> bool:
@@ -177,6 +181,7 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     with P.kernel_backend(D.unwrap(model), kernel if packed else "dense"):
         minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
         old, have_old = old_logprobs(model, minibatches, micro_batches, logprobs, len(adv), cfg, device, stats.oom)
+        behaviour_logprobs(trees, offsets, old, have_old)   # one-step off-policy: stale tokens' π_θold
         bar = tqdm(total=cfg.ppo_epochs * len(minibatches), desc="update", unit="mini-batch", leave=False,
                    dynamic_ncols=True, disable=not D.is_main() or cfg.ppo_epochs * len(minibatches) < 2)
         for epoch in range(cfg.ppo_epochs):
@@ -260,6 +265,16 @@ def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg
     return D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
 
 
+def behaviour_logprobs(trees: list[P.TrainTree], offsets, old: torch.Tensor, have_old: torch.Tensor) -> None:
+    """Stale blocks (one-step off-policy, offpolicy.py): their old log-probs are the ones recorded when they
+    were sampled — π_θold of Eq. DATPO is the policy that sampled them, one update before θ."""
+    for tr, offs in zip(trees, offsets):
+        for lp, at in zip(tr.behaviour or (), offs):
+            if lp is not None:
+                old[at:at + len(lp)] = torch.tensor(lp, dtype=old.dtype, device=old.device)
+                have_old[at:at + len(lp)] = True
+
+
 class UpdateStats:
     """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of tokens,
     tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained, and the
@@ -310,12 +325,14 @@ class RunState:
     bad_steps_in_a_row: int = 0     # steps with a non-finite loss or gradient (nonfinite_guard)
     rng: random.Random = field(default_factory=random.Random)   # fork choice, mini-batch order
     too_long: set = field(default_factory=set)   # problems skipped as longer than --max_prompt_tokens (named once)
+    ahead: offpolicy.Batch | None = None   # one-step off-policy: the next step's prompts, their bases sampled
 
     def trainer_state(self) -> dict:
         """The checkpoint's trainer_state.pt fields (besides the optimizer and the config)."""
         return {"step": self.step, "cursor": self.cursor, "skipped_prompts": self.skipped_prompts,
                 "batch_size": self.batch_size, "bad_steps_in_a_row": self.bad_steps_in_a_row,
-                "rng": rng_state(self.rng), "too_long": sorted(self.too_long)}
+                "rng": rng_state(self.rng), "too_long": sorted(self.too_long),
+                "ahead": self.ahead.to_state() if self.ahead else None}
 
     def restore(self, state: dict) -> None:
         """Back to a checkpoint's trainer state (older checkpoints lack the later fields)."""
@@ -324,6 +341,7 @@ class RunState:
         self.batch_size = state.get("batch_size", self.batch_size)
         self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)
         self.too_long = set(state.get("too_long", ()))
+        self.ahead = offpolicy.Batch.from_state(state.get("ahead"))
         set_rng_state(self.rng, state["rng"])
 
 
@@ -352,15 +370,12 @@ class Setup:
 def train_step(s: Setup, run: RunState) -> dict:
     """One step of Algorithm DATPO (App. F), or of the method's baseline; returns its metrics record."""
     cfg, method, step, t_step = s.cfg, s.method, run.step, time.perf_counter()
-    prompts, answers, levels = sample_prompts(s, run)                      # q ~ Q
+    batch = run.ahead or offpolicy.Batch(*sample_prompts(s, run))    # q ~ Q (off-policy: drawn, bases sampled, last step)
+    upcoming = offpolicy.Batch(*sample_prompts(s, run)) \
+        if offpolicy.wants_next_batch(cfg.off_policy_steps, step, cfg.steps) else None   # step t+1's prompts
 
-    # ---- Phase 1+2: tree rollouts (torchrun: this rank's share of the prompts, its own RNG stream) ----
-    s.model.eval()
-    lo, hi = D.shard_range(len(prompts))
-    with models.autocast(s.device, cfg.precision), D.full_params(s.policy), faults.sampling_guard(step + 1, s.run_dir):
-        trees, rollout_stats = R.rollout_trees(s.model, s.tokenizer, prompts[lo:hi], answers[lo:hi], cfg,
-                                               D.rollout_rng(run.rng, cfg.seed, step), method=method,
-                                               levels=levels[lo:hi], progress=D.is_main())
+    # ---- Phase 1+2: tree rollouts (off-policy: step t+1's N base responses decode in the same batch) ----
+    trees, rollout_stats, run.ahead = tree_rollouts(s, run, batch, upcoming)
 
     # ---- Phase 3: block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) ----
     t0 = time.perf_counter()
@@ -393,6 +408,28 @@ def train_step(s: Setup, run: RunState) -> dict:
     t_gen = max(r.seconds_base + r.seconds_forks + r.seconds_branches for r in rank_stats)
     return step_record(run, trees, train_trees, update, alpha, rank_stats,
                        {"generation": t_gen, "embedding": t_embed, "update": t_update}, t_step)
+
+
+def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: offpolicy.Batch | None):
+    """Phase 1+2 on this rank's share of the prompts (torchrun), with its own RNG stream: the batch's trees —
+    growing given base responses when the batch was sampled last step — and, when `upcoming` is given, its
+    N base responses per prompt sampled in the same engine run with the current weights (offpolicy.py),
+    returned whole on every rank (the next step's batch)."""
+    cfg, step = s.cfg, run.step
+    s.model.eval()
+    mine, theirs = batch.shard(*D.shard_range(len(batch.prompts))), None
+    if upcoming:
+        theirs = upcoming.shard(*D.shard_range(len(upcoming.prompts)))
+    with models.autocast(s.device, cfg.precision), D.full_params(s.policy), faults.sampling_guard(step + 1, s.run_dir):
+        trees, stats, *ahead = R.rollout_trees(s.model, s.tokenizer, mine.prompts, mine.answers, cfg,
+                                               D.rollout_rng(run.rng, cfg.seed, step), method=s.method,
+                                               levels=mine.levels, progress=D.is_main(), bases=mine.bases,
+                                               ahead=theirs.prompts if theirs else None)
+    for tr in trees:
+        tr.policy_lag = batch.lag(step)
+    if upcoming:   # every rank keeps the whole next batch (a checkpoint saves it; ranks take their share)
+        upcoming.bases, upcoming.sampled_at = D.gather_lists(ahead[0]), step
+    return trees, stats, upcoming
 
 
 def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]:
@@ -473,6 +510,16 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[P.TrainTre
         **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
         **update,
         "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in rank_stats),
+        # one-step off-policy (offpolicy.py): updates between the weights that sampled a token and θ; the stale
+        # (base) tokens trained; the next step's prompts and share of the decode loop's row-steps
+        "policy_lag": max(tr.policy_lag for tr in trees),
+        "stale_tokens": sum(len(b.token_ids) for tr in trees if tr.policy_lag for b in tr.blocks if not b.branch),
+        "ahead_prompts": len(run.ahead.prompts) if run.ahead else 0,
+        "row_steps": sum(r.row_steps for r in rank_stats),
+        "ahead_row_steps": sum(r.ahead_row_steps for r in rank_stats),
+        "mean_batch_rows": sum(r.row_steps for r in rank_stats) / sum(r.decode_steps for r in rank_stats)
+        if any(r.decode_steps for r in rank_stats) else 0.0,   # the engine's rows per decode step (0: generate)
+        "seconds_generation_ahead": max(r.seconds_ahead for r in rank_stats),   # part of seconds_generation
         "oom_retries": sum(r.oom_retries for r in rank_stats) + update["oom_retries"],   # rollout + update
         "skipped_prompts": run.skipped_prompts,
         **{f"seconds_{name}": value for name, value in seconds.items()},

@@ -332,6 +332,8 @@ class Tree:
     b_hat: int
     forks: list[list[int]] = field(default_factory=list)   # fork positions per base response
     level: int | None = None
+    policy_lag: int = 0             # updates between the weights that sampled the base responses and the
+                                    # weights being updated (1: one-step off-policy, offpolicy.py); branches: 0
 
     @property
     def leaves(self) -> int:

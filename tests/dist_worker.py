@@ -168,6 +168,15 @@ def main(case: str, out: str, *args: str) -> None:
         common = ["--preset", "tiny", "--eval_every", "2", "--eval_limit", "3", "--alpha_start", "0"]
         train.main(common + ["--out_dir", run_a, "--save_every", "1"])
         train.main(common + ["--out_dir", run_b, "--resume", os.path.join(run_a, "checkpoints", "step_000001")])
+    elif case == "offpolicy":   # one-step off-policy: the in-flight batch is gathered, saved and resumed
+        import rollout as R
+
+        R.compute_reward = stand_in_reward
+        run_a, run_b = args
+        common = ["--preset", "tiny", "--steps", "3", "--eval_every", "0", "--alpha_start", "0",
+                  "--off_policy_steps", "1", "--lr", "3e-2"]
+        train.main(common + ["--out_dir", run_a, "--save_every", "1"])
+        train.main(common + ["--out_dir", run_b, "--resume", os.path.join(run_a, "checkpoints", "step_000001")])
     else:
         raise SystemExit(f"unknown case {case!r}")
     torch.distributed.barrier()

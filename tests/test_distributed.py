@@ -191,3 +191,28 @@ def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_rank
                         "--resume", str(run_a / "checkpoints" / "step_000001")])
     (one,) = _read(run_c / "metrics.jsonl")
     assert one["step"] == 2 and one["optimizer_steps"] >= 1
+
+
+def test_two_rank_off_policy_run_resumes_on_two_ranks_and_one_with_the_batch_in_flight(tmp_path, monkeypatch):
+    """--off_policy_steps 1 under torchrun: each rank samples its share of the next step's bases, the whole
+    batch is gathered into the checkpoint, and a resume on 2 ranks repeats the run; on 1 process the same
+    stale base responses are trained (its prompts and bases come from the checkpoint, not from sampling)."""
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    torchrun("offpolicy", str(tmp_path), str(run_a), str(run_b))
+    steps = _read(run_a / "metrics.jsonl")
+    assert [(r["step"], r["policy_lag"], r["ahead_prompts"]) for r in steps] == [(1, 0, 2), (2, 1, 2), (3, 1, 0)]
+    state = torch.load(run_a / "checkpoints" / "step_000001" / "trainer_state.pt", weights_only=False)
+    assert len(state["ahead"]["prompts"]) == 2 and len(state["ahead"]["bases"]) == 2   # both ranks' shares
+    again = _read(run_b / "metrics.jsonl")
+    assert [r["step"] for r in again] == [2, 3]
+    for mine, theirs in zip(again, steps[1:]):
+        for key in ("loss", "reward", "grad_norm", "stale_tokens", "generated_tokens_per_prompt"):
+            assert mine[key] == theirs[key], key
+
+    monkeypatch.setattr(R, "compute_reward", W.stand_in_reward)     # the same checkpoint, 1 process
+    run_c = train.main(["--preset", "tiny", "--steps", "3", "--eval_every", "0", "--alpha_start", "0",
+                        "--off_policy_steps", "1", "--lr", "3e-2", "--out_dir", str(tmp_path / "c"),
+                        "--resume", str(run_a / "checkpoints" / "step_000001")])
+    one = _read(run_c / "metrics.jsonl")
+    assert [(r["step"], r["policy_lag"]) for r in one] == [(2, 1), (3, 1)]
+    assert one[0]["stale_tokens"] == steps[1]["stale_tokens"]     # the same stale bases, trained on 1 process

@@ -63,17 +63,21 @@ def test_paths_weights_and_filter_by_hand():
 
 
 def test_run_state_saves_and_restores_whole():
+    import offpolicy
+
+    ahead = offpolicy.Batch(["q"], ["4"], [2], [[[[5, 6], [0.5, 0.1], [-0.7, -2.0]]]], sampled_at=2)
     run = train.RunState(step=3, cursor=17, skipped_prompts=2, batch_size=5, bad_steps_in_a_row=1,
-                         rng=random.Random(4), too_long={9, 2})
+                         rng=random.Random(4), too_long={9, 2}, ahead=ahead)
     run.rng.random()
     saved = run.trainer_state()
     assert set(saved) == {"step", "cursor", "skipped_prompts", "batch_size", "bad_steps_in_a_row", "rng",
-                          "too_long"}
+                          "too_long", "ahead"}
     expected = [run.rng.random() for _ in range(3)], torch.rand(2)
     back = train.RunState(rng=random.Random(0))
     back.restore(saved)
     assert (back.step, back.cursor, back.skipped_prompts, back.batch_size, back.bad_steps_in_a_row) == (3, 17, 2, 5, 1)
     assert back.too_long == {2, 9}                  # a skipped problem is not named again after a resume
+    assert back.ahead == ahead                      # the next step's batch, its bases sampled (one-step off-policy)
     got = [back.rng.random() for _ in range(3)], torch.rand(2)
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])            # the same streams continue
 
