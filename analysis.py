@@ -367,6 +367,25 @@ def run_difficulty(study: Study) -> None:
         print(f"[difficulty] G sweep trained in {time.perf_counter() - t0:.0f}s: {', '.join(runs)}", flush=True)
 
 
+def correct_counts(records: list[dict], n_problems: int) -> list[int]:
+    """Correct samples per problem (evaluate's records: one per sample, with its problem index)."""
+    counts = [0] * n_problems
+    for rec in records:
+        counts[rec["index"]] += int(rec["correct"])
+    return counts
+
+
+def problem_intervals(result: dict, k: int) -> str:
+    """'avg ± h / pass ± h': 95 % t-intervals over problems (a problem's share of its k samples correct; whether
+    any was). Scores cached before per-problem counts were kept show the means alone."""
+    counts = result.get("correct_per_problem")
+    if not counts:
+        return f"{result['avg@k']:.3f} / {result['pass@k']:.3f}"
+    avg, h_avg = t_interval([c / k for c in counts])
+    pas, h_pas = t_interval([float(c > 0) for c in counts])
+    return f"{pm(avg, h_avg, 3)} / {pm(pas, h_pas, 3)}"
+
+
 def run_difficulty_report(study: Study) -> None:
     """Evaluate the 9 G-sweep models (avg@k, pass@k; k = 256 in the paper) on each benchmark, scoring only
     models not yet scored, and draw App. B's two figures."""
@@ -395,7 +414,7 @@ def run_difficulty_report(study: Study) -> None:
                     policy = load_policy(eval_cfg)[:2]
                 result = evaluate.evaluate_problems(*policy, load_study_problems(bench, o["limit"], []), eval_cfg,
                                                     k=o["k"], max_new_tokens=cfg.max_new_tokens, desc=f"{label} {bench}")
-                result.pop("records")
+                result["correct_per_problem"] = correct_counts(result.pop("records"), result["n_problems"])
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(result, indent=2))
             scores[label][bench] = json.loads(path.read_text())
@@ -404,13 +423,13 @@ def run_difficulty_report(study: Study) -> None:
         raise SystemExit(f"difficulty-report: no trained runs under {source / 'runs'}; run `analysis.py difficulty` "
                          "with --train true, or the commands in its commands.sh")
     rows = []
+    k = o["k"]
     for label, per_bench in scores.items():
         avg = mean_of(r["avg@k"] for r in per_bench.values())
         pas = mean_of(r["pass@k"] for r in per_bench.values())
-        rows.append([label] + [f"{per_bench[b]['avg@k']:.3f} / {per_bench[b]['pass@k']:.3f}" for b in o["bench"]]
-                    + [avg, pas])
-    k = o["k"]
-    table = markdown_table(["model"] + [f"{b} avg@{k} / pass@{k}" for b in o["bench"]] + [f"mean avg@{k}", f"mean pass@{k}"], rows)
+        rows.append([label] + [problem_intervals(per_bench[b], k) for b in o["bench"]] + [avg, pas])
+    table = markdown_table(["model"] + [f"{b} avg@{k} / pass@{k} (± 95 % CI over problems)" for b in o["bench"]]
+                           + [f"mean avg@{k}", f"mean pass@{k}"], rows)
 
     plt = plt_module()
     figures = [study.out / "avg_pass_vs_g.png", study.out / "passk_curves.png"]

@@ -174,6 +174,11 @@ def test_difficulty_split_trains_and_reports(tmp_path, monkeypatch):
     A.main(["difficulty-report", "--scale", "tiny", "--out_dir", str(report), "--from_dir", str(out)])
     scores = json.loads((report / "result.json").read_text())["scores"]
     assert sorted(scores) == sorted(f"{b}_g{g}" for b in A.DIFFICULTY_BUCKETS for g in (4,))   # trained only
+    for per_bench in scores.values():       # per-problem counts behind the intervals agree with the means
+        r = per_bench["arith-test"]
+        k, counts = r["k"], r["correct_per_problem"]
+        assert len(counts) == r["n_problems"] and sum(counts) / (k * len(counts)) == pytest.approx(r["avg@k"])
+        assert sum(c > 0 for c in counts) / len(counts) == pytest.approx(r["pass@k"])
     assert (report / "avg_pass_vs_g.png").exists() and (report / "passk_curves.png").exists()
 
 
@@ -196,6 +201,14 @@ def test_tree_vs_parallel_tiny(tmp_path):
 def _tvp_records(parallel, tree):
     return [{"repeat": 0, "problem": i, "parallel/2": {"tokens": 10, "pass_rate": p, "leaves": 2},
              "random/1": {"tokens": 8, "pass_rate": t, "leaves": 3}} for i, (p, t) in enumerate(zip(parallel, tree))]
+
+
+def test_difficulty_report_intervals_over_problems_by_hand():
+    # 4 problems, k = 2: shares (1, 0.5, 0, 0.5) mean 0.5, sd √(1/6); any-correct (1, 1, 0, 1) mean 0.75, sd 0.5
+    cell = A.problem_intervals({"avg@k": 0.5, "pass@k": 0.75, "correct_per_problem": [2, 1, 0, 1]}, 2)
+    t3 = 3.182446
+    assert cell == f"0.500 ± {t3 * (1 / 6) ** 0.5 / 2:.3f} / 0.750 ± {t3 * 0.5 / 2:.3f}"
+    assert A.problem_intervals({"avg@k": 0.5, "pass@k": 0.75}, 2) == "0.500 / 0.750"      # older cached scores
 
 
 def test_tree_vs_parallel_intervals_and_paired_verdicts_by_hand():
