@@ -41,6 +41,8 @@ import faults
 ATTENTION = "datpo_engine"
 # Rows per step that fit after running out of memory, per device: later engines (next steps) start there.
 ROWS_AFTER_OOM: dict[str, int] = {}
+# Longest prefill forward (tokens) that fit after a prefill ran out of memory with no row decoding, per device.
+PREFILL_AFTER_OOM: dict[str, int] = {}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -191,6 +193,8 @@ class RunState:
     rows_started: int = 0
     rows_done: int = 0
     trees_done: int = 0
+    prefill_wait: int | None = None                       # after a prefill ran out of memory: admit prompts
+                                                          # again once at most this many rows decode
 
     def __post_init__(self):
         count = len(self.prompts)
@@ -213,6 +217,8 @@ class Engine:
         param = next(model.parameters())
         self.model, self.warp = model, warp
         self.max_rows = min(max_rows, ROWS_AFTER_OOM.get(str(param.device), max_rows))
+        self.prefill_chunk = PREFILL_AFTER_OOM.get(str(param.device))   # None: a prompt in one forward
+        self._prefill_len = 0                                           # tokens of the last prefill forward
         self.stop_ids = set(stop_ids)
         self.pool = KVPool(model, max_kv_tokens, param.device, param.dtype)
         self.device = param.device
@@ -273,7 +279,6 @@ class Engine:
 
     def _new_row(self, prompt, base, fork, slots, limit, keep_hidden) -> Row:
         self._next_id += 1
-        self.state.rows_started += 1
         return Row(self._next_id - 1, prompt, base, fork, slots, limit, hidden=[] if keep_hidden else None)
 
     def _push(self, row: Row, token: int, entropy: float, logprob: float, hidden) -> bool:
@@ -359,10 +364,53 @@ class Engine:
                 s.active.append(s.waiting.popleft())
             if s.waiting or not s.waiting_prompts:
                 return
+            if s.prefill_wait is not None and len(s.active) > s.prefill_wait:
+                return                        # a prefill ran out of memory: fewer rows decode first
             p = s.waiting_prompts[0]
-            if not (self._admit_given if p in s.given_bases else self._admit_new)(p):
-                return
+            try:
+                if not (self._admit_given if p in s.given_bases else self._admit_new)(p):
+                    return
+            except RuntimeError as err:       # torch.OutOfMemoryError is one
+                if not faults.is_oom(err):
+                    raise
+                self._prefill_oom(err)
+                continue
             s.waiting_prompts.popleft()
+            s.prefill_wait = None
+
+    def _prefill_oom(self, err: RuntimeError):
+        """A prefill (prompt or given response) ran out of memory; nothing of the prompt was kept. With rows
+        decoding, the prompt waits until their number has halved (their activations are what filled the
+        memory; as rows end, the next prompt takes their place). Alone, it is fed in chunks of half the
+        tokens (remembered for this device), down to one token; only then the error is raised."""
+        s = self.state
+        if not s.active and self._prefill_len <= 1:
+            raise err
+        self.stats["oom_retries"] += 1
+        if s.active:
+            s.prefill_wait = len(s.active) // 2
+        else:
+            self.prefill_chunk = PREFILL_AFTER_OOM[str(self.device)] = self._prefill_len // 2
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _prefill(self, row: Row, tokens: list[int]) -> torch.Tensor:
+        """Feed one row `tokens` (a prompt, or a given response after its prompt), in one forward or in
+        chunks of self.prefill_chunk tokens; the final hidden state of each, [len(tokens), d]. On an error
+        the row's slots are as they were."""
+        start = len(row.slots)
+        chunk = self.prefill_chunk or len(tokens)
+        hidden = []
+        try:
+            for i in range(0, len(tokens), chunk):
+                self._prefill_len = len(tokens[i:i + chunk])
+                faults.oom_point("prefill")   # DATPO_OOM_AT=prefill: the error CUDA raises, once (tests)
+                hidden.append(self._forward([row], [tokens[i:i + chunk]])[0])
+        except BaseException:
+            self.pool.release(row.slots[start:])
+            del row.slots[start:]
+            raise
+        return torch.cat(hidden)
 
     def _admit_new(self, p: int) -> bool:
         """Prefill prompt p once; its N rows share its slots and sample their first token."""
@@ -370,9 +418,10 @@ class Engine:
         rows = [self._new_row(p, j, None, [], s.max_new_tokens, self._keeps(p)) for j in range(s.n)]
         if not self._room(rows[:self.max_rows], len(s.prompts[p])):   # N > max_rows: the rest wait for room
             return False
+        hidden = self._prefill(rows[0], s.prompts[p])[-1:]           # the prompt once, for all N rows
         self.events.append((self.step, "prefill", p))
-        hidden = self._forward(rows[:1], [s.prompts[p]])[:, -1]     # the prompt once, for all N rows
         self.stats["prefill_tokens"] += len(s.prompts[p])
+        s.rows_started += len(rows)
         for row in rows[1:]:
             row.slots = list(rows[0].slots)
             self.pool.retain(row.slots)
@@ -394,18 +443,24 @@ class Engine:
             return False
         rows = [self._new_row(p, j, None, [], len(x.tokens), keep) for j, x in enumerate(samples)]
         if keep:
+            try:
+                first = self._prefill(rows[0], s.prompts[p])[-1]
+                prompt_slots = list(rows[0].slots)
+                for row, sample in zip(rows, samples):
+                    if row is not rows[0]:
+                        row.slots = list(prompt_slots)
+                        self.pool.retain(row.slots)
+                    row.hidden = [first]
+                    if len(sample.tokens) > 1:
+                        row.hidden += list(self._prefill(row, sample.tokens[:-1]))
+            except BaseException:             # e.g. out of memory: nothing of this prompt is kept
+                for row in rows:
+                    self.pool.release(row.slots)
+                raise
             self.events.append((self.step, "prefill", p))
-            first = self._forward(rows[:1], [s.prompts[p]])[0, -1]
             self.stats["prefill_tokens"] += len(s.prompts[p])
-            prompt_slots = list(rows[0].slots)
-            for row, sample in zip(rows, samples):
-                if row is not rows[0]:
-                    row.slots = list(prompt_slots)
-                    self.pool.retain(row.slots)
-                row.hidden = [first]
-                if len(sample.tokens) > 1:
-                    row.hidden += list(self._forward([row], [sample.tokens[:-1]])[0])
-                    self.stats["given_tokens"] += len(sample.tokens) - 1
+            self.stats["given_tokens"] += sum(len(x.tokens) - 1 for x in samples)
+        s.rows_started += len(rows)
         for row, sample in zip(rows, samples):
             row.out = sample                  # returned as given: nothing is appended to it
             self._finish(row)
@@ -509,6 +564,7 @@ class Engine:
         if branch_rows:
             self.events.append((self.step, "branches", p, len(branch_rows)))
             s.rows_left[p] += len(branch_rows)
+            s.rows_started += len(branch_rows)
             sampled = self._sample(torch.stack([h for _, h in branch_rows]))
             for (row, _), token, ent, lp in zip(branch_rows, *sampled):
                 if self._push(row, token, ent, lp, None):

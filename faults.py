@@ -25,7 +25,7 @@ What each script uses (train.py, evaluate.py, analysis scripts):
   halving_chunks   generate in chunks; on CUDA out-of-memory retry that chunk at half the size, down to 1.
   halving_retry    run a unit of work at a size (the update's micro-batch budget, evaluation's batch); on
                    out-of-memory (is_oom: torch's error or a cuBLAS/cuDNN allocation failure) halve and rerun.
-  oom_point        fault injection for tests: DATPO_OOM_AT="base|branches|update|eval" raises
+  oom_point        fault injection for tests: DATPO_OOM_AT="base|branches|update|eval|prefill" raises
                    torch.OutOfMemoryError the first time the named point is reached.
   crash_point      fault injection for tests: DATPO_CRASH_AT="name:n[:SIGNAL]" signals this process the n-th
                    time the named point is reached (default SIGKILL).
@@ -470,7 +470,7 @@ def is_oom(err: BaseException) -> bool:
             or "CUBLAS_STATUS_ALLOC_FAILED" in text or "CUDNN_STATUS_ALLOC_FAILED" in text)
 
 
-OOM_SITES = ("base", "branches", "update", "eval")
+OOM_SITES = ("base", "branches", "update", "eval", "prefill")
 _oom_fired: set[str] = set()
 
 

@@ -522,7 +522,7 @@ class RolloutStats:
     base_tokens: int = 0
     branch_tokens: int = 0
     recomputed_prefix_tokens: int = 0
-    oom_retries: int = 0                 # branch chunks retried at half size after running out of memory
+    oom_retries: int = 0                 # retries after running out of memory (smaller chunk, row budget or prefill)
     seconds_base: float = 0.0
     seconds_forks: float = 0.0
     seconds_branches: float = 0.0

@@ -251,6 +251,39 @@ def test_out_of_memory_halves_the_row_budget_and_remembers_it(tiny_policy, monke
     assert engine_for(model, tok, cfg, max_rows=6).max_rows == 1        # the next step starts at what fit
 
 
+def test_prefill_oom_beside_decoding_rows_waits_for_them(smollm_tokenizer, monkeypatch):
+    """A "GPU" that cannot prefill while 2 rows decode: each prompt after the first waits until the rows
+    decoding have halved (here: none left), then prefills; nothing is lost and the samples are those of an
+    unconstrained run (greedy), and no prompt needed smaller prefill chunks."""
+    tok = smollm_tokenizer
+    model = tiny_model("llama", len(tok))
+    cfg = _cfg(top_k=1)
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    requests = lambda p, bases: [E.BranchRequest(1, 3, 2, 6)]
+    reference = engine_for(model, tok, cfg).run(prompts, 2, 8, on_bases_done=requests)
+    monkeypatch.setattr(E, "PREFILL_AFTER_OOM", {})
+    monkeypatch.setattr(E, "ROWS_AFTER_OOM", {})
+    real = E.Engine._forward
+    beside = []
+
+    def small_gpu(self, rows, new_tokens):
+        if len(new_tokens[0]) > 1:                       # a prefill
+            if len(self.state.active) >= 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
+            beside.append(len(self.state.active))
+        return real(self, rows, new_tokens)
+
+    monkeypatch.setattr(E.Engine, "_forward", small_gpu)
+    engine = engine_for(model, tok, cfg)
+    results = engine.run(prompts, 2, 8, on_bases_done=requests)
+    assert [([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()}) for r in results] \
+        == [([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()}) for r in reference]
+    assert engine.stats["oom_retries"] >= 2 and beside == [0, 0, 0] and engine.prefill_chunk is None
+    assert engine.pool.used == 0 and engine.max_rows == 64
+    prefills = [ev[2] for ev in engine.events if ev[1] == "prefill"]
+    assert prefills == [0, 1, 2] and engine.stats["prefill_tokens"] == sum(map(len, prompts))
+
+
 def test_more_samples_per_prompt_than_rows_take_turns(smollm_tokenizer):
     """N = 5 samples per prompt with a budget of 2 rows (GRPO's G = 16 at a small max_batch_rows): the prompt is
     prefilled once, its rows take turns, and the samples are those of an unconstrained run (greedy)."""

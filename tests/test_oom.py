@@ -9,6 +9,7 @@ import torch
 
 import config
 import data
+import engine
 import evaluate as E
 import faults
 import rollout as R
@@ -18,7 +19,11 @@ from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
 
 @pytest.fixture
 def oom_at(monkeypatch):
-    """Set DATPO_OOM_AT for one test, with the once-per-process memory cleared before and after."""
+    """Set DATPO_OOM_AT for one test, with the once-per-process memory cleared before and after (and the
+    engine's sizes that fit after running out of memory: they would shrink later tests' batches)."""
+    monkeypatch.setattr(engine, "ROWS_AFTER_OOM", {})
+    monkeypatch.setattr(engine, "PREFILL_AFTER_OOM", {})
+
     def set_sites(spec: str):
         monkeypatch.setenv("DATPO_OOM_AT", spec)
         faults._oom_fired.clear()
@@ -119,3 +124,45 @@ def test_branch_oom_halves_the_chunk_and_builds_the_same_shape_of_tree(tiny_poli
     assert stats.oom_retries == 1
     assert tree.leaves == 2 * (1 + 2 * 2)                 # N(1 + K̂B̂) with K̂ = B̂ = 2 at V = 0
     assert all(len(b.token_ids) > 0 for b in tree.blocks)
+
+
+def test_prefill_oom_alone_feeds_the_prompt_in_halves_with_the_same_result(smollm_tokenizer, oom_at):
+    """DATPO_OOM_AT=prefill: the first prompt's prefill runs out of memory with no row decoding; it is fed
+    again in chunks of half its tokens (and so is every later prompt and given response), and the samples are
+    those of a run without the fault: same tokens, H_t and log-probs within 1e-4."""
+    from test_engine import PROMPTS, tiny_model
+
+    tok = smollm_tokenizer
+    model = tiny_model("qwen2", len(tok))
+    sampler = R.Sampler.from_config(model, tok, config.make_config("tiny", temperature=0.8))
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    torch.manual_seed(0)
+    given = {1: sampler.make_engine(prompts, 8, 6, 2).run(prompts[1:2], 2, 8, progress=False)[0].bases}
+    requests = lambda p, bases: [engine.BranchRequest(j, 2, 2, 6) for j in range(2)]
+    out = {}
+    for spec in ("", "prefill"):
+        oom_at(spec)
+        torch.manual_seed(1)
+        run = sampler.make_engine(prompts, 8, 18, 2)
+        res = run.run(prompts, 2, 8, on_bases_done=requests, given_bases=given, progress=False)
+        out[spec] = run, [s for r in res for s in r.bases + [x for per in r.branches.values() for x in per]]
+    (clean, a), (hit, b) = out[""], out["prefill"]
+    assert clean.stats["oom_retries"] == 0 and hit.stats["oom_retries"] == 1
+    assert hit.prefill_chunk == len(prompts[0]) // 2 == engine.PREFILL_AFTER_OOM["cpu"]
+    assert [s.tokens for s in a] == [s.tokens for s in b] and len(a) == 3 * 2 + 3 * 4
+    for x, y in zip(a, b):
+        assert x.entropies == pytest.approx(y.entropies, abs=1e-4) and x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+    assert hit.stats["prefill_tokens"] == clean.stats["prefill_tokens"] == sum(map(len, prompts))
+    assert hit.pool.used == 0 and sampler.make_engine(prompts, 8, 6, 2).prefill_chunk == hit.prefill_chunk
+
+
+def test_prefill_oom_in_a_rollout_never_kills_the_step(tiny_policy, oom_at, monkeypatch):
+    model, tok = tiny_policy
+    monkeypatch.setattr(R, "compute_reward", lambda text, answer, fallback=False: 0.0)    # V = 0: full budget
+    cfg = config.make_config("tiny", n_base=2, k_max=2, b_max=2, max_new_tokens=12)
+    oom_at("prefill")
+    torch.manual_seed(0)
+    trees, stats = R.rollout_trees(model, tok, ["What is 3 + 4?", "What is 5 + 6?"], ["7", "11"], cfg,
+                                   random.Random(0))
+    assert stats.oom_retries == 1
+    assert [t.leaves for t in trees] == [2 * (1 + 2 * 2)] * 2   # N(1 + K̂B̂) with K̂ = B̂ = 2 at V = 0

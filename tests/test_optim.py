@@ -108,6 +108,7 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     and master copies for bf16 weights, and a resume loads them as fp32."""
     import json
 
+    import engine
     import faults
     import packing as P
     import rollout as R
@@ -116,6 +117,7 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     monkeypatch.setattr(P, "_kernel_choice", {})
+    monkeypatch.setattr(engine, "ROWS_AFTER_OOM", {})        # the injected OOM halves it: not for later tests
     monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
     faults._oom_fired.clear()
     flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32", "--packed_attention", "flex",
