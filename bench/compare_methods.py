@@ -7,6 +7,7 @@
 --off_policy both runs each preset twice, on-policy (--off_policy_steps 0) and one-step off-policy (1, offpolicy.py),
 same seed, and prints generation and total seconds per step on/off with their ratio, and the decode loop's mean
 rows per step (occupancy: row-steps / decode steps, of --max_batch_rows) with the next step's share of them.
+Runs already finished in --out_dir (all --steps in their metrics.jsonl) are read, not redone.
 
 Per method: generated tokens per prompt (the paper's fairness control, App. E.3), leaves per prompt,
 trained blocks, and seconds per step (mean over the steps; the first step includes warm-up).
@@ -51,6 +52,13 @@ def main():
         print(f"{name:10s}{tokens:15.1f}{leaves:15.1f}{n_rows:7.1f}{reward:8.3f}{gen:8.1f}{upd:10.1f}{total:8.1f}")
 
 
+def finished_steps(run: Path, steps: int) -> list[dict] | None:
+    """The step records of a run folder that holds all `steps` of them, else None."""
+    path = run / "metrics.jsonl"
+    records = [r for r in map(json.loads, path.read_text().splitlines()) if "eval" not in r] if path.exists() else []
+    return records if len(records) >= steps else None
+
+
 def compare_off_policy(args, out: Path) -> None:
     """Each preset on-policy and one-step off-policy, one run each, same seed: seconds per step of generation
     and in total (means over all steps: the off-policy run's first step samples two batches of bases and its
@@ -59,10 +67,14 @@ def compare_off_policy(args, out: Path) -> None:
     for preset in args.presets:
         per = {}
         for off in (0, 1):
-            flags = ["--preset", preset, "--scale", args.scale, "--steps", str(args.steps), "--eval_every", "0",
-                     "--save_every", "0", "--off_policy_steps", str(off), "--out_dir", str(out / f"{preset}_off{off}")]
-            run = train.main(flags + (["--threads", str(args.threads)] if args.threads else []))
-            steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval" not in r]
+            run = out / f"{preset}_off{off}"
+            steps = finished_steps(run, args.steps)
+            if steps is None:   # a run finished by an earlier call into the same --out_dir is read, not redone
+                flags = ["--preset", preset, "--scale", args.scale, "--steps", str(args.steps), "--eval_every", "0",
+                         "--save_every", "0", "--off_policy_steps", str(off), "--out_dir", str(run), "--overwrite",
+                         "true"]
+                train.main(flags + (["--threads", str(args.threads)] if args.threads else []))
+                steps = finished_steps(run, args.steps)
             mean = lambda key: sum(r.get(key, 0) for r in steps) / len(steps)  # noqa: E731
             per[off] = dict(gen=mean("seconds_generation"), total=mean("seconds_step"), rows=mean("mean_batch_rows"),
                             ahead=sum(r["ahead_row_steps"] for r in steps) / max(1, sum(r["row_steps"] for r in steps)),
