@@ -107,6 +107,8 @@ class Config:
     max_batch_rows: int = 0                 # engine: rows decoded at once; 0 = max(gen_batch_size, branch_chunk_size)
     max_kv_tokens: int = 0                  # engine: KV pool size in tokens; 0 = the step's prompts + max_batch_rows
                                             # × max_new_tokens (prefixes are shared; rows that don't fit wait)
+    compile_decode: bool = False            # engine: decode steps through torch.compile(dynamic=True); on the
+                                            # 2-core CPU 1.13× tokens/s after a ~36 s compile (measurements.md)
     off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. E runtime table, offpolicy.py):
                                             # step t+1's N base responses decode inside step t's rollout with
                                             # step t's weights (before its update); 0: on-policy
@@ -235,6 +237,9 @@ class Config:
         if self.off_policy_steps not in (0, 1):
             raise ValueError(f"--off_policy_steps: got {self.off_policy_steps}, expected 0 (on-policy) or 1 (one-step "
                              f"off-policy)")
+        if self.compile_decode and self.rollout_engine != "engine":
+            raise ValueError("--compile_decode compiles the engine's decode step: expected --rollout_engine engine "
+                             "(HF generate has its own compile options)")
         if self.off_policy_steps and self.rollout_engine != "engine":
             raise ValueError("--off_policy_steps 1 folds the next step's base responses into this step's running "
                              "batch, which only the engine does: expected --rollout_engine engine")

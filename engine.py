@@ -133,6 +133,29 @@ def attention_backend(model):
         model.config._attn_implementation = old
 
 
+def decode_hidden(model, input_ids, position_ids, kv: StepKV) -> torch.Tensor:
+    """One forward of the model (the root, as in Engine._forward) → the final hidden state [rows, q, d]:
+    output_hidden_states' last entry is the final norm's output; no logits (an empty logits_to_keep)."""
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=kv.mask, use_cache=False,
+                engine_kv=kv, logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
+                output_hidden_states=True)
+    return out.hidden_states[-1]
+
+
+_COMPILED = []
+
+
+def compiled_decode():
+    """decode_hidden through torch.compile(dynamic=True), built once per process: rows, context width and
+    pool size change every step, so they are symbolic rather than a recompile each. The pool is written in
+    place inside the graph (index_put on a graph input); masks and slot tables are inputs, so one graph
+    serves every step. Inductor needs a C++ compiler on CPU and Triton on CUDA. Measured on CPU only (no GPU
+    here; docs/measurements.md), not tried under torchrun."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(decode_hidden, dynamic=True))
+    return _COMPILED[0]
+
+
 # --------------------------------------------------------------------------------------------------------
 # Rows and results
 # --------------------------------------------------------------------------------------------------------
@@ -213,8 +236,10 @@ class Engine:
     what the running rows may still write, so the pool never runs out mid-step. `warp(scores)` applies
     temperature/top-k/top-p (rollout.py passes HF's warpers, so the distribution is `generate`'s)."""
 
-    def __init__(self, model, stop_ids, warp, max_rows: int, max_kv_tokens: int, trace: bool = False):
+    def __init__(self, model, stop_ids, warp, max_rows: int, max_kv_tokens: int, trace: bool = False,
+                 compile_decode: bool = False):
         param = next(model.parameters())
+        self.compile_decode = compile_decode     # decode steps through torch.compile (--compile_decode)
         self.model, self.warp = model, warp
         self.max_rows = min(max_rows, ROWS_AFTER_OOM.get(str(param.device), max_rows))
         self.prefill_chunk = PREFILL_AFTER_OOM.get(str(param.device))   # None: a prompt in one forward
@@ -253,20 +278,29 @@ class Engine:
         # The model's own forward, as generate calls it (FSDP2's hooks under torchrun expect the root to run), with
         # no logits (an empty logits_to_keep: _sample projects only the last position); the hidden state is the
         # final norm's output, caught by a hook.
+        # A decode step (q = 1) of 2+ rows under --compile_decode runs the same forward through torch.compile
+        # (decode_hidden: the hidden state from output_hidden_states, as a hook cannot be traced). One row stays
+        # eager: dynamic shapes still specialise a size of 1, and that recompile cost 38 s on this CPU.
+        inputs = (torch.tensor(new_tokens, device=self.device), positions.to(self.device), kv)
         hidden = []
-        hook = self.model.get_decoder().norm.register_forward_hook(lambda module, args, out: hidden.append(out))
+        hook = None
         try:
             with attention_backend(self.model):
-                self.model(input_ids=torch.tensor(new_tokens, device=self.device),
-                           position_ids=positions.to(self.device), attention_mask=kv.mask, use_cache=False,
-                           engine_kv=kv, logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device))
+                if self.compile_decode and q == 1 and len(rows) > 1:
+                    hidden.append(compiled_decode()(self.model, *inputs))
+                else:
+                    hook = self.model.get_decoder().norm.register_forward_hook(
+                        lambda module, args, out: hidden.append(out))
+                    self.model(input_ids=inputs[0], position_ids=inputs[1], attention_mask=kv.mask, use_cache=False,
+                               engine_kv=kv, logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device))
         except BaseException:                     # e.g. out of memory: the rows are as they were before
             for row in rows:
                 self.pool.release(row.slots[-q:])
                 del row.slots[-q:]
             raise
         finally:
-            hook.remove()
+            if hook is not None:
+                hook.remove()
         return hidden[-1]
 
     def _sample(self, hidden: torch.Tensor) -> tuple[list[int], list[float], list[float]]:

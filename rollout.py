@@ -173,6 +173,7 @@ class Sampler:
     engine: str = "generate"             # "engine": engine.py's decode loop; "generate": HF generate
     max_rows: int = 64                   # engine: rows decoded at once
     max_kv_tokens: int = 0               # engine: KV pool size in tokens; 0 = the prompts + max_rows × max_new_tokens
+    compile_decode: bool = False         # engine: decode steps through torch.compile
     counts: dict = field(default_factory=dict)   # generate: row_steps, ended_row_steps, peak_call_kv_bytes
 
     @classmethod
@@ -180,7 +181,8 @@ class Sampler:
         engine = "generate" if cfg.naive_prefill else cfg.rollout_engine   # naive re-prefill is generate's
         return cls(model, stop_token_ids(tokenizer, model), tokenizer.pad_token_id,
                    cfg.temperature, cfg.top_k, cfg.top_p, engine,
-                   cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size), cfg.max_kv_tokens)
+                   cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size), cfg.max_kv_tokens,
+                   compile_decode=cfg.compile_decode)
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """temperature, top-k, top-p applied to [rows, vocab] scores, exactly as generate applies them."""
@@ -196,7 +198,8 @@ class Sampler:
         rows kept for its forks while more than max_rows of them take turns."""
         capacity = self.max_kv_tokens or \
             (min(self.max_rows, rows) + n) * max_new_tokens + sum(map(len, prompt_ids))
-        return E.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace)
+        return E.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace,
+                        compile_decode=self.compile_decode)
 
     @property
     def device(self):

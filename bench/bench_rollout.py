@@ -3,6 +3,7 @@
     python bench/bench_rollout.py                          # (a), (b), (c) below; SmolLM2-135M, fp32, CPU
     python bench/bench_rollout.py --shapes c --threads 1   # one shape, one thread
     python bench/bench_rollout.py --model Qwen/Qwen2.5-3B --device cuda --precision bf16 --shapes a,b
+    python bench/bench_rollout.py --shapes c --compile_decode   # the engine eager vs --compile_decode instead
 
 Shapes, both engines on the same prompts (arith-train, the demo's chat prompt with its worked example):
   (a) 16 prompts × 4 base responses × 256 new tokens, no branches (parallel sampling, GRPO-like)
@@ -13,6 +14,8 @@ then the ratio engine/generate, and DATPO's rollout seconds per generated token 
 Sampling draws different tokens in the two engines (their random streams are consumed in another order), so
 token counts differ a little; tokens/s is the fair comparison. Last, the peak KV at the paper's shape
 (Qwen2.5-3B, 16 prompts, (N, K, B) = (4, 3, 4), 1,024 new tokens, 256-token prompts), computed.
+With --compile_decode: the engine eager vs the engine with --compile_decode (torch.compile of the decode step),
+same prompts and seed; the compile (a one-prompt warm-up run) is timed apart, then tokens/s and the ratio.
 """
 import argparse
 import os
@@ -41,7 +44,8 @@ def shape_config(shape: str, args) -> tuple[C.Config, int, dict]:
 
 
 def run(model, tokenizer, prompts, answers, cfg, engine, seed, kwargs):
-    cfg.rollout_engine = engine
+    """engine: "engine", "generate", or "compiled" (the engine with --compile_decode)."""
+    cfg.rollout_engine, cfg.compile_decode = ("engine", True) if engine == "compiled" else (engine, False)
     torch.manual_seed(seed)
     start = time.perf_counter()
     with models.autocast(next(model.parameters()).device, cfg.precision):
@@ -73,6 +77,8 @@ def main():
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile_decode", action="store_true",
+                        help="compare the engine eager and with --compile_decode instead of engine vs generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
@@ -86,16 +92,20 @@ def main():
         problems = data.load_problems(cfg.train_data, limit=n_prompts)
         prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
         answers = [p["answer"] for p in problems]
-        run(model, tokenizer, prompts[:1], answers[:1], cfg, "engine", args.seed, kwargs)     # warm-up
+        engines = ("compiled", "engine") if args.compile_decode else ("engine", "generate")
+        for e in engines[:1]:                                                                   # warm-up
+            warm = run(model, tokenizer, prompts[:1], answers[:1], cfg, e, args.seed, kwargs)
+            print(f"({shape}) warm-up {e} (compiles the decode step under --compile_decode): {warm['wall']:.1f} s",
+                  flush=True)
         result = {}
-        for e in ("engine", "generate"):
+        for e in engines:
             result[e] = run(model, tokenizer, prompts, answers, cfg, e, args.seed, kwargs)
             print(f"({shape}) {e}: {result[e]}, load average {os.getloadavg()[0]:.2f}", flush=True)
-        ours, ref = result["engine"], result["generate"]
+        ours, ref = result[engines[0]], result[engines[1]]
         print(f"\n({shape}) {n_prompts} prompts, N = {kwargs.get('n_base', cfg.n_base)}, "
               f"{'no branches' if kwargs else f'K_max = {cfg.k_max}, B_max = {cfg.b_max}, {cfg.fork}'}, "
               f"max_new_tokens {cfg.max_new_tokens}; load average {os.getloadavg()[0]:.2f}")
-        print(f"{'':34s}{'engine':>14s}{'generate':>14s}{'engine/generate':>17s}")
+        print(f"{'':34s}{engines[0]:>14s}{engines[1]:>14s}{engines[0] + '/' + engines[1]:>17s}")
         for label, key, fmt in [("wall seconds", "wall", "{:.1f}"), ("generated tokens", "tokens", "{:.0f}"),
                                 ("tokens / s", "tok_s", "{:.1f}"), ("branches", "branches", "{:.0f}"),
                                 ("row-steps run", "row_steps", "{:.0f}"),
@@ -107,8 +117,8 @@ def main():
             ratio = f"{a / b:.2f}" if b else "-"
             print(f"{label:34s}{fmt.format(a):>14s}{fmt.format(b):>14s}{ratio:>17s}")
         seconds_per_token[shape] = {e: r["wall"] / r["tokens"] for e, r in result.items()}
-    if "a" in seconds_per_token and "b" in seconds_per_token:
-        for e in ("engine", "generate"):
+    if "a" in seconds_per_token and "b" in seconds_per_token and not args.compile_decode:
+        for e in engines:
             print(f"DATPO (b) / GRPO-like (a) rollout seconds per generated token, {e}: "
                   f"{seconds_per_token['b'][e] / seconds_per_token['a'][e]:.2f}")
     today, ours = paper_shape_kv()

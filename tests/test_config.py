@@ -58,6 +58,7 @@ def test_cli_sets_fields_and_types():
                         "--adaptive", "false", "--lr", "2e-5", "--fork_min_dist", "0.05"])
     assert (cfg.steps, cfg.fork, cfg.out_dir) == (10, "tok-entropy", "runs/x")
     assert cfg.adaptive is False and cfg.lr == 2e-5 and cfg.fork_min_dist == 0.05
+    assert cfg.compile_decode is False and C.parse_args(["--compile_decode", "true"]).compile_decode is True
     assert cfg.model == "smollm2-135m"                       # untouched fields keep the preset's value
     assert C.parse_args([]).model == "Qwen/Qwen2.5-3B"      # default preset is the paper's
 
@@ -72,6 +73,7 @@ def test_cli_sets_fields_and_types():
     (["--micro_batch_size", "128"], "--micro_batch_size"),
     (["--top_p", "1.5"], "--top_p"),
     (["--n_base", "0"], "--n_base"),
+    (["--compile_decode", "true", "--rollout_engine", "generate"], "--compile_decode compiles the engine's"),
 ])
 def test_cli_errors_name_the_flag_and_valid_values(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:
