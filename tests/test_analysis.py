@@ -373,3 +373,17 @@ def test_cli_unknown_or_missing_study_ends_with_an_error_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         A.main(["--help"])
     assert exit_info.value.code == 0 and "error:" not in capsys.readouterr().err
+
+
+def test_main_table_pairs_methods_by_problem_by_hand():
+    cells = {"paper_s0": {"preset": "paper", "correct": [2, 0]}, "paper_s1": {"preset": "paper", "correct": [1, 0]},
+             "grpo_s0": {"preset": "grpo", "correct": [0, 0]}, "grpo_s1": {"preset": "grpo", "correct": [1, 1]}}
+    text = A.paired_by_problem(cells, ["paper", "grpo"], 2)
+    # avg shares per problem: paper (0.75, 0), grpo (0.25, 0.25) → differences (0.5, −0.25): mean 0.125,
+    # sd 0.375·√2, t(0.975, 1) = 12.7062 → half-width 12.7062 · 0.53033 / √2 = 4.7648
+    # any-correct per seed: paper (1, 0), grpo (0.5, 0.5) → differences (0.5, −0.5): mean 0, half 6.3531
+    assert "| paper − grpo | 2 | 12.5 ± 476.5 | no difference shown | 0.0 ± 635.3 | no difference shown |" in text
+    cells["grpo_s0"]["correct"] = cells["grpo_s1"]["correct"] = [0, 0]
+    cells["paper_s0"]["correct"] = cells["paper_s1"]["correct"] = [2, 2]
+    assert "| paper − grpo | 2 | 100.0 ± 0.0 | paper higher | 100.0 ± 0.0 | paper higher |" in \
+        A.paired_by_problem(cells, ["paper", "grpo"], 2)
