@@ -77,6 +77,14 @@ def mean_of(values) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
+def correct_counts(records: list[dict], n_problems: int) -> list[int]:
+    """Correct samples per problem (evaluate's records: one per sample, with its problem index)."""
+    counts = [0] * n_problems
+    for rec in records:
+        counts[rec["index"]] += int(rec["correct"])
+    return counts
+
+
 DIFFICULTY_BUCKETS = ("easy", "medium", "hard")
 
 
@@ -91,11 +99,11 @@ def difficulty_bucket(correct: int, n: int = 12) -> str | None:
     return "easy" if twelfths >= 9 else "medium" if twelfths >= 5 else "hard"
 
 
-def difficulty_split(correct_counts: list[int], n: int, size: int, seed: int) -> dict[str, list[int]]:
+def difficulty_split(correct: list[int], n: int, size: int, seed: int) -> dict[str, list[int]]:
     """Problem indices per bucket, each subsampled to at most `size` with random.Random(seed) (App. B: 1,400),
     kept in their original order."""
     buckets: dict[str, list[int]] = {b: [] for b in DIFFICULTY_BUCKETS}
-    for i, c in enumerate(correct_counts):
+    for i, c in enumerate(correct):
         bucket = difficulty_bucket(c, n)
         if bucket:
             buckets[bucket].append(i)
@@ -315,9 +323,7 @@ def run_difficulty(study: Study) -> None:
     model, tokenizer, _ = load_policy(cfg)
     sampled = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=o["n_samples"],
                                          max_new_tokens=cfg.max_new_tokens, desc="difficulty: base samples")
-    correct = [0] * len(problems)
-    for rec in sampled["records"]:
-        correct[rec["index"]] += int(rec["correct"])
+    correct = correct_counts(sampled["records"], len(problems))
     split = difficulty_split(correct, o["n_samples"], o["subset"], cfg.seed)
     files, rows = {}, []
     for bucket in DIFFICULTY_BUCKETS:
@@ -365,14 +371,6 @@ def run_difficulty(study: Study) -> None:
         for run_cfg in to_train:
             train.train(run_cfg)
         print(f"[difficulty] G sweep trained in {time.perf_counter() - t0:.0f}s: {', '.join(runs)}", flush=True)
-
-
-def correct_counts(records: list[dict], n_problems: int) -> list[int]:
-    """Correct samples per problem (evaluate's records: one per sample, with its problem index)."""
-    counts = [0] * n_problems
-    for rec in records:
-        counts[rec["index"]] += int(rec["correct"])
-    return counts
 
 
 def problem_intervals(result: dict, k: int) -> str:
@@ -479,7 +477,6 @@ def run_tree_vs_parallel(study: Study) -> None:
     parallel M uses the first M of them, and the tree (N, K, B) grows K forks × B branches on each of the
     first N (the base responses of a tree are parallel samples too), for each forking method. Nested subsets
     of i.i.d. samples give the same expectations as separate draws and pair the comparison."""
-    import numpy as np
     import torch
     from tqdm import tqdm
 
@@ -556,7 +553,7 @@ def summarise_tree_vs_parallel(records: list[dict], o: dict, n_problems: int) ->
                      "leaves": float(np.mean([r[key]["leaves"] for r in records]))}
             summary[name].append(point)
             label = f"M = {size}" if name == "parallel" else f"(N, K, B) = ({size}, {o['k']}, {o['b']})"
-            rows.append([name, label, point["leaves"], point["tokens"], pm(100 * rate, half and 100 * half)])
+            rows.append([name, label, point["leaves"], point["tokens"], pm(rate, half, scale=100)])
     table = markdown_table(["method", "size", "leaves / problem", "generated tokens / problem",
                             "PassRate (%) ± 95 % CI"], rows)
     pairs = []
@@ -567,7 +564,7 @@ def summarise_tree_vs_parallel(records: list[dict], o: dict, n_problems: int) ->
             near = min(summary["parallel"], key=lambda q: abs(q["tokens"] - point["tokens"]))
             diff, half = t_interval([r[point["key"]]["pass_rate"] - r[near["key"]]["pass_rate"] for r in records])
             pairs.append([f"{name} N = {point['size']}", f"M = {near['size']}", point["tokens"] / near["tokens"],
-                          pm(100 * diff, half and 100 * half), verdict(diff, half, "tree", "parallel")])
+                          pm(diff, half, scale=100), verdict(diff, half, "tree", "parallel")])
     table += "\nPaired (same problems and samples): tree − parallel at the nearest token count\n\n" + markdown_table(
         ["tree", "parallel", "token ratio", "ΔPassRate (pp) ± 95 % CI", "shows"], pairs)
     table += f"\n{n_problems} problems ({o['data']}, levels {o['levels'] or 'all'}) × {o['repeats']} repeat(s).\n"
@@ -575,9 +572,9 @@ def summarise_tree_vs_parallel(records: list[dict], o: dict, n_problems: int) ->
     return summary, table
 
 
-def pm(value: float, half: float | None, digits: int = 1) -> str:
-    """'value ± half' (half None: one unit, no interval)."""
-    return f"{value:.{digits}f}" if half is None else f"{value:.{digits}f} ± {half:.{digits}f}"
+def pm(value: float, half: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    """'value ± half', both × scale (100: percentages); half None: one unit, no interval."""
+    return f"{value * scale:.{digits}f}" + ("" if half is None else f" ± {half * scale:.{digits}f}")
 
 
 def verdict(diff: float, half: float | None, first: str, second: str) -> str:
@@ -627,7 +624,6 @@ def run_forks(study: Study) -> None:
     (1 + K·B leaves); PassRate and SibDiv (App. D.3) per tree, averaged over problems and repeats; localization
     metrics of the same fork positions. A repeat draws a new base rollout (the paper repeats the whole
     procedure five times)."""
-    import numpy as np
     import torch
     from tqdm import tqdm
 
@@ -707,7 +703,7 @@ def summarise_forks(records: list[dict], strategies: list, o: dict, n_problems: 
         sib = [r["sib_div"] for r in mine if r["sib_div"] is not None]
         summary[label]["sib_div_ci"] = t_interval(sib)[1] if sib else None
         x = summary[label]
-        rows.append([label, pm(100 * x["pass_rate"], x["pass_rate_ci"] and 100 * x["pass_rate_ci"]),
+        rows.append([label, pm(x["pass_rate"], x["pass_rate_ci"], scale=100),
                      None if x["sib_div"] is None else pm(x["sib_div"], x["sib_div_ci"], 3),
                      x["forks"], x["leaves"], x["branch_tokens"]])
     table = "Fork table (App. D.5; paper: AIME26, Qwen2.5-3B-Instruct)\n\n" + markdown_table(
@@ -723,7 +719,7 @@ def summarise_forks(records: list[dict], strategies: list, o: dict, n_problems: 
             sib = [(by_unit[(*u, "sent-entropy")]["sib_div"], by_unit[(*u, label)]["sib_div"]) for u in both]
             sib = [a - b for a, b in sib if a is not None and b is not None]
             d_sib, h_sib = t_interval(sib) if sib else (None, None)
-            pairs.append([label, pm(100 * d_pass, h_pass and 100 * h_pass),
+            pairs.append([label, pm(d_pass, h_pass, scale=100),
                           verdict(d_pass, h_pass, "sent-entropy", label),
                           None if d_sib is None else pm(d_sib, h_sib, 3),
                           None if d_sib is None else verdict(d_sib, h_sib, "sent-entropy", label)])
@@ -1076,9 +1072,7 @@ def evaluate_cell(study: Study, cfg: C.Config, checkpoint: Path, cache: Path) ->
     result = evaluate.evaluate_problems(model, tokenizer, load_study_problems(o["bench"], o["limit"], []), eval_cfg,
                                         k=o["k"], max_new_tokens=cfg.eval_max_new_tokens,
                                         desc=f"{checkpoint.parent.parent.name}: eval")
-    correct = [0] * result["n_problems"]
-    for rec in result.pop("records"):
-        correct[rec["index"]] += int(rec["correct"])
+    correct = correct_counts(result.pop("records"), result["n_problems"])
     out = {"avg@k": result["avg@k"], "pass_curve": pass_curve(correct, o["k"]), "correct": correct,
            "seconds": result["seconds"], "checkpoint": str(checkpoint)}
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -1154,19 +1148,14 @@ def summarise_method(cells: list[dict], k: int) -> dict:
     return out
 
 
-def _pm(pair, scale: float = 100.0, digits: int = 1) -> str:
-    mean, half = pair
-    return f"{mean * scale:.{digits}f}" + ("" if half is None else f" ± {half * scale:.{digits}f}")
-
-
 def main_table_markdown(summary: dict, o: dict, group_size: int | None) -> str:
     k = o["k"]
     ks = sorted({1, 2, 4, k} & set(range(1, k + 1)))
-    rows = [[m, s["seeds"], _pm(s["avg@k"]), *[_pm(s["pass"][j]) for j in ks]] for m, s in summary.items()]
+    rows = [[m, s["seeds"], pm(*s["avg@k"], scale=100), *[pm(*s["pass"][j], scale=100) for j in ks]] for m, s in summary.items()]
     table = (f"Held-out {o['bench']} ({o['limit'] or 'all'} problems × {k} samples), % with 95 % t-intervals over "
              f"seeds\n\n" + markdown_table(["method", "seeds", f"avg@{k}", *[f"pass@{j}" for j in ks]], rows))
-    rows = [[m, _pm(s["tokens_per_problem"], 1, 0), _pm(s["seconds_step"], 1, 1),
-             *[_pm(s[p], 1, 1) for p in PHASES]] for m, s in summary.items()]
+    rows = [[m, pm(*s["tokens_per_problem"], digits=0), pm(*s["seconds_step"]), *[pm(*s[p]) for p in PHASES]]
+            for m, s in summary.items()]
     table += ("\nGenerated tokens per problem per step (App. E.3) and seconds per step by phase\n\n"
               + markdown_table(["method", "tokens / problem", "s / step", "generation", "embedding", "update",
                                 "other"], rows))
@@ -1195,11 +1184,11 @@ def paired_by_problem(cells: dict, methods: list[str], k: int) -> str:
             continue
         d_avg = t_interval([a - b for a, b in zip(first[0], theirs[0])])
         d_pass = t_interval([a - b for a, b in zip(first[1], theirs[1])])
-        rows.append([f"{methods[0]} − {other}", len(first[0]), _pm(d_avg), verdict(*d_avg, methods[0], other),
-                     _pm(d_pass), verdict(*d_pass, methods[0], other)])
+        rows.append([f"{methods[0]} − {other}", len(first[0]), pm(*d_avg, scale=100), verdict(*d_avg, methods[0], other),
+                     pm(*d_pass, scale=100), verdict(*d_pass, methods[0], other)])
     if not rows:
         return ""
-    return (f"\nPaired by problem (seeds averaged per problem), percentage points, 95 % t-intervals over problems\n\n"
+    return ("\nPaired by problem (seeds averaged per problem), percentage points, 95 % t-intervals over problems\n\n"
             + markdown_table(["difference", "problems", f"Δavg@{k}", "shows", f"Δpass@{k}", "shows"], rows))
 
 
