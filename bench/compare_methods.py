@@ -13,13 +13,13 @@ Per method: generated tokens per prompt (the paper's fairness control, App. E.3)
 trained blocks, and seconds per step (mean over the steps; the first step includes warm-up).
 """
 import argparse
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tracking  # noqa: E402
 import train  # noqa: E402
 
 
@@ -38,10 +38,7 @@ def main():
         return compare_off_policy(args, out)
     rows = []
     for preset in args.presets:
-        run = train.main(["--preset", preset, "--scale", args.scale, "--steps", str(args.steps), "--eval_every", "0",
-                          "--save_every", "0", "--out_dir", str(out / preset)])
-        steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in steps if "eval" not in r]
+        steps = train_run(args, preset, out / preset)
         mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
         rows.append((preset, mean("generated_tokens_per_prompt"), mean("leaves_per_prompt"), mean("blocks"),
                      mean("reward"), mean("seconds_generation"), mean("seconds_update"), mean("seconds_step")))
@@ -52,11 +49,17 @@ def main():
         print(f"{name:10s}{tokens:15.1f}{leaves:15.1f}{n_rows:7.1f}{reward:8.3f}{gen:8.1f}{upd:10.1f}{total:8.1f}")
 
 
-def finished_steps(run: Path, steps: int) -> list[dict] | None:
-    """The step records of a run folder that holds all `steps` of them, else None."""
-    path = run / "metrics.jsonl"
-    records = [r for r in map(json.loads, path.read_text().splitlines()) if "eval" not in r] if path.exists() else []
-    return records if len(records) >= steps else None
+def train_run(args, preset: str, run: Path, *flags: str) -> list[dict]:
+    """Train `preset` for --steps steps into `run` (no evaluation, no checkpoints); its step records."""
+    train.main(["--preset", preset, "--scale", args.scale, "--steps", str(args.steps), "--eval_every", "0",
+                "--save_every", "0", "--out_dir", str(run), *flags,
+                *(["--threads", str(args.threads)] if args.threads else [])])
+    return step_records(run)
+
+
+def step_records(run: Path) -> list[dict]:
+    """A run folder's step records (evaluation lines left out; tracking.read_metrics skips torn lines)."""
+    return [r for r in tracking.read_metrics(run / "metrics.jsonl")[0] if "eval" not in r]
 
 
 def compare_off_policy(args, out: Path) -> None:
@@ -68,13 +71,9 @@ def compare_off_policy(args, out: Path) -> None:
         per = {}
         for off in (0, 1):
             run = out / f"{preset}_off{off}"
-            steps = finished_steps(run, args.steps)
-            if steps is None:   # a run finished by an earlier call into the same --out_dir is read, not redone
-                flags = ["--preset", preset, "--scale", args.scale, "--steps", str(args.steps), "--eval_every", "0",
-                         "--save_every", "0", "--off_policy_steps", str(off), "--out_dir", str(run), "--overwrite",
-                         "true"]
-                train.main(flags + (["--threads", str(args.threads)] if args.threads else []))
-                steps = finished_steps(run, args.steps)
+            steps = step_records(run)
+            if len(steps) < args.steps:   # a run finished by an earlier call into the same --out_dir is read
+                steps = train_run(args, preset, run, "--off_policy_steps", str(off), "--overwrite", "true")
             mean = lambda key: sum(r.get(key, 0) for r in steps) / len(steps)  # noqa: E731
             per[off] = dict(gen=mean("seconds_generation"), total=mean("seconds_step"), rows=mean("mean_batch_rows"),
                             ahead=sum(r["ahead_row_steps"] for r in steps) / max(1, sum(r["row_steps"] for r in steps)),
