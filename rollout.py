@@ -32,7 +32,6 @@ update can tell the behaviour policy's log-probs from its own (one-step off-poli
 """
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -533,8 +532,7 @@ class RolloutStats:
     ended_row_steps: int = 0             # of those, steps on rows that had already ended (generate only)
     peak_kv_bytes: int = 0               # most keys/values held at once
     decode_steps: int = 0                # engine: decode steps run (row_steps / decode_steps = rows per step)
-    ahead_tokens: int = 0                # one-step off-policy: the next step's base tokens sampled in this run
-    ahead_row_steps: int = 0             # ... and their share of row_steps
+    ahead_row_steps: int = 0             # one-step off-policy: the next step's base rows' share of row_steps
     seconds_ahead: float = 0.0           # decode seconds attributed to them (by their share of each step's rows)
 
 
@@ -663,7 +661,6 @@ def rollout_with_engine(sampler, tokenizer, prompt_ids, answers, cfg, rng, budge
     stats.decode_steps = engine.stats["decode_steps"]
     # A row of L tokens is in L − 1 decode steps (its first token comes with the prefill, no step after it ends):
     # the next step's rows' share of the decode loop, and of its seconds by that share
-    stats.ahead_tokens = sum(len(s.tokens) for res in ahead_results for s in res.bases)
     stats.ahead_row_steps = sum(len(s.tokens) - 1 for res in ahead_results for s in res.bases)
     stats.seconds_ahead = (end - start - stats.seconds_forks) * stats.ahead_row_steps / max(stats.row_steps, 1)
     ahead_bases = [[[s.tokens, s.entropies, s.logprobs] for s in res.bases] for res in ahead_results]
