@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import config as C
-import faults
+from harness import faults
 
 # --------------------------------------------------------------------------------------------------------
 # Metrics: pure functions (App. C.2 PassRate, App. D.2 localization, App. B difficulty buckets)

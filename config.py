@@ -173,7 +173,7 @@ class Config:
     allow_config_change: bool = False       # --resume with experiment-changing fields changed (else an error)
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
     guard_weights: bool = True              # undo an update that makes a weight or the logits non-finite
-                                            # (faults.WeightGuard: one host copy of weights + optimizer per step)
+                                            # (guards.WeightGuard: one host copy of weights + optimizer per step)
     stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in progress; 0 = wait
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp (distributed.py)
     report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb (several: a list)

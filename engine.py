@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-import faults
+from harness import inject
 
+from harness import oom
 ATTENTION = "datpo_engine"
 # Rows per step that fit after running out of memory, per device: later engines (next steps) start there.
 ROWS_AFTER_OOM: dict[str, int] = {}
@@ -405,7 +406,7 @@ class Engine:
                 if not (self._admit_given if p in s.given_bases else self._admit_new)(p):
                     return
             except RuntimeError as err:       # torch.OutOfMemoryError is one
-                if not faults.is_oom(err):
+                if not oom.is_oom(err):
                     raise
                 self._prefill_oom(err)
                 continue
@@ -438,7 +439,7 @@ class Engine:
         try:
             for i in range(0, len(tokens), chunk):
                 self._prefill_len = len(tokens[i:i + chunk])
-                faults.oom_point("prefill")   # DATPO_OOM_AT=prefill: the error CUDA raises, once (tests)
+                inject.oom_point("prefill")   # DATPO_OOM_AT=prefill: the error CUDA raises, once (tests)
                 hidden.append(self._forward([row], [tokens[i:i + chunk]])[0])
         except BaseException:
             self.pool.release(row.slots[start:])
@@ -507,10 +508,10 @@ class Engine:
         s = self.state
         try:
             if len(s.active) > 1:   # DATPO_OOM_AT=base|branches: the error CUDA raises, once (tests)
-                faults.oom_point("branches" if any(r.fork is not None for r in s.active) else "base")
+                inject.oom_point("branches" if any(r.fork is not None for r in s.active) else "base")
             hidden = self._forward(s.active, [[r.out.tokens[-1]] for r in s.active])[:, -1]
         except RuntimeError as err:                    # torch.OutOfMemoryError is one
-            if not faults.is_oom(err) or len(s.active) == 1:
+            if not oom.is_oom(err) or len(s.active) == 1:
                 raise
             self._fewer_rows(len(s.active) // 2)
             return

@@ -33,11 +33,16 @@ from pathlib import Path
 
 import config as C
 import data
-import distributed as D
-import faults
+from harness import distributed as D
+from harness import faults
+from harness import guards
+from harness import inject
+from harness.journal import Journal, Stopped
+from harness import oom
+from harness import signals
 import mcq
 import models
-import tracking
+from harness import tracking
 from reward import compute_reward, extract_answer, is_equivalent
 
 PAPER_K = {"math500": 8, "gpqa": 8, "mmlu-pro": 8}   # App. E.1: k = 8 for MATH500 (App. E: avg@8 out of domain) ...
@@ -161,8 +166,8 @@ def grade(response: str, problem: dict, answer_fallback: bool = False) -> tuple[
 
 
 def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: int | None = None, runs: int = 1,
-                      progress: bool = True, desc: str = "eval", journal: faults.Journal | None = None,
-                      stop: faults.GracefulStop | None = None) -> dict:
+                      progress: bool = True, desc: str = "eval", journal: Journal | None = None,
+                      stop: signals.GracefulStop | None = None) -> dict:
     """Sample k responses per problem in each of `runs` runs, grade them, score them (score_records).
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
@@ -171,7 +176,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     seeds torch.
     journal: samples are appended to it as each generate call finishes, and the calls it already holds are
     skipped (its RNG state restored), so an interrupted evaluation rerun ends with an uninterrupted one's
-    records. stop: after a signal, faults.Stopped is raised once the current call's samples are saved.
+    records. stop: after a signal, Stopped is raised once the current call's samples are saved.
     """
     import torch
     from tqdm import tqdm
@@ -201,7 +206,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                dynamic_ncols=True)
     bar.update(len(records))
     unit, saved_units = 0, (journal.units if journal else 0)
-    oom = {"oom_retries": 0}     # generation batches halved after running out of memory (sample_rows)
+    oom_counts = {"oom_retries": 0}     # generation batches halved after running out of memory (sample_rows)
     try:
         for run in range(runs):
             for first in range(lo, hi, problems_per_call):
@@ -212,7 +217,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                         continue   # saved by an earlier, interrupted run
                     n = min(n_per_call, k - done)
                     with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
-                        rows = sample_rows(sampler, [prompt_ids[i] for i in group], n, max_new_tokens, oom)
+                        rows = sample_rows(sampler, [prompt_ids[i] for i in group], n, max_new_tokens, oom_counts)
                     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
                     new = []
                     for row, (tokens, text) in enumerate(zip(rows, texts)):
@@ -229,25 +234,25 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                         journal.append(new)
                     bar.update(len(rows))
                     if stop is not None and stop.requested:
-                        raise faults.Stopped(f"{len(records)} of {len(problems) * k * runs} samples saved")
+                        raise Stopped(f"{len(records)} of {len(problems) * k * runs} samples saved")
     finally:
         bar.close()
         model.train(was_training)
     records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))  # 1-process order
     seconds = time.perf_counter() - start
     result = score_records(records, k)
-    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records, oom_retries=oom["oom_retries"])
+    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records, oom_retries=oom_counts["oom_retries"])
     return result
 
 
-def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int, oom: dict) -> list[list[int]]:
+def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int, counts: dict) -> list[list[int]]:
     """rollout.sample_base's tokens for these prompts × n samples, prompt-major. Out of memory: the same rows
     in smaller generate calls (whole prompts, then a prompt's samples in pieces), the rows per call halved
-    until they fit (faults.halving_retry); the size that fit is kept in oom["rows"] for the next calls."""
+    until they fit (oom.halving_retry); the size that fit is kept in counts["rows"] for the next calls."""
     from rollout import sample_base
 
     def run(size: int) -> list[list[int]]:
-        faults.oom_point("eval")       # DATPO_OOM_AT=eval (tests)
+        inject.oom_point("eval")       # DATPO_OOM_AT=eval (tests)
         out: list[list[int]] = []
         if size >= n:                  # whole prompts, size // n of them per call
             per_call = size // n
@@ -258,11 +263,11 @@ def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: in
                 for done in range(0, n, size):
                     out += sample_base(sampler, [ids], min(size, n - done), max_new_tokens).tokens
         if size < rows:                # fitted only after halving: later calls start there
-            oom["rows"] = size
+            counts["rows"] = size
         return out
 
     rows = len(prompt_ids) * n
-    return faults.halving_retry(run, min(rows, oom.get("rows", rows)), "evaluation's generation", oom)
+    return oom.halving_retry(run, min(rows, counts.get("rows", rows)), "evaluation's generation", counts)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -534,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict:
                                               seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {cfg.model}: cannot load it ({str(err).splitlines()[0]})") from err
-    bad = [name for name, p in model.named_parameters() if not faults.all_finite([p])]
+    bad = [name for name, p in model.named_parameters() if not guards.all_finite([p])]
     if bad:   # sampling would stop on inf/NaN probabilities: say so before any benchmark runs
         raise faults.UserError(f"--model {cfg.model}: {len(bad)} weight tensor(s) hold non-finite values "
                                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); expected a model or "
@@ -551,15 +556,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.manual_seed(cfg.seed + D.rank())  # each benchmark reproducible on its own, whatever else runs
         # One process: samples are appended as they come; a rerun of the same command (or --resume) skips
         # what is saved. Under torchrun every rank samples its shard and rank 0 writes them all at the end.
-        journal = None if D.active() else faults.Journal(out / f"samples_{bench}.jsonl", extra={"bench": bench},
+        journal = None if D.active() else Journal(out / f"samples_{bench}.jsonl", extra={"bench": bench},
                                                          settings={
             **summary["settings"], "bench": bench, "k": k, "gen_batch_size": cfg.gen_batch_size,
             "problems": hashlib.sha256(json.dumps(problems[bench], sort_keys=True).encode()).hexdigest()})
         try:
-            with faults.GracefulStop("after the current batch of samples") as stop:
+            with signals.GracefulStop("after the current batch of samples") as stop:
                 result = evaluate_problems(model, tokenizer, problems[bench], cfg, k, max_new_tokens, args.runs,
                                            desc=bench, journal=journal, stop=stop if journal else None)
-        except faults.Stopped as saved:
+        except Stopped as saved:
             print(f"stopped by {stop.requested} in {bench}: {saved}; rerun the same command to continue",
                   flush=True)
             return {label: summary["benchmarks"]}

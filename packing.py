@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import distributed as D
+from harness import distributed as D
 import rollout as R
 
 
@@ -517,7 +517,7 @@ def resolve_kernel(requested: str, device, model=None, dtype: torch.dtype | None
         why = probe_flex(device, dtype, heads, kv_heads, head_dim)
         _kernel_choice[key] = why
         if why:
-            import faults
+            from harness import faults
 
             faults.say(f"packed attention: flex_attention cannot run here ({why}); using the tree kernel")
     why = _kernel_choice[key]

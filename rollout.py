@@ -42,7 +42,8 @@ from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, Logit
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 import engine as E
-import faults
+from harness import inject
+from harness import oom
 import methods as M
 import tree as T
 from reward import compute_reward
@@ -360,7 +361,7 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
     results: list[list] = [[] for _ in requests]
 
     def run(chunk):
-        faults.oom_point("branches")     # DATPO_OOM_AT=branches (tests)
+        inject.oom_point("branches")     # DATPO_OOM_AT=branches (tests)
         rows = [req.row for _, req in chunk]
         forks = [req.fork for _, req in chunk]
         limits = [T.branch_limit(max_new_tokens, f, budget) for f in forks]
@@ -386,7 +387,7 @@ def sample_branches(sampler: Sampler, base: BaseBatch, requests: list[BranchRequ
         return list(zip(tokens, ents, logps))
 
     # A chunk that runs out of GPU memory is retried at half the size, down to one branch (faults.py).
-    outputs = faults.halving_chunks(jobs, chunk_size, run, what="branches", counters=counters)
+    outputs = oom.halving_chunks(jobs, chunk_size, run, what="branches", counters=counters)
     for (i, _), out in zip(jobs, outputs):
         results[i].append(out)
     return results
@@ -683,7 +684,7 @@ def rollout_with_generate(sampler, tokenizer, prompt_ids, answers, cfg, rng, bud
     for first in range(0, len(prompt_ids), per_call):
         group = list(range(first, min(first + per_call, len(prompt_ids))))
         t0 = time.perf_counter()
-        faults.oom_point("base")         # DATPO_OOM_AT=base (tests; the base phase's degradation is the engine's)
+        inject.oom_point("base")         # DATPO_OOM_AT=base (tests; the base phase's degradation is the engine's)
         base = sample_base(sampler, [prompt_ids[i] for i in group], n, cfg.max_new_tokens,
                            keep_cache=expandable and not cfg.naive_prefill)
         rewards = grade_responses(tokenizer, base.tokens, [answers[i] for i in group for _ in range(n)],

@@ -39,19 +39,23 @@ from tqdm import tqdm
 import advantage as A
 import config as C
 import data
-import distributed as D
+from harness import distributed as D
 import evaluate
-import faults
+from harness import faults
+from harness import guards
+from harness import inject
+from harness import oom
+from harness import signals
 import methods as M
 import models
 import offpolicy
 import optim as O
 import packing as P
 import rollout as R
-import runs
-import tracking
+from harness import runs
+from harness import tracking
 import tree as T
-from tracking import Log
+from harness.tracking import Log
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -147,7 +151,7 @@ def attention_kernel(cfg, device, model=None) -> str:
 
 
 def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random,
-               guard: faults.WeightGuard | None = None) -> dict:
+               guard: guards.WeightGuard | None = None) -> dict:
     """PPO epochs over mini-batches of blocks with micro-batch gradient accumulation (App. E.2, Alg. DATPO).
 
     Each epoch re-shuffles the mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping); each
@@ -156,7 +160,7 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     Under torchrun `D.deal` gives this rank its share of each mini-batch's micro-batches (and the passes and
     gradient syncs that keep ranks in step) and `D.backward` scales the loss for DDP/FSDP's gradient mean.
     Out of memory (one process): the mini-batch is redone in micro-batches of half the budget, the same loss
-    (faults.halving_retry; counted in oom_retries). `guard` (faults.WeightGuard, snapshot taken by the
+    (oom.halving_retry; counted in oom_retries). `guard` (guards.WeightGuard, snapshot taken by the
     caller): after each optimizer step the weights are checked; a non-finite one ends the update at once with
     stats["nonfinite_updates"] = 1 (the caller restores the snapshot: undo_broken_update).
     """
@@ -199,13 +203,13 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
                     return minibatch_gradients(model, micros, logprobs, old, have_old, adv, norm, cfg, pad_id,
                                                device) if micros else None
 
-                sums = faults.halving_retry(accumulate, budget, "the update's micro-batches", stats.oom,
+                sums = oom.halving_retry(accumulate, budget, "the update's micro-batches", stats.oom,
                                             reset=lambda: optimizer.zero_grad(set_to_none=True), retry=not D.active())
                 if sums is None:
                     continue
                 mb_loss = stats.add_minibatch(*sums)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                if faults.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
+                if guards.skip_nonfinite(mb_loss, grad_norm, optimizer):   # not applied, counted (faults.py)
                     stats.nonfinite_minibatches += 1
                     continue
                 optimizer.step()
@@ -226,7 +230,7 @@ def minibatch_gradients(model, micros, logprobs, old, have_old, adv, norm: float
     sums = torch.zeros(3, dtype=torch.float64, device=device)   # loss, clipped tokens, tokens
     forwarded = 0
     for micro in D.deal(model, micros, pad_id, device):   # one process: every micro-batch
-        faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+        inject.oom_point("update")     # DATPO_OOM_AT=update (tests)
         with models.autocast(device, cfg.precision):
             new = logprobs(micro).float()
         gidx = torch.tensor(micro.gidx, device=device)
@@ -242,11 +246,11 @@ def minibatch_gradients(model, micros, logprobs, old, have_old, adv, norm: float
     return loss, int(clipped), int(counted), forwarded
 
 
-def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg, device, oom: dict):
+def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg, device, oom_counts: dict):
     """θ_old's log-prob of every token (no grad) and a mask of the ones computed. θ_old = θ until the first
     optimizer step, so the first mini-batch of a one-epoch update needs none: it uses its own detached
     log-probs; every other block gets a no-grad forward with the same packing first. Out of memory (one
-    process): that mini-batch's pass is redone at half the micro-batch budget (counted in oom)."""
+    process): that mini-batch's pass is redone at half the micro-batch budget (counted in oom_counts)."""
     old = torch.zeros(n_tokens, dtype=torch.float32, device=device)
     have_old = torch.zeros(n_tokens, dtype=torch.bool, device=device)
     budget = cfg.max_tokens_per_micro_batch if cfg.train_layout == "packed" else cfg.micro_batch_size
@@ -256,12 +260,12 @@ def old_logprobs(model, first_epoch, micro_batches, logprobs, n_tokens: int, cfg
             if k > 0 or cfg.ppo_epochs > 1:
                 def fill_old(size, units=units):   # a retry after out-of-memory rewrites the same entries
                     for micro in D.mine(micro_batches(units, size)):   # torchrun: only this rank's micro-batches
-                        faults.oom_point("update")     # DATPO_OOM_AT=update (tests)
+                        inject.oom_point("update")     # DATPO_OOM_AT=update (tests)
                         gidx = torch.tensor(micro.gidx, device=device)
                         old[gidx] = logprobs(micro).float()
                         have_old[gidx] = True
 
-                faults.halving_retry(fill_old, budget, "the update's old log-probs", oom, retry=not D.active())
+                oom.halving_retry(fill_old, budget, "the update's old log-probs", oom_counts, retry=not D.active())
     return D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
 
 
@@ -278,7 +282,7 @@ def behaviour_logprobs(trees: list[P.TrainTree], offsets, old: torch.Tensor, hav
 class UpdateStats:
     """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of tokens,
     tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained, and the
-    out-of-memory retries (`oom`, faults.halving_retry's counters)."""
+    out-of-memory retries (`oom`, oom.halving_retry's counters)."""
 
     def __init__(self, trees: list[P.TrainTree]):
         self.loss = self.grad_norm = 0.0
@@ -357,7 +361,7 @@ class Setup:
     policy: torch.nn.Module         # what the update runs: `model`, or under torchrun its FSDP2/DDP form
     tokenizer: object
     optimizer: torch.optim.Optimizer
-    guard: faults.WeightGuard       # undoes an update that breaks the weights (--guard_weights)
+    guard: guards.WeightGuard       # undoes an update that breaks the weights (--guard_weights)
     embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
     problems: list[dict]
     eval_problems: list[dict]
@@ -394,7 +398,7 @@ def train_step(s: Setup, run: RunState) -> dict:
     # ---- Phase 4: policy update (PPO-clip, token level) ----
     t0 = time.perf_counter()
     s.model.train()
-    s.guard.snapshot()   # faults.WeightGuard: weights and optimizer state as they are before this update
+    s.guard.snapshot()   # guards.WeightGuard: weights and optimizer state as they are before this update
     update = ppo_update(s.policy, s.optimizer, train_trees, cfg, s.pad_id, s.device, run.rng, guard=s.guard)
     undo_broken_update(s, update, trees[0].prompt_ids)
     t_update = time.perf_counter() - t0
@@ -420,7 +424,7 @@ def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: off
     mine, theirs = batch.shard(*D.shard_range(len(batch.prompts))), None
     if upcoming:
         theirs = upcoming.shard(*D.shard_range(len(upcoming.prompts)))
-    with models.autocast(s.device, cfg.precision), D.full_params(s.policy), faults.sampling_guard(step + 1, s.run_dir):
+    with models.autocast(s.device, cfg.precision), D.full_params(s.policy), guards.sampling_guard(step + 1, s.run_dir):
         trees, stats, *ahead = R.rollout_trees(s.model, s.tokenizer, mine.prompts, mine.answers, cfg,
                                                D.rollout_rng(run.rng, cfg.seed, step), method=s.method,
                                                levels=mine.levels, progress=D.is_main(), bases=mine.bases,
@@ -534,14 +538,14 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[P.TrainTre
 # --------------------------------------------------------------------------------------------------------
 def train(cfg: C.Config) -> Path:
     """Run (or resume) training; returns the run folder. The first SIGTERM/SIGINT stops it at the end of the
-    step with a checkpoint (faults.GracefulStop; a second signal, or --stop_timeout seconds without reaching
+    step with a checkpoint (signals.GracefulStop; a second signal, or --stop_timeout seconds without reaching
     the end of the step, stops at once); --resume then continues exactly. `held`: the run lock (runs.RunLock),
     released on the way out whatever happens."""
-    with faults.GracefulStop(timeout=cfg.stop_timeout) as stop, contextlib.ExitStack() as held:
+    with signals.GracefulStop(timeout=cfg.stop_timeout) as stop, contextlib.ExitStack() as held:
         return _train(cfg, stop, held)
 
 
-def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack) -> Path:
+def _train(cfg: C.Config, stop: signals.GracefulStop, held: contextlib.ExitStack) -> Path:
     t_run = time.perf_counter()
     s, run = setup(cfg, held)
     if s is None:   # a resume with nothing left to run (setup said so)
@@ -555,7 +559,7 @@ def _train(cfg: C.Config, stop: faults.GracefulStop, held: contextlib.ExitStack)
         if D.any_rank(stop.requested):   # the signal came before any step ran: nothing new to save
             log.say(f"stopped by {stop.requested} before step {run.step + 1}")
             return s.run_dir
-        faults.crash_point("step")
+        inject.crash_point("step")
         record = train_step(s, run)
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = \
             run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"] else 0
@@ -609,7 +613,7 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
         model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
-    if not faults.all_finite(model.parameters()):   # an old checkpoint (before the weight guard) or a broken model
+    if not guards.all_finite(model.parameters()):   # an old checkpoint (before the weight guard) or a broken model
         raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold non-finite "
                                f"values; expected an earlier checkpoint of the run or a healthy model")
     if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
@@ -632,7 +636,7 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     record_config(cfg, run_dir, checkpoint, state, run.step)
     # never loaded when α is 0 for the whole run
     embedder = models.load_embedder(cfg.embed_model, device) if wants_embedder else None
-    guard = faults.WeightGuard(model, optimizer, cfg.guard_weights)
+    guard = guards.WeightGuard(model, optimizer, cfg.guard_weights)
     return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, guard, embedder,
                  problems, eval_problems), run
 
@@ -682,19 +686,19 @@ def load_trainer_state(state: dict, model, optimizer, run: RunState) -> None:
 
 
 def undo_broken_update(s: Setup, update: dict, probe_ids) -> None:
-    """The weight guard's verdict after the update (faults.WeightGuard): an update that made a weight
+    """The weight guard's verdict after the update (guards.WeightGuard): an update that made a weight
     non-finite (ppo_update stopped at it) or the policy's logits on a prompt of the step non-finite is undone
     bit for bit and counted in update["nonfinite_updates"] (a bad step for nonfinite_guard)."""
     s.model.eval()
     if s.cfg.guard_weights and (update["nonfinite_updates"] or D.any_rank(
-            not faults.logits_finite(s.policy, probe_ids))):
+            not guards.logits_finite(s.policy, probe_ids))):
         s.guard.restore()
         update["nonfinite_updates"] = 1
 
 
 def nonfinite_guard(s: Setup, run: RunState, record: dict) -> None:
     """After a step whose update skipped mini-batches with a non-finite loss or gradient norm
-    (faults.skip_nonfinite) or was undone by the weight guard (undo_broken_update): say so, and stop the run
+    (guards.skip_nonfinite) or was undone by the weight guard (undo_broken_update): say so, and stop the run
     after --max_bad_steps such steps in a row."""
     if record["nonfinite_minibatches"]:
         s.log.say(f"step {run.step}: {record['nonfinite_minibatches']} mini-batch(es) with a non-finite loss or "
@@ -798,13 +802,13 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, train
     if not D.is_main():
         D.barrier()
         return None
-    if not faults.all_finite(weights.values()):   # the WeightGuard should make this unreachable
+    if not guards.all_finite(weights.values()):   # the WeightGuard should make this unreachable
         last = models.resolve_checkpoint(str(run_dir))
         raise faults.NonFiniteStop(f"step {step}: the weights hold a non-finite value; checkpoint not written; "
                                    f"last good checkpoint: {last if last != str(run_dir) else 'none'}")
     with runs.checkpoint_folder(run_dir, step, keep) as tmp:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        faults.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
+        inject.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
         tokenizer.save_pretrained(tmp)
         torch.save({"optimizer": optimizer_state, **trainer}, tmp / "trainer_state.pt")
     D.barrier()   # no rank reads or resumes from a checkpoint before it is complete

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tracking  # noqa: E402
+from harness import tracking  # noqa: E402
 import train  # noqa: E402
 
 

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from faults import UserError, WriteError, say
+from harness.faults import UserError, WriteError, say
 
 
 # --------------------------------------------------------------------------------------------------------

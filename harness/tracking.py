@@ -105,8 +105,8 @@ class Log:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as err:   # disk full, quota, read-only: one line, the checkpoints are untouched
-                import faults
-                import runs
+                from harness import faults
+                from harness import runs
 
                 raise faults.WriteError(f"writing {self.path}: {runs.write_failure(err)}; the step's record is "
                                         f"lost, checkpoints are intact; free space and --resume "
@@ -244,8 +244,8 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: 
                 f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
         os.replace(tmp, path)
     except OSError as err:   # disk full: one line; the earlier tree logs and the checkpoints are untouched
-        import faults
-        import runs
+        from harness import faults
+        from harness import runs
 
         tmp.unlink(missing_ok=True)
         raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; free space "

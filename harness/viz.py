@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-import tracking
+from harness import tracking
 
 ROW_H, BAR_H, STRIP_H = 30, 13, 6       # pixels per row, advantage bar, entropy strip
 PROMPT_W, PLOT_W, PAD = 70, 900, 10     # prompt box, width of the longest response, margin

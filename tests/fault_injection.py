@@ -5,7 +5,7 @@
 
 Three chains of the same short run (same seed, a checkpoint every step) run side by side:
   clean    uninterrupted
-  killed   SIGKILLed (faults.crash_point, DATPO_CRASH_AT) at several moments — while writing its first
+  killed   SIGKILLed (inject.crash_point, DATPO_CRASH_AT) at several moments — while writing its first
            checkpoint (before any checkpoint exists), while writing a later one, at the start of a step — and
            restarted each time with the same command, which always carries `--resume RUN` as a job script does
   stopped  sent SIGTERM during a step: must finish the step, checkpoint, exit 0; then resumed
@@ -58,7 +58,7 @@ def stand_in_reward(text, answer, fallback=False):
 def child(argv: list[str]) -> None:
     """The process that is killed: train.py's command line, optionally with the stand-in grader."""
     sys.path.insert(0, str(ROOT))
-    import faults
+    from harness import faults
     import rollout
     import train
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import distributed as D
+from harness import distributed as D
 import models
 import rollout as R
 import train

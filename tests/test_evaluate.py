@@ -13,7 +13,7 @@ import torch
 import config
 import data
 import evaluate as E
-import faults
+from harness import faults
 import models
 import rollout
 
@@ -292,7 +292,7 @@ def _folder_hash(path):
 
 
 def _exit_line(capsys, argv):
-    import faults
+    from harness import faults
 
     with pytest.raises(SystemExit) as exit_info:
         faults.main_guard(E.main, argv)

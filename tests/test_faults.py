@@ -13,7 +13,11 @@ import torch
 import config as C
 import data
 import evaluate as E
-import faults
+from harness import faults
+from harness import guards
+from harness import inject
+from harness import oom
+from harness import signals
 import models
 import packing as P
 import rollout as R
@@ -229,7 +233,7 @@ def test_update_that_makes_weights_nonfinite_is_undone_bit_for_bit(smollm_tokeni
     model = models.tiny_random_model(len(tok), seed=1)
     cfg = C.make_config("tiny", mini_batch_size=2, micro_batch_size=2, ppo_epochs=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = faults.WeightGuard(model, opt)
+    guard = guards.WeightGuard(model, opt)
     for _ in range(history):
         train.ppo_update(model, opt, _rows(tok), cfg, tok.pad_token_id, "cpu", random.Random(0))
     weights = [p.detach().clone() for p in model.parameters()]
@@ -251,11 +255,11 @@ def test_logits_probe_and_checkpoint_refuse_nonfinite_weights(smollm_tokenizer, 
     tok = smollm_tokenizer
     model = models.tiny_random_model(len(tok), seed=1)
     ids = tok("What is 3 + 4?").input_ids
-    assert faults.logits_finite(model, ids)
+    assert guards.logits_finite(model, ids)
     with torch.no_grad():
         model.model.norm.weight.fill_(3e38)                              # finite weights, overflowing logits
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert not faults.logits_finite(model, ids)
+    assert not guards.logits_finite(model, ids)
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] = float("nan")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -364,17 +368,17 @@ def test_halving_chunks_keeps_order_and_reraises_other_errors():
             raise RuntimeError("CUDA error: out of memory")
         return [x * 10 for x in chunk]
 
-    assert faults.halving_chunks(list(range(10)), 8, run) == [x * 10 for x in range(10)]
+    assert oom.halving_chunks(list(range(10)), 8, run) == [x * 10 for x in range(10)]
     assert seen == [8, 4, 2, 2, 2, 2, 2]
     with pytest.raises(RuntimeError, match="shape"):
-        faults.halving_chunks([1, 2], 2, lambda c: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+        oom.halving_chunks([1, 2], 2, lambda c: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
 
 
 # ------------------------------------------------------------------------------------------------------
 # Signals
 # ------------------------------------------------------------------------------------------------------
 def test_first_signal_asks_to_stop_second_interrupts_at_once():
-    with faults.GracefulStop() as stop:
+    with signals.GracefulStop() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested == "SIGTERM"
         with pytest.raises(KeyboardInterrupt):
@@ -391,7 +395,7 @@ def test_interrupted_evaluation_resumes_to_the_same_numbers(tmp_path, monkeypatc
     clean = E.main(args + ["--out_dir", str(tmp_path / "clean")])["tiny-random"]["arith-test"]
     out = tmp_path / "cut"
     monkeypatch.setenv("DATPO_CRASH_AT", "journal-append:2:SIGINT")     # Ctrl-C after 2 of 6 generate calls
-    faults._crash_hits.clear()
+    inject._crash_hits.clear()
     partial = E.main(args + ["--out_dir", str(out)])
     assert partial == {"tiny-random": {}}
     assert "stopped by SIGINT in arith-test: 4 of 12 samples saved" in capsys.readouterr().out

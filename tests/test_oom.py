@@ -11,7 +11,9 @@ import config
 import data
 import engine
 import evaluate as E
-import faults
+from harness import faults
+from harness import inject
+from harness import oom
 import rollout as R
 import train
 from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
@@ -26,29 +28,29 @@ def oom_at(monkeypatch):
 
     def set_sites(spec: str):
         monkeypatch.setenv("DATPO_OOM_AT", spec)
-        faults._oom_fired.clear()
+        inject._oom_fired.clear()
     yield set_sites
-    faults._oom_fired.clear()
+    inject._oom_fired.clear()
 
 
 def test_is_oom_knows_cuda_and_cublas_allocation_failures():
-    assert faults.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert faults.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
-    assert not faults.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`"))
-    assert not faults.is_oom(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
+    assert oom.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert oom.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not oom.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`"))
+    assert not oom.is_oom(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
 
 
 def test_oom_point_raises_the_cuda_error_once_per_site(oom_at):
     oom_at("update,eval")
-    faults.oom_point("base")                        # not listed: nothing
+    inject.oom_point("base")                        # not listed: nothing
     with pytest.raises(torch.OutOfMemoryError, match="DATPO_OOM_AT"):
-        faults.oom_point("update")
-    faults.oom_point("update")                      # once
+        inject.oom_point("update")
+    inject.oom_point("update")                      # once
     with pytest.raises(torch.OutOfMemoryError):
-        faults.oom_point("eval")
+        inject.oom_point("eval")
     oom_at("updates")
     with pytest.raises(faults.UserError, match="DATPO_OOM_AT=updates.*base, branches, update, eval"):
-        faults.oom_point("update")
+        inject.oom_point("update")
 
 
 def test_halving_retry_halves_to_one_then_reraises_and_passes_other_errors():
@@ -61,14 +63,14 @@ def test_halving_retry_halves_to_one_then_reraises_and_passes_other_errors():
         return size
 
     counters = {}
-    assert faults.halving_retry(run, 16, "x", counters, reset=lambda: reset.append(1)) == 2
+    assert oom.halving_retry(run, 16, "x", counters, reset=lambda: reset.append(1)) == 2
     assert sizes == [16, 8, 4, 2] and counters["oom_retries"] == 3 == len(reset)
     with pytest.raises(torch.OutOfMemoryError):
-        faults.halving_retry(lambda s: run(99), 1, "x")
+        oom.halving_retry(lambda s: run(99), 1, "x")
     with pytest.raises(torch.OutOfMemoryError):
-        faults.halving_retry(run, 16, "x", retry=False)
+        oom.halving_retry(run, 16, "x", retry=False)
     with pytest.raises(ValueError):
-        faults.halving_retry(lambda s: (_ for _ in ()).throw(ValueError("bug")), 16, "x")
+        oom.halving_retry(lambda s: (_ for _ in ()).throw(ValueError("bug")), 16, "x")
 
 
 @pytest.mark.parametrize("layout,epochs,mini", [("packed", 2, 6), ("rows", 2, 6), ("packed", 1, 64),

@@ -18,9 +18,11 @@ import pytest
 import torch
 
 import data
-import faults
+from harness import faults
+from harness import guards
+from harness import signals
 import rollout as R
-import runs
+from harness import runs
 import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -218,7 +220,7 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_previous_checkp
 
 
 def test_disk_full_while_logging_is_one_line(run, capsys, monkeypatch):
-    import tracking
+    from harness import tracking
 
     def full_disk(path, *args, **kwargs):   # what open() of metrics.jsonl raises on a full disk
         if str(path).endswith("metrics.jsonl") and args and args[0] == "a":
@@ -256,7 +258,7 @@ def test_torn_middle_metrics_line_is_named_with_its_step(run, capsys):
 
 
 def test_read_metrics_names_torn_lines(tmp_path):
-    import tracking
+    from harness import tracking
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "re\n\n{"step": 3}\nnot json\n')
@@ -292,7 +294,7 @@ def test_oversized_prompt_is_skipped_before_tokenizing_with_one_line(tmp_path, c
 # ------------------------------------------------------------------------------------------------------
 def test_stop_timeout_ends_a_step_that_never_reaches_a_safe_point(capsys):
     def endless():
-        with faults.GracefulStop(timeout=0.3) as stop:
+        with signals.GracefulStop(timeout=0.3) as stop:
             os.kill(os.getpid(), signal.SIGTERM)
             assert stop.requested == "SIGTERM"
             while True:            # a step that never ends
@@ -310,7 +312,7 @@ def test_stop_timeout_ends_a_step_that_never_reaches_a_safe_point(capsys):
 
 
 def test_stop_timeout_is_cancelled_at_the_safe_point():
-    with faults.GracefulStop(timeout=0.2) as stop:
+    with signals.GracefulStop(timeout=0.2) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         stop.cancel_timeout()      # the step ended: the checkpoint is written without a deadline
         time.sleep(0.4)
@@ -322,14 +324,14 @@ def test_stop_timeout_is_cancelled_at_the_safe_point():
 # ------------------------------------------------------------------------------------------------------
 def test_sampling_that_meets_nonfinite_probabilities_is_one_line(tmp_path):
     with pytest.raises(faults.NonFiniteStop) as err:
-        with faults.sampling_guard(5, tmp_path):
+        with guards.sampling_guard(5, tmp_path):
             torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)
     assert err.value.exit_code == 3
     assert str(err.value) == ("step 5: sampling met non-finite probabilities (the policy's logits); the latest "
                               "checkpoint (none) holds the weights that produced them; expected a resume from an "
                               "earlier checkpoint with a lower --lr")
     with pytest.raises(RuntimeError, match="shape"):                      # any other error keeps its traceback
-        with faults.sampling_guard(5, tmp_path):
+        with guards.sampling_guard(5, tmp_path):
             raise RuntimeError("shape mismatch")
 
 

@@ -14,7 +14,7 @@ import torch
 
 import config as C
 import models
-import tracking
+from harness import tracking
 import train
 import tree as T
 

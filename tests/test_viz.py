@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-import tracking
+from harness import tracking
 import tree as T
-import viz
+from harness import viz
 from browser import Chromium, find_chromium
 
 

@@ -1,0 +1,106 @@
+"""harness/inject.py — fault injection for tests, from outside the stage code.
+
+  DATPO_OOM_AT="base,update,..."   the first call of each named site raises torch.OutOfMemoryError (the error
+                                   CUDA raises), so every out-of-memory path runs on a CPU. The harness reads
+                                   it at start-up (install); a test calls install(spec, monkeypatch.setattr).
+  DATPO_CRASH_AT="name:n[:SIGNAL]" crash_point signals this process the n-th time the named harness point
+                                   is reached (default SIGKILL: a preemption or a power loss).
+
+A site wraps one stage function from outside (raise_once), so the algorithm's files carry no test hooks.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from typing import Callable
+
+from harness.faults import UserError
+
+
+def raise_once(owner, name: str, site: str, patch: Callable = setattr,
+               when: Callable | None = None) -> None:
+    """Wrap owner.name: its first call for which when(*args, **kwargs) holds (default: any) raises
+    torch.OutOfMemoryError; later calls run the real function. patch(owner, name, wrapper) installs it
+    (setattr, or pytest's monkeypatch.setattr so the test undoes it)."""
+    import torch
+
+    real = getattr(owner, name)
+    fired = []
+
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        if not fired and (when is None or when(*args, **kwargs)):
+            fired.append(site)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by DATPO_OOM_AT at '{site}')")
+        return real(*args, **kwargs)
+
+    patch(owner, name, wrapper)
+
+
+# site -> the installer of its wrapper: (patch) -> None. Each wraps the stage function the site names.
+OOM_SITES: dict[str, Callable] = {}
+
+
+def site(name: str):
+    """Register an installer for DATPO_OOM_AT=name."""
+    def register(install_site: Callable) -> Callable:
+        OOM_SITES[name] = install_site
+        return install_site
+    return register
+
+
+def install(spec: str | None = None, patch: Callable = setattr) -> list[str]:
+    """Install the sites of `spec` (comma-separated; default $DATPO_OOM_AT); returns their names. An unknown
+    site is one UserError line listing the known ones."""
+    spec = os.environ.get("DATPO_OOM_AT", "") if spec is None else spec
+    sites = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in sites if s not in OOM_SITES]
+    if unknown:
+        raise UserError(f"DATPO_OOM_AT={spec}: unknown site(s) {', '.join(unknown)}; expected some of "
+                        f"{', '.join(OOM_SITES)}")
+    for name in sites:
+        OOM_SITES[name](patch)
+    return sites
+
+
+_crash_hits: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """Fault injection: with DATPO_CRASH_AT="name:n" (or "name:n:SIGTERM"), the n-th time this point is
+    reached the process sends itself that signal (SIGKILL by default: no cleanup at all, as a preemption or
+    a power loss). Several points: comma-separated. Costs one environment lookup otherwise. Harness code
+    only (the loop, checkpoint writes, the evaluation journal)."""
+    spec = os.environ.get("DATPO_CRASH_AT")
+    if not spec:
+        return
+    _crash_hits[name] = _crash_hits.get(name, 0) + 1
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if parts[0] == name and int(parts[1]) == _crash_hits[name]:
+            sig = getattr(signal, parts[2]) if len(parts) > 2 else signal.SIGKILL
+            os.kill(os.getpid(), sig)
+
+
+# ---- transitional: the hooks still inside stage code, until each is replaced by a site above ----------
+HOOK_SITES = ("base", "branches", "update", "eval", "prefill")
+_oom_fired: set[str] = set()
+
+
+def oom_point(name: str) -> None:
+    """The old in-code hook: with DATPO_OOM_AT naming `name`, the first time it is reached raises
+    torch.OutOfMemoryError. Removed once no stage file calls it."""
+    spec = os.environ.get("DATPO_OOM_AT")
+    if not spec or name in _oom_fired or name in OOM_SITES:
+        return
+    sites = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in sites if s not in HOOK_SITES]
+    if unknown:
+        raise UserError(f"DATPO_OOM_AT={spec}: unknown site(s) {', '.join(unknown)}; expected some of "
+                        f"{', '.join(HOOK_SITES)}")
+    if name in sites:
+        import torch
+
+        _oom_fired.add(name)
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by DATPO_OOM_AT at '{name}')")
