@@ -25,6 +25,8 @@ import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_injection as FI  # noqa: E402
+from harness import loop
+from harness import tracking
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -161,7 +163,7 @@ def test_fresh_run_into_a_folder_holding_a_run_is_refused_or_replaced(tmp_path):
 
 
 def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
-    log = train.Log(tmp_path)
+    log = tracking.Log(tmp_path)
     log.write({"step": 1})
     log.write({"step": 2})
     with open(log.path, "a") as f:
@@ -265,7 +267,7 @@ def test_logits_probe_and_checkpoint_refuse_nonfinite_weights(smollm_tokenizer, 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.raises(faults.NonFiniteStop, match="non-finite value; checkpoint not written; last good "
                                                    "checkpoint: none"):
-        train.save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1})
+        loop.save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1})
     assert not (tmp_path / "checkpoints").exists()
 
 
