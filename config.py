@@ -121,8 +121,11 @@ class Config:
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10); release = the
                                             # authors' code's groups (advantage.release_sibling_diversity)
-    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline)
+    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline); gte
+                                            # runs its own code from the hub: needs --trust_remote_code true
     embed_batch_size: int = 64
+    trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
+                                            # (HF auto_map); off: a model that needs it is refused in one line
 
     # ---- optimisation (App. E.2 "Training Hyperparameters") ------------------------------------------
     lr: float = 5e-6                        # constant
