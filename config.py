@@ -333,9 +333,10 @@ ROWS: dict[str, dict] = {
     # Table "wider topology" (App. E.6): the baselines with DATPO's (4, 3, 4)
     "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
     "attnrl-434": dict(method="attnrl", fork="atb", off_policy_steps=1, n_base=4, k_max=3, b_max=4),
-    # Sec. 3.1 / App. B: the difficulty study's G sweep (analysis.py difficulty). GRPO-Zero style: 256 samples per
-    # step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a plain token-level
-    # policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards (difficulty-report).
+    # Sec. 3.1 / App. B: the difficulty study's G sweep (python -m studies difficulty). GRPO-Zero style:
+    # 256 samples per step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a
+    # plain token-level policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards
+    # (difficulty-report).
     # The batch sizes apply at paper scale only (`at_paper_scale`); smaller scales keep their own.
     **{f"grpo-g{g}": dict(method="grpo", group_size=g, ppo_epochs=1, eval_every=0, at_paper_scale=dict(
         prompts_per_step=256 // g, mini_batch_size=256, steps=math.ceil(5 * 1400 / (256 // g)))) for g in (4, 8, 16)},

@@ -113,13 +113,13 @@ def test_evaluate_bad_inputs_are_one_line(files, capsys):
     assert "arith-test problem 1: the prompt is" in err and "context of 2048 tokens" in err
 
 
-def test_analysis_bad_inputs_are_one_line(files, capsys):
-    import analysis
+def test_studies_bad_inputs_are_one_line(files, capsys):
+    from studies import __main__ as studies_cli
 
     assert "cannot write there" in one_line_error(
-        capsys, analysis.main, ["forks", "--scale", "tiny", "--out_dir", str(files / "a_file" / "x")])
+        capsys, studies_cli.main, ["forks", "--scale", "tiny", "--out_dir", str(files / "a_file" / "x")])
     assert "unrecognized arguments: --bogus 1" in one_line_error(
-        capsys, analysis.main, ["forks", "--scale", "tiny", "--bogus", "1"])
+        capsys, studies_cli.main, ["forks", "--scale", "tiny", "--bogus", "1"])
 
 
 def test_debug_shows_the_traceback(files):
