@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import evaluate
+from harness import faults, tracking
 from studies.common import (DEMO_CONFIG, TINY_CONFIG, Study, legend_if_any, load_policy, load_study_problems,
                             markdown_table, pyplot, write_outputs)
 
@@ -44,8 +45,10 @@ def read_run(study: Study, folder: Path) -> tuple[str, dict]:
     metrics = folder / "metrics.jsonl"
     if not metrics.exists():
         raise SystemExit(f"dynamics: {metrics} not found (expected a train.py run folder)")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    run_cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    records, torn = tracking.read_metrics(metrics)
+    if torn:
+        faults.say(f"dynamics: {metrics}: line(s) {', '.join(map(str, torn))} torn (not a JSON record); left out")
+    run_cfg = read_config(folder / "config.json")
     label = f"{folder.name} ({run_cfg.get('method', '?')})"
     evals = [r for r in records if "eval" in r]
     key = next((k for r in evals for k in r if k.startswith("avg@")), None)
@@ -56,6 +59,20 @@ def read_run(study: Study, folder: Path) -> tuple[str, dict]:
         for ckpt in sorted((folder / "checkpoints").glob("step_*")):
             run["checkpoints"][int(ckpt.name.split("_")[1])] = score_checkpoint(study, folder, ckpt, run_cfg)
     return label, run
+
+
+def read_config(path: Path) -> dict:
+    """A run's config.json ({} when there is none); a torn one is one line naming it."""
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise faults.UserError(f"dynamics: {path}: not JSON ({err}); expected the config.json train.py "
+                               f"writes (torn by a kill or an edit? leave the run out of --runs)") from None
+    if not isinstance(config, dict):
+        raise faults.UserError(f"dynamics: {path}: a JSON {type(config).__name__}, expected an object")
+    return config
 
 
 def score_checkpoint(study: Study, folder: Path, ckpt: Path, run_cfg: dict) -> dict:

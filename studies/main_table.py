@@ -20,7 +20,7 @@ import config as C
 import evaluate
 import models
 import train
-from harness import faults
+from harness import faults, tracking
 from studies.common import (Study, correct_counts, legend_if_any, load_policy, load_study_problems,
                             markdown_table, pm, pyplot, t_interval, train_command, verdict, write_outputs)
 
@@ -53,9 +53,13 @@ def equal_token_group_size(tokens_per_problem: float, tokens_per_response: float
 
 
 def step_records(run_dir: Path) -> list[dict]:
-    """The training-step lines of a run's metrics.jsonl (eval lines left out)."""
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in (json.loads(x) for x in lines if x.strip()) if "eval" not in r]
+    """The training-step lines of a run's metrics.jsonl (eval lines left out); a torn line (a kill
+    mid-write) is left out and named in one line (tracking.read_metrics)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records, torn = tracking.read_metrics(path)
+    if torn:
+        faults.say(f"{path}: line(s) {', '.join(map(str, torn))} torn (not a JSON record); left out")
+    return [r for r in records if "eval" not in r]
 
 
 # --------------------------------------------------------------------------------------------------------

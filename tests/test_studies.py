@@ -1,6 +1,7 @@
 """studies/: the Section 3 metrics against hand computations, the difficulty buckets, tree.level_stats,
 rollout.grow_from_forks, and every study end to end at --scale tiny."""
 import json
+import re
 import shlex
 import shutil
 
@@ -13,6 +14,7 @@ import evaluate
 import rollout as R
 import train
 import tree as T
+from harness import faults
 from studies import __main__ as cli
 from studies import common, difficulty, dynamics, forks, main_table, tree_vs_parallel
 
@@ -306,6 +308,33 @@ def test_dynamics_reads_levels_and_scores_checkpoints(tmp_path):
     cached = sorted((out / "scores" / "run").iterdir())
     cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])   # nothing re-scored
     assert sorted((out / "scores" / "run").iterdir()) == cached
+
+
+def test_dynamics_and_main_table_name_a_torn_metrics_line_and_refuse_a_torn_config(tmp_path, capsys):
+    """A run killed mid-write leaves a torn last line: it is left out and named; a torn config.json is one
+    line (exit 2) naming it, not a traceback; the run folder is not written to."""
+    run = tmp_path / "run"
+    run.mkdir()
+    good = {"step": 1, "reward": 0.5, "levels": {"1": {"prompts": 2, "leaves": 3.0, "pass_rate": 0.5}}}
+    (run / "metrics.jsonl").write_text(json.dumps(good) + "\n" + '{"step": 2, "rew')
+    (run / "config.json").write_text('{"method": "datpo"}')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert main_table.step_records(run) == [good]
+    assert capsys.readouterr().err.strip().endswith("metrics.jsonl: line(s) 2 torn (not a JSON record); left out")
+    out = tmp_path / "dyn"
+    cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
+    assert json.loads((out / "result.json").read_text())["runs"]["run (datpo)"]["levels"]["1"]["prompts"] == 2
+    assert "line(s) 2 torn" in capsys.readouterr().err
+    (run / "config.json").write_text('{"method": "da')
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main_guard(cli.main, ["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "Traceback" not in "".join(err)
+    assert [line for line in err if "error:" in line] == [err[-1]]      # the torn metrics line is named first
+    assert re.search(r"error: dynamics: .*config.json: not JSON \(.*\); expected the config.json train.py writes",
+                     err[-1])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != "config.json"} == \
+        {k: v for k, v in before.items() if k != "config.json"}
 
 
 def test_cli_rejects_unknown_study_and_bad_flags(capsys):
