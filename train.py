@@ -37,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 import advantage as A
+import attention
 import config as C
 import data
 from harness import distributed as D
@@ -145,9 +146,9 @@ def max_row_targets(cfg) -> int:
 def attention_kernel(cfg, device, model=None) -> str:
     """flex (block-sparse, cost follows the tree) on CUDA when its start-up probe passes, else tree (SDPA
     segment by segment over each segment's ancestors: cost follows the tree too); dense (one L × L mask)
-    only when asked. packing.resolve_kernel probes flex once and says why it falls back."""
+    only when asked. attention.resolve_kernel probes flex once and says why it falls back."""
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16   # what attention runs in
-    return P.resolve_kernel(cfg.packed_attention, device, model, dtype)[0]
+    return attention.resolve_kernel(cfg.packed_attention, device, model, dtype)[0]
 
 
 def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random,
@@ -182,7 +183,7 @@ def ppo_update(model, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, dev
     stats = UpdateStats(trees)
     # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
     # recomputes the forward there); the rows layout runs the model as it is
-    with P.kernel_backend(D.unwrap(model), kernel if packed else "dense"):
+    with attention.kernel_backend(D.unwrap(model), kernel if packed else "dense"):
         minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
         old, have_old = old_logprobs(model, minibatches, micro_batches, logprobs, len(adv), cfg, device, stats.oom)
         behaviour_logprobs(trees, offsets, old, have_old)   # one-step off-policy: stale tokens' π_θold
