@@ -1,11 +1,16 @@
 """evaluate.py: the metrics against exact combinatorics and hand computation, majority voting with equivalent
 spellings, sampling in chunks, and the CLI end to end on a tiny random model (table, results.json, samples,
-figures, --rescore reproducing results.json, seeding, run-folder settings, offline errors)."""
+figures, --rescore reproducing results.json, seeding, run-folder settings, offline errors, the "eval"
+out-of-memory site installed at start-up)."""
 import itertools
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,8 @@ import evaluate as E
 from harness import faults
 import models
 import rollout
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -224,6 +231,19 @@ def test_cli_end_to_end_and_rescore(tmp_path, capsys):
     E.main(TINY + ["--out_dir", str(tmp_path / "again")])
     again = (tmp_path / "again" / "samples_arith-test.jsonl").read_text().splitlines()
     assert [json.loads(x)["response"] for x in again] == [json.loads(x)["response"] for x in lines]
+
+
+def test_cli_installs_the_eval_oom_site_at_start_up(tmp_path):
+    """`DATPO_OOM_AT=eval python evaluate.py ...`: start-up installs the harness's "eval" site
+    (harness/inject.py) on the module the command runs, so the first generate call runs out of memory and
+    its rows are rerun in smaller calls: one retry, said in one line, every sample."""
+    env = {**os.environ, "DATPO_OOM_AT": "eval", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "evaluate.py"), *TINY, "--out_dir", str(tmp_path / "ev")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "out of memory in evaluation's generation at 8: retrying at 4" in done.stderr, done.stderr
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())["benchmarks"]["arith-test"]
+    assert res["oom_retries"] == 1 and res["n_samples"] == 16
 
 
 def test_cli_run_folder_settings_and_checkpoint(tmp_path, smollm_tokenizer):
