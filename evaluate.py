@@ -26,9 +26,12 @@ import argparse
 import hashlib
 import json
 import math
+import os
+import re
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import config as C
@@ -39,6 +42,7 @@ from harness import guards
 from harness import inject
 from harness.journal import Journal, Stopped
 from harness import oom
+from harness import runs
 from harness import signals
 import mcq
 import models
@@ -342,8 +346,7 @@ def plot_pass_curves(results_by_model: dict[str, dict[str, dict]], path) -> None
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_maj_vs_avg(results_by_model: dict[str, dict[str, dict]], path) -> None:
@@ -371,25 +374,88 @@ def plot_maj_vs_avg(results_by_model: dict[str, dict[str, dict]], path) -> None:
     ax.set_title("avg@k vs maj@k, mean over " + ", ".join(benches), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path) -> None:
+    """The figure as a PNG, written atomically (replace_file): a full disk is one WriteError line."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with write_errors(path, "the figure there before, if any, is intact (results.json and samples too)"):
+            replace_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Files
+# Files: every write atomic (a full disk is one line, exit 4), every read checked (one line naming the file)
 # --------------------------------------------------------------------------------------------------------
+def write_failure(err: BaseException) -> str | None:
+    """The cause when `err` is a write error (runs.write_failure: disk full, quota, read-only, I/O),
+    torch.save's write cut short included (a RuntimeError "... unexpected pos N vs M"); else None."""
+    cause = runs.write_failure(err)
+    if cause is None and isinstance(err, RuntimeError) and re.search(r"unexpected pos \d+", str(err)):
+        cause = "disk full or over quota (torch.save's write was cut short)"
+    return cause
+
+
+@contextmanager
+def write_errors(path, kept: str):
+    """A write error inside becomes a WriteError (exit 4): one line naming `path`, the cause and what is kept
+    (`kept`); any other exception goes on as it is."""
+    try:
+        yield
+    except faults.UserError:
+        raise
+    except Exception as err:
+        cause = write_failure(err)
+        if cause is None:
+            raise
+        raise faults.WriteError(f"writing {path}: {cause}; {kept}; free space and rerun the same command") \
+            from None
+
+
+def replace_file(path, write) -> None:
+    """write(tmp), then rename tmp over `path`: a kill or a full disk leaves the old file or the new one,
+    never half of one (the partial temporary file is removed before the error goes on)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_jsonl(path, records: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    replace_file(path, write)
+
+
+def write_results(out: Path, summary: dict) -> None:
+    """results.json, replaced atomically (a full disk: one WriteError line, the previous one intact)."""
+    path = out / "results.json"
+    with write_errors(path, "the samples are saved and the previous results.json is intact"):
+        replace_file(path, lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
 
 
 def read_jsonl(path, numbered: bool = False) -> list:
-    """The records of a jsonl file; a line that is not a JSON object is a ValueError naming its line.
-    `numbered`: (line number, record) pairs."""
+    """The records of a jsonl file; a line that is not UTF-8 text or not a JSON object is a ValueError naming
+    its line. `numbered`: (line number, record) pairs."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"line {n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                 f"{err.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -405,18 +471,79 @@ def read_jsonl(path, numbered: bool = False) -> list:
 SAMPLE_FIELDS = ("index", "run", "response", "gold")   # what rescoring needs of each saved sample
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# What each field of a saved sample must be when present (the first four always are): a wrong type would be
+# scored silently (a number as a response is never correct) or fail deep inside the metrics.
+SAMPLE_TYPES = {
+    "index": (_count, "a problem number (an integer >= 0)"),
+    "run": (_count, "a run number (an integer >= 0)"),
+    "response": (lambda v: isinstance(v, str), "the response text (a string)"),
+    "gold": (lambda v: isinstance(v, str), "the gold answer (a string)"),
+    "sample": (_count, "a sample number (an integer >= 0)"),
+    "answer": (lambda v: v is None or isinstance(v, str), "the extracted answer (a string or null)"),
+    "correct": (lambda v: isinstance(v, bool), "true or false"),
+    "level": (lambda v: v is None or isinstance(v, (int, str)) and not isinstance(v, bool),
+              "a level (an integer, a string or null)"),
+    "tokens": (_count, "a token count (an integer >= 0)"),
+    "stopped": (lambda v: isinstance(v, bool), "true or false"),
+    "bench": (lambda v: isinstance(v, str), "a benchmark name (a string)"),
+}
+
+
+def sample_problem(record: dict) -> str | None:
+    """Why one saved sample cannot be scored (a missing field, or one of the wrong type), else None."""
+    missing = [key for key in SAMPLE_FIELDS if key not in record]
+    if missing:
+        return (f"missing {', '.join(missing)}; expected the fields {', '.join(SAMPLE_FIELDS)} of a sample "
+                f"written by evaluate.py")
+    for key, (ok, expected) in SAMPLE_TYPES.items():
+        if key in record and not ok(record[key]):
+            return f"field {key!r} is {json.dumps(record[key])[:40]}; expected {expected}"
+    if ("tokens" in record) != ("stopped" in record):
+        return "has one of the fields 'tokens' and 'stopped' without the other; expected both or neither"
+    return None
+
+
+def samples_conflict(numbered: list[tuple[int, dict]]) -> str | None:
+    """Why the samples of one file do not belong together (two benchmarks, a sample twice, levels of two
+    types), naming the line; else None."""
+    seen, first, level_line = {}, numbered[0][1], None
+    for n, record in numbered:
+        if record.get("bench") != first.get("bench"):
+            return (f"line {n}: bench {record.get('bench')!r}, but line {numbered[0][0]} has "
+                    f"{first.get('bench')!r}; expected the samples of one benchmark per file")
+        level = record.get("level")
+        if level is not None and level_line is None:
+            level_line = (n, level)
+        elif level is not None and type(level) is not type(level_line[1]):
+            return (f"line {n}: level {level!r}, but line {level_line[0]} has {level_line[1]!r}; expected "
+                    f"levels of one type in a file")
+        if "sample" in record:
+            key = (record["index"], record["run"], record["sample"])
+            if key in seen:
+                return (f"line {n}: repeats line {seen[key]} (index {key[0]}, run {key[1]}, sample "
+                        f"{key[2]}); expected each sample once")
+            seen[key] = n
+    return None
+
+
 def rescore_file(path, answer_fallback: bool = False) -> tuple[str, dict]:
     """(benchmark name, metrics) from a samples jsonl. Records without "answer"/"correct" (e.g. written by
-    hand or by another tool) are graded here with reward.py; k = the samples per (problem, run). A bad line
-    is a ValueError naming that line."""
+    hand or by another tool) are graded here with reward.py; k = the samples per (problem, run). A bad
+    line (not JSON, a missing field, a field of the wrong type, a sample twice) is a ValueError naming it."""
     numbered = read_jsonl(path, numbered=True)
     if not numbered:
         raise ValueError("no records")
     for n, record in numbered:
-        missing = [key for key in SAMPLE_FIELDS if key not in record]
-        if missing:
-            raise ValueError(f"line {n}: missing {', '.join(missing)}; expected the fields "
-                             f"{', '.join(SAMPLE_FIELDS)} of a sample written by evaluate.py")
+        why = sample_problem(record)
+        if why:
+            raise ValueError(f"line {n}: {why}")
+    why = samples_conflict(numbered)
+    if why:
+        raise ValueError(why)
     records = [record for _, record in numbered]
     for record in records:
         if "answer" not in record:
@@ -441,23 +568,91 @@ def model_label(model: str) -> str:
     return path.name or model
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; a ValueError naming the file, the line and what is wrong (not UTF-8 text,
+    torn or not JSON, not an object). OSError goes on."""
+    raw = Path(path).read_bytes()
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ValueError(f"{path} line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} line {err.lineno}: torn or not JSON ({err.msg})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON {type(value).__name__}, expected an object")
+    return value
+
+
 def run_folder_config(model: str) -> dict | None:
     """The training Config (train.py's config.json) when --model is a run folder (it has
-    checkpoints/latest)."""
+    checkpoints/latest); a torn or foreign one is a UserError naming it."""
     folder = Path(model)
-    if (folder / "checkpoints" / "latest").exists() and (folder / "config.json").exists():
-        return json.loads((folder / "config.json").read_text())
+    if not ((folder / "checkpoints" / "latest").exists() and (folder / "config.json").exists()):
+        return None
+    try:
+        return read_json_object(folder / "config.json")
+    except (OSError, ValueError) as err:
+        why = f"{folder / 'config.json'}: unreadable ({err.strerror})" if isinstance(err, OSError) else err
+        raise faults.UserError(f"--model {model}: {why}; expected the run's settings as train.py wrote them "
+                               f"(evaluate.py reads its {', '.join(RUN_PROMPT_KEYS)}): restore it, or give "
+                               f"those flags on the command line") from None
+
+
+RESULT_FIELDS = ("k", "avg@k", "pass@k", "maj@k", "pass_curve")   # what the table and the figures read
+
+
+def _fraction(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+def results_problem(value: dict) -> str | None:
+    """Why a results.json object is not one evaluate.py wrote (what the table and figures need), or None."""
+    benchmarks = value.get("benchmarks")
+    if not isinstance(benchmarks, dict):
+        return 'no "benchmarks" object; expected {"model", "settings", "benchmarks": {bench: metrics}}'
+    for bench, metrics in benchmarks.items():
+        if not isinstance(metrics, dict):
+            return f"benchmark {bench!r} is a {type(metrics).__name__}; expected an object of metrics"
+        missing = [key for key in RESULT_FIELDS if key not in metrics]
+        if missing:
+            return f"benchmark {bench!r} lacks {', '.join(missing)}; expected {', '.join(RESULT_FIELDS)}"
+        curve = metrics["pass_curve"]
+        if not (_count(metrics["k"]) and metrics["k"] >= 1):
+            return f"benchmark {bench!r}: k is {metrics['k']!r}; expected an integer >= 1"
+        if not isinstance(curve, dict) or not curve or not all(str(j).isdigit() for j in curve):
+            return f"benchmark {bench!r}: pass_curve is {json.dumps(curve)[:40]}; expected {{j: pass@j}}"
+        values = {**{key: metrics[key] for key in RESULT_FIELDS[1:4]},
+                  **{f"pass_curve[{j}]": v for j, v in curve.items()}}
+        for name, v in values.items():
+            if not _fraction(v):
+                return f"benchmark {bench!r}: {name} is {v!r}; expected a number in [0, 1]"
+    if not isinstance(value.get("settings", {}), dict):
+        return '"settings" is not an object'
     return None
 
 
+def read_results(folder) -> dict:
+    """A folder's results.json, checked (results_problem); a ValueError naming the file otherwise."""
+    path = Path(folder) / "results.json"
+    value = read_json_object(path)
+    why = results_problem(value)
+    if why:
+        raise ValueError(f"{path}: {why}")
+    return value
+
+
 def load_results(folder) -> dict[str, dict]:
-    """{bench: metrics} from a folder's results.json."""
-    return json.loads((Path(folder) / "results.json").read_text())["benchmarks"]
+    """{bench: metrics} from a folder's results.json, checked (read_results)."""
+    return read_results(folder)["benchmarks"]
 
 
 # --------------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------------
+RUN_PROMPT_KEYS = ("prompt_style", "few_shot", "answer_fallback")   # taken from a run folder's config.json
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = C.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
                             "config field is a flag; --max_new_tokens sets the evaluation length "
@@ -495,36 +690,55 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rescore:
         return rescore_command(parser, args.rescore, bool(given.get("answer_fallback", False)))
     if args.plot_models:
-        return plot_models_command(parser, args.plot_models, given.get("out_dir"))
+        return plot_models_command(args.plot_models, given.get("out_dir"))
     return evaluate_command(parser, args, given)
+
+
+def folder_labels(paths: list[str]) -> list[str]:
+    """Each folder's name for the table; folders that share a name are told apart by their parent's
+    (runs/a/demo, runs/b/demo -> a/demo, b/demo), then by their whole path."""
+    resolved = [Path(p).resolve() for p in paths]
+    labels = [p.name for p in resolved]
+    labels = [f"{p.parent.name}/{p.name}" if labels.count(p.name) > 1 else p.name for p in resolved]
+    return [str(p) if labels.count(label) > 1 else label for p, label in zip(resolved, labels)]
 
 
 def rescore_command(parser, paths: list[str], answer_fallback: bool) -> dict:
     """--rescore: the metrics of saved samples_<bench>.jsonl files, from the records alone (no model), as a
     table; {folder name: {bench: metrics}}. An unreadable or malformed file exits 2 naming it."""
     by_file = {}
-    for path in paths:
+    for path, label in zip(paths, folder_labels([str(Path(p).resolve().parent) for p in paths])):
         try:
             bench, result = rescore_file(path, answer_fallback)
-        except (OSError, ValueError, KeyError) as err:
+        except (OSError, ValueError) as err:
             why = f"{err.strerror}; expected a samples_<bench>.jsonl written by evaluate.py" \
-                if isinstance(err, OSError) and err.strerror else str(err) if isinstance(err, ValueError) \
-                else repr(err)
+                if isinstance(err, OSError) and err.strerror else str(err)
             parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {why}\n")
-        by_file.setdefault(Path(path).resolve().parent.name, {})[bench] = result
+        by_file.setdefault(label, {})[bench] = result
     print(format_table(by_file))
     return by_file
 
 
-def plot_models_command(parser, folders: list[str], out_dir: str | None) -> dict:
+def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
     """--plot_models: one table and both figures (pass@k curves, maj@k vs avg@k) for the results.json of
-    several folders, written to --out_dir (default runs/eval/compare); {folder name: {bench: metrics}}."""
-    try:
-        by_model = {Path(d).resolve().name: load_results(d) for d in folders}
-    except (OSError, ValueError, KeyError) as err:
-        parser.exit(2, f"evaluate.py: error: --plot_models needs folders with results.json: {err}\n")
+    several folders, written to --out_dir (default runs/eval/compare); {folder name: {bench: metrics}}.
+    A folder whose results.json is missing, torn or incomplete is one line naming it and nothing is drawn
+    (a comparison silently missing a model would look complete)."""
+    by_model = {}
+    for folder, label in zip(folders, folder_labels(folders)):
+        try:
+            results = load_results(folder)
+        except (OSError, ValueError) as err:
+            why = f"{Path(folder) / 'results.json'}: {err.strerror}" if isinstance(err, OSError) else err
+            raise faults.UserError(f"--plot_models {folder}: {why}; finish that evaluation (rerun its "
+                                   f"command) or leave it out") from None
+        if not results:
+            raise faults.UserError(f"--plot_models {folder}: {Path(folder) / 'results.json'} holds no "
+                                   f"finished benchmark yet; finish that evaluation (rerun its command) or "
+                                   f"leave it out")
+        by_model[label] = results
     out = Path("runs/eval/compare" if out_dir is None else out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    faults.check_writable(out, "--out_dir")
     plot_pass_curves(by_model, out / "pass_curves.png")
     plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
     print(format_table(by_model))
@@ -574,7 +788,7 @@ def evaluate_command(parser, args, given: dict) -> dict:
         if not D.is_main():   # every rank holds the gathered result; rank 0 writes it
             continue
         summary["benchmarks"][bench] = result
-        (out / "results.json").write_text(json.dumps(summary, indent=2))   # after each: partial runs keep
+        write_results(out, summary)   # after each: partial runs keep
         tokens = result["mean_tokens"] * result["n_samples"]
         print(f"{bench}: {result['n_problems']} problems x {k} samples x {args.runs} run(s) in "
               f"{result['seconds']:.0f}s ({tokens / result['seconds']:.0f} tok/s, "
@@ -596,15 +810,28 @@ def evaluate_command(parser, args, given: dict) -> dict:
 
 def evaluation_config(parser, args, given: dict) -> C.Config:
     """The evaluation's Config. A run folder (--model with checkpoints/latest): evaluate with the prompt it
-    was trained with (prompt_style, few_shot, answer_fallback), unless the command line says otherwise."""
-    trained = run_folder_config(given.get("model") or C.make_config(args.preset, args.scale).model)
-    for key in ("prompt_style", "few_shot", "answer_fallback"):
-        if trained is not None and key not in given and key in trained:
-            given[key] = trained[key]
+    was trained with (prompt_style, few_shot, answer_fallback), unless the command line says otherwise. The
+    command line's mistakes are named first; a run config.json that is torn, or sets one of those to a
+    value of the wrong kind, is one line naming it."""
     try:
-        return C.make_config(args.preset, args.scale, **given)
+        plain = C.make_config(args.preset, args.scale, **given)
     except ValueError as err:
         parser.error(str(err))
+    needed = [key for key in RUN_PROMPT_KEYS if key not in given]
+    trained = (run_folder_config(plain.model) if needed else None) or {}
+    taken = {key: trained[key] for key in needed if key in trained}
+    sets = ", ".join(f"{key} {value!r}" for key, value in taken.items())
+    kinds = [key for key, value in taken.items() if type(value) is not type(getattr(plain, key))]
+    try:
+        if kinds:   # a string "false" would be truthy: the wrong kind is refused, not guessed
+            raise ValueError(f"{kinds[0]} must be a {type(getattr(plain, kinds[0])).__name__}")
+        cfg = C.make_config(args.preset, args.scale, **given, **taken)
+    except ValueError as err:
+        raise faults.UserError(f"--model {plain.model}: {Path(plain.model) / 'config.json'} sets {sets} "
+                               f"({err}); expected the run's settings as train.py wrote them: restore it, or "
+                               f"give those flags on the command line") from None
+    given.update(taken)
+    return cfg
 
 
 def benchmarks_and_ks(parser, args, cfg) -> tuple[list[str], list[int]]:
@@ -652,25 +879,32 @@ def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, bench: str, 
     """One benchmark, its samples saved. One process: appended to samples_<bench>.jsonl as they come (a
     rerun of the same command, or --resume, skips what is saved); under torchrun every rank samples its
     shard and rank 0 writes them all at the end. The metrics (records left out on rank 0), or None when a
-    signal stopped it after saving the current batch of samples."""
+    signal stopped it after saving the current batch of samples. A full disk is one WriteError line: the
+    samples saved before are kept."""
+    samples = out / f"samples_{bench}.jsonl"
     journal = None if D.active() else Journal(
-        out / f"samples_{bench}.jsonl", extra={"bench": bench},
+        samples, extra={"bench": bench},
         settings={**settings, "bench": bench, "k": k, "gen_batch_size": cfg.gen_batch_size,
                   "problems": hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()})
+    kept = f"the samples saved before in {samples.name} are kept; a rerun continues from them"
     try:
-        with signals.GracefulStop("after the current batch of samples") as stop:
+        with write_errors(samples, kept), signals.GracefulStop("after the current batch of samples") as stop:
             result = evaluate_problems(model, tokenizer, problems, cfg, k, settings["max_new_tokens"],
                                        settings["runs"], desc=bench, journal=journal,
                                        stop=stop if journal else None)
+            if D.is_main() and journal is None:
+                write_jsonl(samples, [{"bench": bench, **r} for r in result["records"]])
     except Stopped as saved:
         print(f"stopped by {stop.requested} in {bench}: {saved}; rerun the same command to continue",
               flush=True)
         return None
+    except faults.WriteError:
+        for tmp in (samples.with_name(samples.name + ".tmp"), samples.with_name(samples.name + ".state.tmp")):
+            tmp.unlink(missing_ok=True)   # the journal's temporary files
+        raise
     if D.is_main():
-        records = result.pop("records")
-        if journal is None:
-            write_jsonl(out / f"samples_{bench}.jsonl", [{"bench": bench, **r} for r in records])
-        elif journal.resumed:
+        result.pop("records")
+        if journal is not None and journal.resumed:
             print(f"{bench}: reused the samples of an earlier run saved in {journal.path}", flush=True)
     return result
 
