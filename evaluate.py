@@ -19,6 +19,13 @@ Metrics (App. A notation; r(y) ∈ {0, 1} is the binary verifiable reward of rew
                    averaged over problems, then over runs
 Every sample is saved to samples_<bench>.jsonl; `score_records` computes all numbers from those records
 alone, so `--rescore` reproduces results.json exactly.
+
+The output folder (runs/eval/<model label>, --out_dir, or --resume) holds one evaluation: one model and one
+set of sampling settings, locked while it runs (harness/runs.RunLock, as train.py's run folder). Further
+benchmarks with the same settings accumulate in its results.json; other settings are refused unless
+--overwrite true replaces them. It is never a training run, a checkpoint or a model folder: those belong to
+train.py and to the model, and a run folder is replaced by train.py's --overwrite. Every file read is checked
+(a bad one is one line naming the file, line and field); every write is atomic, a full disk one line (exit 4).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 from collections import defaultdict
@@ -648,24 +656,211 @@ def load_results(folder) -> dict[str, dict]:
 
 
 # --------------------------------------------------------------------------------------------------------
+# The output folder: one evaluation per folder, locked while it runs, never someone else's folder
+# --------------------------------------------------------------------------------------------------------
+FIGURES = ("pass_curves.png", "maj_vs_avg.png")
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.gguf")
+
+
+def samples_path(out: Path, bench: str) -> Path:
+    """out/samples_<bench>.jsonl; a --bench file path counts by its file name (its folders are not ours)."""
+    return Path(out) / f"samples_{Path(bench).name}.jsonl"
+
+
+def state_path(samples: Path) -> Path:
+    """The journal's state file beside a samples file (harness/journal.py)."""
+    return samples.with_name(samples.name + ".state")
+
+
+def folder_owner(folder: Path) -> str | None:
+    """What `folder` is or is inside of when it belongs to something else: a training run (metrics.jsonl, or
+    checkpoints/ with a step_* or latest), a checkpoint (trainer_state.pt, checkpoints/step_*), a model
+    (config.json + weights). None for a new folder or one of evaluate.py's."""
+    path = Path(folder).expanduser().resolve()
+    for above in (path, *path.parents):
+        where = "is" if above == path else "is inside"
+        if (above / "trainer_state.pt").is_file() or (above.parent.name == "checkpoints"
+                                                      and above.name.startswith("step_")):
+            return f"{where} the checkpoint {above}"
+        checkpoints = above / "checkpoints"
+        if (above / "metrics.jsonl").is_file() or (checkpoints / "latest").exists() or \
+                any(checkpoints.glob("step_*")):
+            return f"{where} the training run {above}"
+        weights = [w for pattern in WEIGHT_FILES for w in sorted(above.glob(pattern))]
+        if (above / "config.json").is_file() and weights:
+            return f"{where} the model folder {above} (config.json + {weights[0].name})"
+    return None
+
+
+def sample_settings(samples: Path) -> dict | None:
+    """The settings the journal saved beside samples_<bench>.jsonl (its .state file), read with torch's
+    weights_only loader; None when there is none or it is unreadable (the journal starts that benchmark over,
+    as after a torn write). A state holding a Python object is refused: nothing in it runs."""
+    import pickle
+
+    import torch
+
+    path = state_path(samples)
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if named:
+            raise faults.UserError(f"{path} holds a Python object ({named.group(1)}), not only tensors and "
+                                   f"plain values: refused unloaded, nothing in it ran; delete it and "
+                                   f"{samples.name} to start that benchmark over, or use another --out_dir") \
+                from None
+        return None
+    except Exception:  # torn: the journal starts it over
+        return None
+    settings = state.get("settings") if isinstance(state, dict) else None
+    return settings if isinstance(settings, dict) else None
+
+
+def setting_changes(saved: dict, wanted: dict) -> str:
+    """The settings that differ, as "k 2 -> 4, temperature 1.0 -> 0.5" ("" when none)."""
+    changes = [("problems: another --limit or --bench file" if key == "problems" else
+                f"{key} {saved.get(key)!r} -> {wanted[key]!r}")
+               for key in wanted if saved.get(key) != wanted[key]]
+    return ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
+
+
+def earlier_evaluation(out: Path, settings: dict) -> tuple[dict, str | None]:
+    """({bench: metrics} of results.json, None) when the folder's earlier evaluation (results.json, the
+    samples' states) has these settings (or there is none); ({}, why not) otherwise."""
+    earlier = {}
+    if (out / "results.json").exists():
+        try:
+            saved = read_results(out)
+        except (OSError, ValueError) as err:
+            return {}, f"{err if isinstance(err, ValueError) else err.strerror}"
+        if not isinstance(saved.get("settings"), dict):
+            return {}, f"{out / 'results.json'} records no settings"
+        changes = setting_changes(saved["settings"], settings)
+        if changes:
+            return {}, f"{out / 'results.json'} holds results made with other settings ({changes})"
+        earlier = saved["benchmarks"]
+    for samples in sorted(out.glob("samples_*.jsonl")):
+        saved = sample_settings(samples)
+        changes = setting_changes(saved, settings) if saved is not None else ""
+        if changes:
+            return {}, f"{samples} holds samples made with other settings ({changes})"
+    return earlier, None
+
+
+def check_output_folder(out: Path, where: str, settings: dict, planned: dict[str, dict],
+                        overwrite: bool) -> tuple[dict, list[str] | None]:
+    """What an evaluation into `out` keeps of the folder's earlier one: (its results to accumulate, the
+    benchmarks to start over; None = replace everything). Other settings (the model, sampling, k, the
+    problems) would replace saved samples: a UserError without --overwrite true, the folder unchanged."""
+    earlier, why = earlier_evaluation(out, settings)
+    if why and not overwrite:
+        raise faults.UserError(f"{where}: {why}; a folder holds one evaluation (one model and its settings, "
+                               f"benchmarks added with the same ones); use another --out_dir, or --overwrite "
+                               f"true to replace that evaluation (results.json, samples, figures)")
+    if why:
+        return {}, None
+    redo = []
+    for bench, wanted in planned.items():
+        samples = samples_path(out, bench)
+        saved = sample_settings(samples) if samples.exists() else None
+        if saved is None and bench in earlier:   # no state (torchrun writes none): results.json's k
+            saved = {**wanted, "k": earlier[bench]["k"]}
+        changes = setting_changes(saved, wanted) if saved is not None else ""
+        if changes and not overwrite:
+            held = sum(1 for line in open(samples, "rb") if line.strip()) if samples.exists() else 0
+            raise faults.UserError(f"{where}: {samples.name} holds {held} samples of {bench} made with other "
+                                   f"settings ({changes}); rerun with those to reuse them, use another "
+                                   f"--out_dir, or --overwrite true to replace them")
+        if changes:
+            redo.append(bench)
+    return {b: m for b, m in earlier.items() if b not in redo}, redo
+
+
+def replace_earlier(out: Path, settings: dict, benches: list[str] | None, earlier: dict) -> None:
+    """--overwrite true: delete the earlier evaluation's files (benches None: all of them; else those
+    benchmarks' samples, and results.json rewritten without them) before sampling starts."""
+    doomed = [out / "results.json", *(out / f for f in FIGURES), *out.glob("samples_*.jsonl"),
+              *out.glob("samples_*.jsonl.state")] if benches is None else \
+        [p for b in benches for p in (samples_path(out, b), state_path(samples_path(out, b)))]
+    doomed = [p for p in doomed if p.exists()]
+    with write_errors(out, "the earlier evaluation is partly deleted"):
+        for path in doomed:
+            path.unlink()
+        if benches and (out / "results.json").exists():
+            write_results(out, {"model": settings["model"], "settings": settings, "benchmarks": earlier})
+    if doomed:
+        faults.say(f"--overwrite true: replaced the earlier evaluation's {', '.join(p.name for p in doomed)} "
+                   f"in {out}")
+
+
+def process_command(pid: int) -> str | None:
+    """The command line of a live process (Linux /proc), for naming a lock's holder; None elsewhere."""
+    try:
+        return shlex.join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1])
+    except OSError:
+        return None
+
+
+@contextmanager
+def folder_lock(out: Path, where: str, command: str):
+    """The run lock train.py takes (runs.RunLock), on the output folder (rank 0 under torchrun): a second
+    evaluation or training into a locked folder is one line naming the holder (pid, command, since), and
+    nothing of the folder changes."""
+    if not D.is_main():
+        yield
+        return
+    lock = runs.RunLock(out)
+    lock.mine["command"] = command
+    try:
+        with write_errors(out / runs.RunLock.NAME, "nothing was written"):
+            lock.acquire()
+    except faults.UserError as err:
+        holder = lock.holder() or {}
+        pid = holder.get("pid")
+        ours = isinstance(pid, int) and holder.get("host") == lock.mine["host"]
+        if not ours or isinstance(err, faults.WriteError):   # another host's or a full disk: said already
+            raise
+        command = holder.get("command") or process_command(pid) or "command unknown"
+        raise faults.UserError(f"{where}: another process is writing there (pid {pid}: {command}; since "
+                               f"{holder.get('started', '?')}; {lock.path}); wait for it or stop it, or use "
+                               f"another --out_dir") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+# --------------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------------
+MAX_K = 1 << 16       # samples per problem (the paper's largest is 64)
+MAX_RUNS = 1000       # independent runs (the paper's is 3)
+SETTING_KEYS = ("model", "prompt_style", "few_shot", "answer_fallback", "temperature", "top_p", "top_k",
+                "precision", "seed")   # with max_new_tokens and runs: results.json's "settings"
 RUN_PROMPT_KEYS = ("prompt_style", "few_shot", "answer_fallback")   # taken from a run folder's config.json
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = C.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
                             "config field is a flag; --max_new_tokens sets the evaluation length "
-                            "(else --eval_max_new_tokens, paper 2048).")
+                            "(else --eval_max_new_tokens, paper 2048). Output: runs/eval/<model label> (or "
+                            "--out_dir): one evaluation per folder, locked while it runs; more benchmarks "
+                            "with the same settings accumulate in its results.json, other settings need "
+                            "--overwrite true. A training run, a checkpoint or a model folder is never an "
+                            "output folder: evaluate a run with --model RUN (into runs/eval/RUN), so that "
+                            "train.py's folder holds only what train.py wrote.")
     group = parser.add_argument_group("evaluation")
     group.add_argument("--bench", nargs="+", default=None,
                        help=f"benchmarks ({', '.join(data.NAMED_SOURCES)}, or a file); default: the preset's "
                             "eval_data")
     group.add_argument("--k", nargs="+", type=int, default=None,
-                       help="samples per problem: one for all benchmarks or one per --bench "
+                       help=f"samples per problem, 1 to {MAX_K}: one for all benchmarks or one per --bench "
                             "(default: the paper's, 8 for math500 and 64 otherwise)")
     group.add_argument("--runs", type=int, default=1,
-                       help="independent runs pass@k/maj@k average over (paper: 3)")
+                       help=f"independent runs pass@k/maj@k average over, 1 to {MAX_RUNS} (paper: 3)")
     group.add_argument("--limit", type=int, default=None,
                        help="first N problems per benchmark (default: preset's eval_limit, 0 = all)")
     group.add_argument("--rescore", nargs="+", default=None, metavar="FILE",
@@ -673,7 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "loaded")
     group.add_argument("--plot_models", nargs="+", default=None, metavar="DIR",
                        help="folders holding results.json: print one table and draw both figures for all of "
-                            "them")
+                            "them into --out_dir (default runs/eval/compare, never an evaluation's folder)")
     return parser
 
 
@@ -682,7 +877,8 @@ def main(argv: list[str] | None = None) -> dict:
     (plot_models_command), else evaluate a model on benchmarks (evaluate_command). Returns {model label:
     {bench: metrics}} (records left out)."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
     inject.install()   # DATPO_OOM_AT (tests): the harness wraps stage functions from outside, once
     eval_keys = ("bench", "k", "runs", "limit", "rescore", "plot_models")
     given = {key: value for key, value in vars(args).items()
@@ -691,7 +887,7 @@ def main(argv: list[str] | None = None) -> dict:
         return rescore_command(parser, args.rescore, bool(given.get("answer_fallback", False)))
     if args.plot_models:
         return plot_models_command(args.plot_models, given.get("out_dir"))
-    return evaluate_command(parser, args, given)
+    return evaluate_command(parser, args, given, shlex.join(["evaluate.py", *argv]))
 
 
 def folder_labels(paths: list[str]) -> list[str]:
@@ -723,7 +919,8 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
     """--plot_models: one table and both figures (pass@k curves, maj@k vs avg@k) for the results.json of
     several folders, written to --out_dir (default runs/eval/compare); {folder name: {bench: metrics}}.
     A folder whose results.json is missing, torn or incomplete is one line naming it and nothing is drawn
-    (a comparison silently missing a model would look complete)."""
+    (a comparison silently missing a model would look complete); so is an --out_dir that is an
+    evaluation's folder (its own figures would be replaced), a run, a checkpoint or a model."""
     by_model = {}
     for folder, label in zip(folders, folder_labels(folders)):
         try:
@@ -738,6 +935,11 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
                                    f"leave it out")
         by_model[label] = results
     out = Path("runs/eval/compare" if out_dir is None else out_dir)
+    owner = folder_owner(out) or ("holds an evaluation (results.json): the comparison would replace its "
+                                  "figures" if (out / "results.json").exists() else None)
+    if owner:
+        raise faults.UserError(f"--out_dir {out}: {owner}; expected a folder for the comparison's figures, "
+                               f"e.g. runs/eval/compare (the default)")
     faults.check_writable(out, "--out_dir")
     plot_pass_curves(by_model, out / "pass_curves.png")
     plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
@@ -746,11 +948,12 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
     return by_model
 
 
-def evaluate_command(parser, args, given: dict) -> dict:
+def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") -> dict:
     """Evaluate one model on benchmarks (App. E.1): k samples per problem in --runs runs, into the output
     folder (runs/eval/<model label>, --out_dir, or the --resume folder): samples_<bench>.jsonl, results.json
     after each benchmark, the two figures and the table at the end. Every benchmark, the model name and the
-    folder are checked before the model loads, so mistakes fail in seconds."""
+    folder (whose it is, its lock, its earlier evaluation's settings) are checked before the model loads,
+    so mistakes fail in seconds and change nothing."""
     import torch
 
     cfg = evaluation_config(parser, args, given)
@@ -758,54 +961,71 @@ def evaluate_command(parser, args, given: dict) -> dict:
     limit = (args.limit if args.limit is not None else cfg.eval_limit) or None  # 0 = all, as in config.py
     max_new_tokens = given.get("max_new_tokens", cfg.eval_max_new_tokens)
     label = model_label(cfg.model)
-    out = output_folder(cfg, label, "out_dir" in given)
+    out, where = output_folder(cfg, label, "out_dir" in given)
     problems = {b: faults.load_data(b, "--bench", limit) for b in benches}
     faults.check_model(cfg.model)
     faults.check_writable(out, "--out_dir")
+    settings = {**{key: getattr(cfg, key) for key in SETTING_KEYS}, "max_new_tokens": max_new_tokens,
+                "runs": args.runs}
+    planned = {b: {**settings, "bench": b, "k": k, "gen_batch_size": cfg.gen_batch_size,   # the journal's
+                   "problems": hashlib.sha256(json.dumps(problems[b], sort_keys=True).encode()).hexdigest()}
+               for b, k in zip(benches, ks)}
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     D.init(cfg.device)   # torchrun: problems are sharded over ranks and gathered (evaluate_problems)
-    device = models.pick_device(cfg.device)
-    t0 = time.perf_counter()
-    model, tokenizer = load_finite_policy(cfg, device)
-    print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; "
-          f"prompt_style={cfg.prompt_style} few_shot={cfg.few_shot} answer_fallback={cfg.answer_fallback} "
-          f"T={cfg.temperature} "
-          f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {key: getattr(cfg, key) for key in ("model", "prompt_style", "few_shot", "answer_fallback",
-                                                   "temperature", "top_p", "top_k", "precision", "seed")}
-    summary = {"model": cfg.model,
-               "settings": {**settings, "max_new_tokens": max_new_tokens, "runs": args.runs},
-               "benchmarks": {}}
-    for bench, k in zip(benches, ks):
-        torch.manual_seed(cfg.seed + D.rank())  # each benchmark reproducible on its own, whatever else runs
-        result = evaluate_benchmark(model, tokenizer, problems[bench], cfg, bench, k, out,
-                                    summary["settings"])
-        if result is None:   # stopped by a signal; its samples so far are saved
+    with folder_lock(out, where, command):
+        earlier, redo = check_output_folder(out, where, settings, planned, cfg.overwrite) if D.is_main() \
+            else ({}, [])
+        device = models.pick_device(cfg.device)
+        t0 = time.perf_counter()
+        model, tokenizer = load_finite_policy(cfg, device)
+        print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; "
+              f"prompt_style={cfg.prompt_style} few_shot={cfg.few_shot} "
+              f"answer_fallback={cfg.answer_fallback} T={cfg.temperature} "
+              f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)
+        if redo is None or redo:   # --overwrite true over other settings
+            replace_earlier(out, settings, redo, earlier)
+        summary = {"model": cfg.model, "settings": settings, "benchmarks": dict(earlier)}
+        new = run_benchmarks(model, tokenizer, problems, cfg, planned, out, summary)
+        if new is None:   # stopped by a signal; its samples so far are saved
             return {label: summary["benchmarks"]}
-        if not D.is_main():   # every rank holds the gathered result; rank 0 writes it
-            continue
-        summary["benchmarks"][bench] = result
-        write_results(out, summary)   # after each: partial runs keep
-        tokens = result["mean_tokens"] * result["n_samples"]
-        print(f"{bench}: {result['n_problems']} problems x {k} samples x {args.runs} run(s) in "
-              f"{result['seconds']:.0f}s ({tokens / result['seconds']:.0f} tok/s, "
-              f"mean {result['mean_tokens']:.0f} tokens, {100 * result['truncated']:.0f}% hit "
-              f"max_new_tokens)", flush=True)
-    writer = D.is_main()
-    D.shutdown()
-    if not writer:
-        return {}
-    tracking.report_eval(out, cfg.report_to, summary["settings"], summary["benchmarks"],
-                         tracking.checkpoint_step(cfg.model))
-    by_model = {label: summary["benchmarks"]}
-    plot_pass_curves(by_model, out / "pass_curves.png")
-    plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
+        writer = D.is_main()
+        D.shutdown()
+        if not writer:
+            return {}
+        tracking.report_eval(out, cfg.report_to, settings, new, tracking.checkpoint_step(cfg.model))
+        by_model = {label: summary["benchmarks"]}   # every benchmark of the folder, earlier ones too
+        plot_pass_curves(by_model, out / "pass_curves.png")
+        plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
     print(format_table(by_model))
     print(f"wrote {out / 'results.json'}, samples_<bench>.jsonl, pass_curves.png, maj_vs_avg.png")
     return by_model
+
+
+def run_benchmarks(model, tokenizer, problems: dict[str, list[dict]], cfg, planned: dict[str, dict],
+                   out: Path, summary: dict) -> dict | None:
+    """Each planned benchmark in turn, seeded on its own; rank 0 adds each result to summary["benchmarks"]
+    and results.json as it ends (a partial run keeps what is done). The new results, or None when a signal
+    stopped one (its samples so far saved)."""
+    import torch
+
+    new = {}
+    for bench, journal_settings in planned.items():
+        torch.manual_seed(cfg.seed + D.rank())  # each benchmark reproducible on its own, whatever else runs
+        result = evaluate_benchmark(model, tokenizer, problems[bench], cfg, out, journal_settings)
+        if result is None:
+            return None
+        if not D.is_main():   # every rank holds the gathered result; rank 0 writes it
+            continue
+        new[bench] = summary["benchmarks"][bench] = result
+        write_results(out, summary)
+        tokens = result["mean_tokens"] * result["n_samples"]
+        print(f"{bench}: {result['n_problems']} problems x {journal_settings['k']} samples x "
+              f"{journal_settings['runs']} run(s) in {result['seconds']:.0f}s "
+              f"({tokens / result['seconds']:.0f} tok/s, mean {result['mean_tokens']:.0f} tokens, "
+              f"{100 * result['truncated']:.0f}% hit max_new_tokens)", flush=True)
+    return new
 
 
 def evaluation_config(parser, args, given: dict) -> C.Config:
@@ -835,27 +1055,53 @@ def evaluation_config(parser, args, given: dict) -> C.Config:
 
 
 def benchmarks_and_ks(parser, args, cfg) -> tuple[list[str], list[int]]:
-    """--bench (default: the preset's eval_data) and one k per benchmark (--k: one for all or one each;
-    default the paper's, PAPER_K or DEFAULT_K)."""
+    """--bench (default: the preset's eval_data; each once) and one k per benchmark (--k: one for all or one
+    each; default the paper's, PAPER_K or DEFAULT_K), k, --runs and --limit within their ranges."""
     benches = args.bench or [cfg.eval_data]
     ks = args.k or [PAPER_K.get(b, DEFAULT_K) for b in benches]
     if len(ks) == 1:
         ks = ks * len(benches)
     if len(ks) != len(benches) or min(ks) < 1 or args.runs < 1:
         parser.error(f"--k: give one k >= 1 or one per --bench ({len(benches)}), got {ks}; --runs >= 1")
+    if max(ks) > MAX_K:
+        parser.error(f"--k: got {max(ks)}, expected at most {MAX_K} samples per problem (the paper uses 64)")
+    if args.runs > MAX_RUNS:
+        parser.error(f"--runs: got {args.runs}, expected at most {MAX_RUNS} (the paper uses 3)")
+    if args.limit is not None and args.limit < 0:
+        parser.error(f"--limit: got {args.limit}, expected a number of problems >= 0 (0 = all)")
+    names = [samples_path(Path(), b).name for b in benches]
+    twice = next((b for i, b in enumerate(benches) if names[i] in names[:i]), None)
+    if twice:
+        parser.error(f"--bench: {twice} is given twice (or two files share its name: both would be saved in "
+                     f"{names[benches.index(twice)]}); expected each benchmark once")
     return benches, ks
 
 
-def output_folder(cfg, label: str, out_dir_given: bool) -> Path:
-    """runs/eval/<model label>, or --out_dir; --resume names the folder of an earlier evaluation, and
-    rerunning into it is the same as rerunning the command that wrote it (what is saved is skipped)."""
-    out = Path(cfg.out_dir if out_dir_given else Path("runs") / "eval" / label)
+def output_folder(cfg, label: str, out_dir_given: bool) -> tuple[Path, str]:
+    """(folder, how a message names it): runs/eval/<model label>, or --out_dir; --resume names the folder of
+    an earlier evaluation, and rerunning into it is the same as rerunning the command that wrote it (what
+    is saved is skipped). A training run, a checkpoint or a model folder is refused (folder_owner)."""
+    out = Path(cfg.out_dir) if out_dir_given else Path("runs") / "eval" / label
+    where = f"--out_dir {out}" if out_dir_given else f"{out} (the default --out_dir)"
     if cfg.resume:
         if not Path(cfg.resume).is_dir():
             raise faults.UserError(f"--resume {cfg.resume}: no such folder; expected the output folder of an "
                                    f"earlier evaluation (it holds samples_<bench>.jsonl)")
-        out = Path(cfg.resume)
-    return out
+        owner = folder_owner(Path(cfg.resume))
+        if owner:
+            raise faults.UserError(f"--resume {cfg.resume}: {owner}; --resume names the output folder of "
+                                   f"an earlier evaluation: to evaluate a run or a checkpoint give it as "
+                                   f"--model (its evaluation goes to runs/eval/{model_label(cfg.resume)})")
+        if out_dir_given and Path(cfg.out_dir).resolve() != Path(cfg.resume).resolve():
+            raise faults.UserError(f"--resume {cfg.resume} --out_dir {cfg.out_dir}: two output folders; "
+                                   f"--resume continues the evaluation in its own folder: give one of them")
+        out, where = Path(cfg.resume), f"--resume {cfg.resume}"
+    owner = folder_owner(out)
+    if owner:
+        raise faults.UserError(f"{where}: {owner}; an evaluation never writes into a training run, a "
+                               f"checkpoint or a model folder (--overwrite true does not change that); "
+                               f"expected its own folder, e.g. runs/eval/{label} (the default)")
+    return out, where
 
 
 def load_finite_policy(cfg, device):
@@ -874,24 +1120,20 @@ def load_finite_policy(cfg, device):
     return model, tokenizer
 
 
-def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, bench: str, k: int, out: Path,
-                       settings: dict) -> dict | None:
-    """One benchmark, its samples saved. One process: appended to samples_<bench>.jsonl as they come (a
-    rerun of the same command, or --resume, skips what is saved); under torchrun every rank samples its
-    shard and rank 0 writes them all at the end. The metrics (records left out on rank 0), or None when a
-    signal stopped it after saving the current batch of samples. A full disk is one WriteError line: the
-    samples saved before are kept."""
-    samples = out / f"samples_{bench}.jsonl"
-    journal = None if D.active() else Journal(
-        samples, extra={"bench": bench},
-        settings={**settings, "bench": bench, "k": k, "gen_batch_size": cfg.gen_batch_size,
-                  "problems": hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()})
+def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, out: Path, planned: dict) -> dict | None:
+    """One benchmark (planned: the journal's settings, bench and k among them), its samples saved. One
+    process: appended to samples_<bench>.jsonl as they come (a rerun of the same command, or --resume,
+    skips what is saved); under torchrun every rank samples its shard and rank 0 writes them all at the
+    end. The metrics (records left out on rank 0), or None when a signal stopped it after saving the
+    current batch of samples. A full disk is one WriteError line: the samples saved before are kept."""
+    bench, samples = planned["bench"], samples_path(out, planned["bench"])
+    journal = None if D.active() else Journal(samples, extra={"bench": bench}, settings=planned)
     kept = f"the samples saved before in {samples.name} are kept; a rerun continues from them"
     try:
         with write_errors(samples, kept), signals.GracefulStop("after the current batch of samples") as stop:
-            result = evaluate_problems(model, tokenizer, problems, cfg, k, settings["max_new_tokens"],
-                                       settings["runs"], desc=bench, journal=journal,
-                                       stop=stop if journal else None)
+            result = evaluate_problems(model, tokenizer, problems, cfg, planned["k"],
+                                       planned["max_new_tokens"], planned["runs"], desc=bench,
+                                       journal=journal, stop=stop if journal else None)
             if D.is_main() and journal is None:
                 write_jsonl(samples, [{"bench": bench, **r} for r in result["records"]])
     except Stopped as saved:

@@ -5,8 +5,13 @@ saved samples or ended in a traceback."""
 import errno
 import json
 import os
+import re
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,7 +86,131 @@ def metrics(result: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------
-# Fixtures: a training run folder and a model folder
+# 1. One evaluation per folder: the run lock train.py takes
+# ------------------------------------------------------------------------------------------------------
+def test_a_locked_folder_is_refused_naming_its_holder(tmp_path, capsys):
+    """b940752: no lock, the second evaluation wrote into the folder the first was writing."""
+    out = tmp_path / "ev"
+    out.mkdir()
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        lock = {"pid": holder.pid, "host": socket.gethostname(), "started": "2026-01-01T10:00:00"}
+        (out / "run.lock").write_text(json.dumps(lock))   # as train.py writes it
+        before = folder_hash(out)
+        line = refused(capsys, TINY + ["--out_dir", str(out)])
+    finally:
+        holder.kill()
+        holder.wait()
+    command = "sleep 60" if Path("/proc/self/cmdline").exists() else "command unknown"
+    assert line == (f"evaluate.py: error: --out_dir {out}: another process is writing there (pid "
+                    f"{holder.pid}: {command}; since 2026-01-01T10:00:00; {out / 'run.lock'}); wait for it "
+                    f"or stop it, or use another --out_dir")
+    assert folder_hash(out) == before
+
+
+def test_a_running_evaluation_holds_its_folder(tmp_path, capsys):
+    """Two real evaluations into one folder: the second stops in one line naming the first's command."""
+    out = tmp_path / "ev"
+    argv = args_with(limit="64", max_new_tokens="48") + ["--out_dir", str(out)]
+    log = open(tmp_path / "first.log", "w")   # a file, not a pipe: tqdm's bar would fill a pipe and block
+    first = subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *argv], cwd=tmp_path,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+    try:
+        for _ in range(600):
+            if (out / "run.lock").exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert first.poll() is None, (tmp_path / "first.log").read_text()
+        before = folder_hash(out)
+        before.pop("run.lock")
+        line = refused(capsys, argv)
+        now = folder_hash(out)
+        for _ in range(1200):   # the first one samples on, undisturbed
+            if (out / "samples_arith-test.jsonl.state").exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+    finally:
+        first.send_signal(signal.SIGTERM)   # it stops after the current batch of samples, saved
+        first.wait(timeout=120)
+        log.close()
+    log = (tmp_path / "first.log").read_text()
+    assert first.returncode == 0 and "stopped by SIGTERM in arith-test" in log, log
+    holder = f"pid {first.pid}: evaluate.py {' '.join(argv)}; since "
+    assert re.fullmatch(rf"evaluate\.py: error: --out_dir {re.escape(str(out))}: another process is writing "
+                        rf"there \({re.escape(holder)}[0-9T:-]+; {re.escape(str(out / 'run.lock'))}\); wait "
+                        rf"for it or stop it, or use another --out_dir", line), line
+    journal = {"run.lock", "samples_arith-test.jsonl", "samples_arith-test.jsonl.state"}
+    assert set(now) - set(before) <= journal   # the first one's files only
+    assert not (out / "run.lock").exists()   # released by the first one on its way out
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. Other settings into an evaluated folder: refused, unless --overwrite true replaces them
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, interrupted, expected", [
+    ({"k": "4"}, False, "samples_arith-test.jsonl holds 8 samples of arith-test made with other settings "
+                        "(k 2 -> 4); rerun with those to reuse them"),
+    ({"limit": "3"}, False, "samples_arith-test.jsonl holds 8 samples of arith-test made with other settings "
+                            "(problems: another --limit or --bench file); rerun with those to reuse them"),
+    ({"k": "4"}, True, "samples_arith-test.jsonl holds 8 samples of arith-test made with other settings "
+                       "(k 2 -> 4); rerun with those to reuse them"),
+    ({"temperature": "0.5", "bench": "arith-train"}, False,
+     "{out}/results.json holds results made with other settings (temperature 1.0 -> 0.5); a folder holds one "
+     "evaluation"),
+    ({"temperature": "0.5"}, True, "{out}/samples_arith-test.jsonl holds samples made with other settings "
+                                   "(temperature 1.0 -> 0.5); a folder holds one evaluation"),
+], ids=["k", "limit", "k-interrupted", "temperature-second-bench", "temperature-interrupted"])
+def test_other_settings_never_replace_saved_samples(evaluated, tmp_path, capsys, changes, interrupted,
+                                                    expected):
+    """b940752: the journal saw other settings, said "starting it over" and replaced the samples."""
+    out = copy_of(evaluated, tmp_path)
+    if interrupted:   # stopped in its first benchmark: no results.json yet, only the samples and their state
+        for name in ("results.json", "pass_curves.png", "maj_vs_avg.png"):
+            (out / name).unlink()
+    before = folder_hash(out)
+    line = refused(capsys, args_with(**changes) + ["--out_dir", str(out)])
+    assert line.startswith(f"evaluate.py: error: --out_dir {out}: " + expected.format(out=out)), line
+    assert line.endswith("use another --out_dir, or --overwrite true to replace them") or \
+        line.endswith("or --overwrite true to replace that evaluation (results.json, samples, figures)"), line
+    assert folder_hash(out) == before
+
+
+def test_overwrite_true_replaces_the_earlier_evaluation(evaluated, tmp_path, capsys):
+    out = copy_of(evaluated, tmp_path)
+    fresh = E.main(args_with(k="4") + ["--out_dir", str(tmp_path / "fresh")])["tiny-random"]["arith-test"]
+    replaced = E.main(args_with(k="4") + ["--out_dir", str(out), "--overwrite", "true"])
+    assert metrics(replaced["tiny-random"]["arith-test"]) == metrics(fresh)
+    assert (out / "samples_arith-test.jsonl").read_bytes() == \
+        (tmp_path / "fresh" / "samples_arith-test.jsonl").read_bytes()
+    err = capsys.readouterr().err
+    assert "--overwrite true: replaced the earlier evaluation's samples_arith-test.jsonl" in err
+
+
+# ------------------------------------------------------------------------------------------------------
+# 3. More benchmarks into one folder accumulate in its results.json
+# ------------------------------------------------------------------------------------------------------
+def test_a_second_benchmark_adds_to_results_json(evaluated, tmp_path, capsys):
+    """b940752: results.json held only the last command's benchmarks."""
+    out = copy_of(evaluated, tmp_path)
+    first = folder_hash(out)
+    alone = E.main(args_with(bench="arith-train") + ["--out_dir", str(tmp_path / "alone")])
+    capsys.readouterr()
+    both = E.main(args_with(bench="arith-train") + ["--out_dir", str(out)])["tiny-random"]
+    table = capsys.readouterr().out
+    saved = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert list(saved) == list(both) == ["arith-test", "arith-train"]
+    assert saved["arith-test"] == json.loads(first["results.json"])["benchmarks"]["arith-test"]
+    assert metrics(both["arith-train"]) == metrics(alone["tiny-random"]["arith-train"])   # seeded on its own
+    assert "arith-test (k=2)" in table and "arith-train (k=2)" in table
+    for name in ("samples_arith-test.jsonl", "samples_arith-test.jsonl.state"):
+        assert (out / name).read_bytes() == first[name]
+    # the same command again: nothing sampled, the same results
+    again = E.main(args_with(bench="arith-train") + ["--out_dir", str(out)])["tiny-random"]
+    assert {b: metrics(r) for b, r in again.items()} == {b: metrics(r) for b, r in both.items()}
+
+
+# ------------------------------------------------------------------------------------------------------
+# 4. Never into a training run, a checkpoint or a model folder
 # ------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def run_and_model(tmp_path, smollm_tokenizer):
@@ -98,6 +227,31 @@ def run_and_model(tmp_path, smollm_tokenizer):
                                                  "answer_fallback": False}))
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     return run, model
+
+
+NEVER = ("; an evaluation never writes into a training run, a checkpoint or a model folder (--overwrite true "
+         "does not change that); expected its own folder, e.g. runs/eval/{label} (the default)")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--resume", "{run}"], "--resume {run}: is the training run {run}; --resume names the output folder of "
+                            "an earlier evaluation: to evaluate a run or a checkpoint give it as --model "
+                            "(its evaluation goes to runs/eval/RUN)"),
+    (["--out_dir", "{run}"], "--out_dir {run}: is the training run {run}" + NEVER),
+    (["--out_dir", "{run}/eval"], "--out_dir {run}/eval: is inside the training run {run}" + NEVER),
+    (["--out_dir", "{run}/checkpoints/step_000001"],
+     "--out_dir {run}/checkpoints/step_000001: is the checkpoint {run}/checkpoints/step_000001" + NEVER),
+    (["--model", "{model}", "--out_dir", "{model}"],
+     "--out_dir {model}: is the model folder {model} (config.json + model.safetensors)" + NEVER),
+], ids=["resume-run", "out-run", "out-inside-run", "out-checkpoint", "out-model"])
+def test_someone_elses_folder_is_never_an_output(run_and_model, capsys, flags, expected):
+    """b940752: results.json, samples and figures were written into the run, the checkpoint or the model."""
+    run, model = run_and_model
+    before = folder_hash(run.parent)
+    line = refused(capsys, TINY + [f.format(run=run, model=model) for f in flags])
+    label = "MODEL" if "--model" in flags else "tiny-random"
+    assert line == "evaluate.py: error: " + expected.format(run=run, model=model, label=label)
+    assert folder_hash(run.parent) == before
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -197,6 +351,27 @@ def test_plot_models_names_a_partial_results_file(tmp_path, capsys, text, expect
     assert line.startswith(f"evaluate.py: error: --plot_models {part}: " + expected.format(part=part)), line
     assert line.endswith("; finish that evaluation (rerun its command) or leave it out"), line
     assert folder_hash(tmp_path) == before        # nothing drawn: --out_dir not even created
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("other", "holds an evaluation (results.json): the comparison would replace its figures"),
+    ("{model}", "is the model folder {model} (config.json + model.safetensors)"),
+], ids=["evaluation", "model"])
+def test_plot_models_never_draws_into_an_evaluation_or_a_model(run_and_model, tmp_path, capsys, target,
+                                                                expected):
+    """b940752: the comparison's figures replaced the evaluation's own pass_curves.png."""
+    _, model = run_and_model
+    for name in ("good", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(GOOD))
+    (tmp_path / "other" / "pass_curves.png").write_bytes(b"its own figure")
+    out = target.format(model=model) if "{" in target else str(tmp_path / target)
+    before = folder_hash(tmp_path)
+    folders = [str(tmp_path / "good"), str(tmp_path / "other")]
+    line = refused(capsys, ["--plot_models", *folders, "--out_dir", out])
+    assert line == (f"evaluate.py: error: --out_dir {out}: {expected.format(model=model)}; expected a folder "
+                    f"for the comparison's figures, e.g. runs/eval/compare (the default)")
+    assert folder_hash(tmp_path) == before
 
 
 def test_plot_models_tells_folders_of_one_name_apart(tmp_path, capsys):
@@ -329,3 +504,81 @@ def test_a_torn_run_config_is_not_needed_when_the_flags_are_given(run_and_model,
     assert result["RUN"]["arith-test"]["n_samples"] == 8
 
 
+# ------------------------------------------------------------------------------------------------------
+# 9. Found on the way: a --bench file in a folder, a benchmark twice, flags out of range, two output
+#    folders, a results.json or state file that is not evaluate.py's
+# ------------------------------------------------------------------------------------------------------
+def test_a_bench_file_in_another_folder_is_saved_by_its_name(tmp_path):
+    """b940752: FileNotFoundError traceback (samples_<path>.jsonl named a folder that does not exist)."""
+    data_file = tmp_path / "mydata" / "probs.jsonl"
+    data_file.parent.mkdir()
+    data_file.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}) + "\n"
+                                 for i in range(3)))
+    out = tmp_path / "ev"
+    result = E.main(args_with(bench=str(data_file)) + ["--out_dir", str(out)])["tiny-random"]
+    assert result[str(data_file)]["n_samples"] == 6
+    assert len((out / "samples_probs.jsonl.jsonl").read_text().splitlines()) == 6
+    assert not (tmp_path / "mydata" / "probs.jsonl.jsonl").exists()
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"bench": ["arith-test", "arith-test"], "k": ["2", "4"]},
+     "--bench: arith-test is given twice (or two files share its name: both would be saved in "
+     "samples_arith-test.jsonl); expected each benchmark once"),
+    ({"limit": "-1"}, "--limit: got -1, expected a number of problems >= 0 (0 = all)"),
+    ({"k": "100000000000"},
+     "--k: got 100000000000, expected at most 65536 samples per problem (the paper uses 64)"),
+    ({"runs": "5000"}, "--runs: got 5000, expected at most 1000 (the paper uses 3)"),
+], ids=["bench-twice", "limit-negative", "k-huge", "runs-huge"])
+def test_flags_out_of_range_are_one_line(tmp_path, capsys, changes, expected):
+    """b940752: a benchmark twice replaced its own samples; --limit -1 was blamed on --bench; a huge --k
+    or --runs started sampling for ever."""
+    line = refused(capsys, args_with(**changes) + ["--out_dir", str(tmp_path / "ev")])
+    assert line == f"evaluate.py: error: {expected} (see --help)"
+    assert not (tmp_path / "ev").exists()
+
+
+def test_resume_and_another_out_dir_are_refused(evaluated, tmp_path, capsys):
+    """b940752: --out_dir was silently ignored."""
+    out = copy_of(evaluated, tmp_path)
+    before = folder_hash(tmp_path)
+    line = refused(capsys, TINY + ["--resume", str(out), "--out_dir", str(tmp_path / "other")])
+    assert line == (f"evaluate.py: error: --resume {out} --out_dir {tmp_path / 'other'}: two output folders; "
+                    f"--resume continues the evaluation in its own folder: give one of them")
+    assert folder_hash(tmp_path) == before
+
+
+@pytest.mark.parametrize("content, expected", [
+    ('{"my": "notes"}\n', 'results.json: no "benchmarks" object'),
+    ('{"model": "tiny-random", "benchmarks": {"arith-te', "results.json line 1: torn or not JSON"),
+], ids=["foreign", "torn"])
+def test_a_results_json_that_is_not_ours_is_never_replaced(tmp_path, capsys, content, expected):
+    """b940752: replaced without a word (a torn one: a JSONDecodeError only in --plot_models later)."""
+    out = tmp_path / "ev"
+    out.mkdir()
+    (out / "results.json").write_text(content)
+    before = folder_hash(out)
+    line = refused(capsys, TINY + ["--out_dir", str(out)])
+    assert line.startswith(f"evaluate.py: error: --out_dir {out}: {out}/{expected}"), line
+    assert line.endswith("--overwrite true to replace that evaluation (results.json, samples, figures)"), line
+    assert folder_hash(out) == before
+
+
+def test_a_state_file_holding_code_is_refused_unloaded(evaluated, tmp_path, capsys):
+    """b940752: torch.load(weights_only=False) ran the payload on the rerun."""
+    out = copy_of(evaluated, tmp_path)
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    state = out / "samples_arith-test.jsonl.state"
+    torch.save({"settings": {}, "units": 1, "n_records": 8, "rng": torch.get_rng_state(), "x": Payload()},
+               state)
+    before = folder_hash(out)
+    line = refused(capsys, TINY + ["--out_dir", str(out)])
+    assert line == (f"evaluate.py: error: {state} holds a Python object (posix.system), not only tensors and "
+                    f"plain values: refused unloaded, nothing in it ran; delete it and "
+                    f"samples_arith-test.jsonl to start that benchmark over, or use another --out_dir")
+    assert not marker.exists() and folder_hash(out) == before
