@@ -1110,8 +1110,12 @@ def load_finite_policy(cfg, device):
     try:
         model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
                                               seed=cfg.seed)
-    except OSError as err:
-        raise faults.UserError(f"--model {cfg.model}: cannot load it ({str(err).splitlines()[0]})") from err
+    except faults.UserError:
+        raise
+    except (OSError, ValueError) as err:   # transformers: a missing file (OSError) or tokenizer (ValueError)
+        why = str(err).strip().splitlines()[0].strip()
+        raise faults.UserError(f"--model {cfg.model}: cannot load it ({why}); expected a model folder with "
+                               f"its weights and tokenizer files, or a run folder with a checkpoint") from err
     bad = [name for name, p in model.named_parameters() if not guards.all_finite([p])]
     if bad:
         raise faults.UserError(f"--model {cfg.model}: {len(bad)} weight tensor(s) hold non-finite values "

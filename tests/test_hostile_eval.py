@@ -582,3 +582,16 @@ def test_a_state_file_holding_code_is_refused_unloaded(evaluated, tmp_path, caps
                     f"plain values: refused unloaded, nothing in it ran; delete it and "
                     f"samples_arith-test.jsonl to start that benchmark over, or use another --out_dir")
     assert not marker.exists() and folder_hash(out) == before
+
+
+def test_a_model_folder_without_tokenizer_files_is_one_line(run_and_model, tmp_path, capsys):
+    """b940752: transformers' ValueError traceback ("Couldn't instantiate the backend tokenizer ...")."""
+    _, model = run_and_model
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink(missing_ok=True)
+    before = folder_hash(model)
+    line = refused(capsys, args_with(model=str(model)) + ["--out_dir", str(tmp_path / "ev")])
+    assert line == (f"evaluate.py: error: --model {model}: cannot load it (Couldn't instantiate the backend "
+                    f"tokenizer from one of:); expected a model folder with its weights and tokenizer files, "
+                    f"or a run folder with a checkpoint")
+    assert folder_hash(model) == before and not (tmp_path / "ev" / "run.lock").exists()
