@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -275,14 +276,68 @@ def safetensors_damage(path: Path) -> str | None:
     return None
 
 
-def load_trainer_state(checkpoint: Path):
-    """(trainer state, None) or (None, why it is unusable)."""
+class UnsafeFile(Exception):
+    """A torch file whose pickle names a Python object (a class, a function): how a payload runs code on
+    load. load_plain refuses it before anything in it runs; args[0] names the object."""
+
+
+def load_plain(path: Path, mmap: bool = False):
+    """torch.load(weights_only=True): tensors and plain values (dicts, lists, tuples, numbers, strings) only,
+    so nothing in a file someone else wrote (a shared run folder, a downloaded checkpoint) can run code.
+    A pickle naming any other object raises UnsafeFile; other errors (a torn file) propagate."""
+    import pickle
+
     import torch
 
     try:
-        return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True), None
+        return torch.load(path, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if named:
+            raise UnsafeFile(named.group(1)) from None
+        raise
+
+
+def unsafe_line(path: Path, err: UnsafeFile) -> str:
+    """The one line naming a refused file: nothing in it ran."""
+    return (f"{path} holds a Python object ({err.args[0]}), not only tensors and plain values: refused "
+            f"unloaded, nothing in it ran")
+
+
+# What train.py's trainer state holds (loop.RunState.trainer_state plus optimizer and config): anything else
+# is a damaged (or foreign) state, skipped like a torn one.
+TRAINER_FIELDS = {"step": int, "cursor": int, "rng": dict, "optimizer": dict}
+
+
+def trainer_state_problem(state) -> str | None:
+    if not isinstance(state, dict):
+        return f"not a dict but {type(state).__name__}"
+    for name, kind in TRAINER_FIELDS.items():
+        if not isinstance(state.get(name), kind) or isinstance(state.get(name), bool):
+            return f"field {name!r} missing or not {kind.__name__}"
+    if state["step"] < 0 or state["cursor"] < 0:
+        return f"negative step {state['step']} or cursor {state['cursor']}"
+    rng = state["rng"]
+    if not isinstance(rng.get("python"), (tuple, list)) or not hasattr(rng.get("torch"), "dtype"):
+        return "field 'rng' lacks its python or torch state"
+    if not isinstance(state.get("config", {}), dict):
+        return "field 'config' is not a dict"
+    if state.get("pending_eval") not in (None, "during", "after"):
+        return f"field 'pending_eval' is {state['pending_eval']!r}"
+    return None
+
+
+def load_trainer_state(checkpoint: Path):
+    """(trainer state, None) or (None, why it is unusable). Loaded with weights_only (load_plain): a state
+    holding any other Python object raises UnsafeFile (refused by pick_checkpoint, never skipped past)."""
+    try:
+        state = load_plain(Path(checkpoint) / "trainer_state.pt", mmap=True)
+    except UnsafeFile:
+        raise
     except Exception as err:   # a torn zip, a truncated pickle, ...: all mean "damaged"
         return None, f"trainer_state.pt unreadable ({str(err).splitlines()[0][:120]})"
+    why = trainer_state_problem(state)
+    return (None, f"trainer_state.pt is not train.py's ({why})") if why else (state, None)
 
 
 def checkpoint_damage(checkpoint: Path):
@@ -300,7 +355,9 @@ def pick_checkpoint(resume: str, source: str | None):
     `source`: faults.resume_source's answer (None: nothing to resume, start at step 0). When --resume names
     a run folder, its complete checkpoints are tried newest first; a damaged one (unreadable weights or
     trainer state) is skipped with a one-line warning. A checkpoint named explicitly is not replaced by
-    another one: damaged, it is a UserError. None usable: a UserError naming them all."""
+    another one: damaged, it is a UserError. None usable: a UserError naming them all. A trainer state that
+    holds a Python object (UnsafeFile) is a UserError at once: it was put there, not torn by a crash, so the
+    folder is not trusted for an earlier checkpoint either."""
     if source is None:
         return None, None
     named = Path(resume).expanduser()
@@ -310,7 +367,13 @@ def pick_checkpoint(resume: str, source: str | None):
         candidates = [Path(source)]
     damaged = []
     for checkpoint in candidates:
-        state, why = checkpoint_damage(checkpoint)
+        try:
+            state, why = checkpoint_damage(checkpoint)
+        except UnsafeFile as err:
+            refused = unsafe_line(checkpoint / "trainer_state.pt", err)
+            raise UserError(f"--resume {resume}: {refused}; expected a trainer state written by train.py "
+                            f"(resume from a checkpoint you trust, or get the run from its source "
+                            f"again)") from None
         if state is not None:
             if damaged:
                 say(f"checkpoint {damaged[-1][0]} is damaged ({damaged[-1][1]}); resuming from the previous "
