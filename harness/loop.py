@@ -212,7 +212,10 @@ def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str 
     runs.RunLock), checked (never two runs' records in one folder; --resume A --out_dir B refused when B holds
     another run) and its log; with --resume, the newest usable checkpoint and its trainer state (a damaged
     one is skipped with a warning, runs.pick_checkpoint) — whose experiment must be the one asked for
-    (runs.check_resume_config: exit 2 listing the changed fields, unless --allow_config_change)."""
+    (runs.check_resume_config: exit 2 listing the changed fields, unless --allow_config_change). A folder
+    that belongs to something else (a checkpoint, a model: runs.check_out_dir) is refused before anything is
+    created there, and a torn config.json of the run resumed before anything loads (runs.check_run_config)."""
+    runs.check_out_dir(cfg.out_dir)
     run_dir = faults.check_writable(cfg.out_dir)
     if D.is_main():
         held.enter_context(runs.RunLock(run_dir))

@@ -138,6 +138,51 @@ def holds_run(folder: Path) -> bool:
     return (metrics.exists() and metrics.stat().st_size > 0) or any((folder / "checkpoints").glob("step_*"))
 
 
+# A run's own subfolders (faults.RUN_FILES): a run is never started inside another run's.
+RUN_SUBFOLDERS = ("checkpoints", "trees", "tensorboard", "wandb", "abandoned")
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.gguf")
+
+
+def is_model_folder(folder: Path) -> str | None:
+    """'config.json + WEIGHTS' when `folder` is a model (an HF/sentence-transformers folder, a checkpoint
+    copied out of a run), else None. A run folder's config.json is the run's settings, no weights beside."""
+    if not (folder / "config.json").is_file():
+        return None
+    weights = next((w for pattern in WEIGHT_FILES for w in sorted(folder.glob(pattern))), None)
+    return f"config.json + {weights.name}" if weights else None
+
+
+def owner_of(folder: str | Path) -> str | None:
+    """What `folder` belongs to when a run must not write there, whatever --overwrite says: it is (or is
+    inside) a checkpoint, a model folder, or a run's own subfolder (checkpoints/, trees/, ...). None for a
+    new folder, an empty one, or a run folder (those are check_new_run's and check_resume_target's)."""
+    path = Path(folder).expanduser().resolve()
+    for above in (path, *path.parents):
+        inside = "is" if above == path else "is inside"
+        if (above / "trainer_state.pt").is_file() or (above.is_dir() and above.parent.name == "checkpoints"
+                                                      and above.name.startswith(("step_", ".tmp_step_"))):
+            return f"{inside} the checkpoint {above.name} of the run {above.parent.parent}"
+        model = is_model_folder(above)
+        if model and above == path:
+            return f"is a model folder ({model}): the run's config.json would replace the model's"
+        if model:
+            return f"is inside the model folder {above} ({model})"
+        if above != path and path.relative_to(above).parts[0] in RUN_SUBFOLDERS and holds_run(above):
+            part = path.relative_to(above).parts
+            return f"{'is' if len(part) == 1 else 'is inside'} the {part[0]}/ folder of the run {above}"
+    return None
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """--out_dir that belongs to something else (owner_of) is a UserError before anything is created there:
+    --overwrite true replaces a run's records, never a checkpoint or a model."""
+    owner = owner_of(out_dir)
+    if owner:
+        raise UserError(f"--out_dir {out_dir}: {owner}; a run writes only into a new folder or a run "
+                        f"folder of its own (--overwrite true does not change that); expected another "
+                        f"--out_dir, e.g. runs/NAME")
+
+
 def check_resume_target(resume: str, out_dir: str | Path, overwrite: bool) -> bool:
     """--resume A --out_dir B where B is not A's run folder and already holds another run: resuming would
     delete B's later metrics rows and overwrite its checkpoints, so it is refused unless --overwrite true.

@@ -187,3 +187,40 @@ def test_journal_written_state_resumes(tmp_path):
     again = journal.Journal(tmp_path / "s.jsonl", settings)
     assert [r["index"] for r in again.resume()] == [0, 1, 2] and (again.units, again.n_records) == (2, 3)
     assert torch.equal(torch.get_rng_state(), after)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 3. --out_dir that belongs to something else
+# ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def model_folder(finished, tmp_path):
+    """A model folder: a checkpoint's weights, config and tokenizer, without its trainer state."""
+    folder = tmp_path / "model"
+    shutil.copytree(finished / "checkpoints" / "step_000001", folder,
+                    ignore=shutil.ignore_patterns("trainer_*"))
+    return folder
+
+
+@pytest.mark.parametrize("overwrite", ["false", "true"])
+def test_out_dir_of_a_checkpoint_a_model_or_a_runs_subfolder_is_refused(run, model_folder, capsys,
+                                                                        overwrite):
+    step1 = run / "checkpoints" / "step_000001"
+    weights = "config.json + model.safetensors"
+    cases = {
+        step1: f"is the checkpoint step_000001 of the run {run}",
+        step1 / "sub": f"is inside the checkpoint step_000001 of the run {run}",
+        run / "checkpoints": f"is the checkpoints/ folder of the run {run}",
+        run / "trees" / "x": f"is inside the trees/ folder of the run {run}",
+        model_folder: f"is a model folder ({weights}): the run's config.json would replace the model's",
+        model_folder / "run": f"is inside the model folder {model_folder} ({weights})",
+    }
+    before = {folder: folder_hash(folder) for folder in (run, model_folder)}
+    for out_dir, owner in cases.items():
+        lines = run_cli(capsys, TINY + ["--steps", "1", "--model", str(model_folder), "--out_dir",
+                                        str(out_dir), "--overwrite", overwrite], code=2)
+        assert lines[-1].endswith(
+            f"error: --out_dir {out_dir}: {owner}; a run writes only into a new folder or a run folder of "
+            f"its own (--overwrite true does not change that); expected another --out_dir, e.g. runs/NAME"), \
+            (out_dir, lines[-1])
+        assert not out_dir.exists() or out_dir in (step1, run / "checkpoints", model_folder)
+    assert {folder: folder_hash(folder) for folder in (run, model_folder)} == before
