@@ -225,8 +225,10 @@ def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str 
         faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
         D.barrier()
     log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
-    checkpoint, state = runs.pick_checkpoint(cfg.resume, faults.resume_source(cfg.resume)) if cfg.resume \
-        else (None, None)
+    source = faults.resume_source(cfg.resume) if cfg.resume else None
+    if source:
+        runs.check_run_config(run_dir)   # read (history kept) once the checkpoint loads
+    checkpoint, state = runs.pick_checkpoint(cfg.resume, source) if cfg.resume else (None, None)
     if state:
         runs.check_resume_config(state.get("config", {}), json.loads(cfg.to_json()), cfg.allow_config_change)
     return run_dir, log, checkpoint, state

@@ -428,3 +428,25 @@ def pick_checkpoint(resume: str, source: str | None):
     listed = "; ".join(f"{c.name}: {why}" for c, why in damaged)
     raise UserError(f"--resume {resume}: no usable checkpoint ({listed}); expected a checkpoint whose "
                     f"model.safetensors and trainer_state.pt are whole")
+
+
+def check_run_config(run_dir: Path) -> None:
+    """RUN/config.json, read on a resume (its history is carried on), must be a JSON object: a torn or
+    edited one is a UserError before anything loads (rewriting it would lose its resume history: the user's
+    call)."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+        why = None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+    except UnicodeDecodeError as err:
+        why = f"not UTF-8 text (byte {err.start})"
+    except ValueError as err:
+        why = f"torn or not JSON ({err})"
+    except OSError as err:
+        why = f"unreadable ({err.strerror or err})"
+    if why:
+        raise UserError(f"--resume: {path}: {why}; expected the run's settings as train.py wrote them: "
+                        f"restore it, or delete it and the resume writes it anew (its resume history is "
+                        f"lost)")

@@ -224,3 +224,18 @@ def test_out_dir_of_a_checkpoint_a_model_or_a_runs_subfolder_is_refused(run, mod
             (out_dir, lines[-1])
         assert not out_dir.exists() or out_dir in (step1, run / "checkpoints", model_folder)
     assert {folder: folder_hash(folder) for folder in (run, model_folder)} == before
+
+
+# ------------------------------------------------------------------------------------------------------
+# 7. A torn config.json on resume
+# ------------------------------------------------------------------------------------------------------
+def test_torn_config_json_on_resume_is_one_line(run, capsys):
+    config = run / "config.json"
+    config.write_text(config.read_text()[:300])
+    before = folder_hash(run)
+    lines = run_cli(capsys, TINY + ["--steps", "4", "--out_dir", str(run), "--resume", str(run)], code=2)
+    assert re.search(rf"error: --resume: {re.escape(str(config))}: torn or not JSON \(.* line \d+ column "
+                     r"\d+ .*\); expected the run's settings as train.py wrote them: restore it, or delete "
+                     r"it and the resume writes it anew \(its resume history is lost\)$", lines[-1])
+    assert not any(x.startswith("resumed from") for x in lines)     # refused before the model loads
+    assert folder_hash(run) == before
