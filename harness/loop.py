@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import subprocess
 import time
@@ -191,8 +192,10 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     if checkpoint:
         load_trainer_state(state, model, optimizer, run)
         log.say(f"resumed from {checkpoint} at step {run.step}")
+        set_aside_later(cfg, run_dir, checkpoint, run.step, log)
     # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
-    dropped = log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
+    with write_errors(log.path, "no step has run; the checkpoints are intact"):
+        dropped = log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
     if dropped:
         log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
     if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps left with no record
@@ -234,19 +237,47 @@ def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str 
     return run_dir, log, checkpoint, state
 
 
+def set_aside_later(cfg: C.Config, run_dir: Path, checkpoint: str, step: int, log: Log) -> None:
+    """A resume from an earlier checkpoint of this run folder abandons the later ones (their metrics lines
+    are dropped and redone): moved out of checkpoints/ (runs.set_aside_later), said in one line."""
+    if not D.is_main() or runs.run_folder_of(checkpoint) != run_dir.resolve():
+        return
+    with write_errors(run_dir / "abandoned", "the checkpoints are intact"):
+        moved, dest = runs.set_aside_later(run_dir, step)
+    if moved:
+        log.say(f"--resume {cfg.resume}: the later checkpoints {', '.join(moved)} (the continuation "
+                f"this resume abandons) moved to {dest}; no resume picks them again, delete that folder "
+                f"when you no longer need them")
+
+
+@contextlib.contextmanager
+def write_errors(path: Path, kept: str, then: str = "free space and run the same command again"):
+    """A full disk (or another write error) while writing `path` is a WriteError line: exit 4."""
+    try:
+        yield
+    except OSError as err:
+        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; {kept}; {then}") from err
+
+
 def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int) -> None:
     """config.json and git_commit.txt of a new run; on a resume that changed allowed (or forced) settings,
-    the change is added to config.json's history (runs.with_history)."""
+    the change is added to config.json's history (runs.with_history). Each written whole or not at all
+    (runs.write_text); a full disk is a WriteError line."""
     if not D.is_main():
         return
-    if not checkpoint or not (run_dir / "config.json").exists():
-        (run_dir / "config.json").write_text(cfg.to_json())
-        (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
+    config = run_dir / "config.json"
+    kept = "no step has run; the checkpoints are intact" if checkpoint else "no step has run"
+    if not checkpoint or not config.exists():
+        with write_errors(config, kept):
+            runs.write_text(config, cfg.to_json())
+        with write_errors(run_dir / "git_commit.txt", kept):
+            runs.write_text(run_dir / "git_commit.txt", git_commit() + "\n")
         return
     changes = runs.config_changes(state.get("config", {}), json.loads(cfg.to_json())) if state else {}
     if changes:
-        saved = json.loads((run_dir / "config.json").read_text())
-        runs.write_json(run_dir / "config.json", runs.with_history(saved, json.loads(cfg.to_json()), changes, step))
+        with write_errors(config, kept):
+            saved = json.loads(config.read_text())
+            runs.write_json(config, runs.with_history(saved, json.loads(cfg.to_json()), changes, step))
 
 
 def load_trainer_state(state: dict, model, optimizer, run: RunState) -> None:
@@ -414,7 +445,11 @@ def plot_run(run_dir: Path) -> Path:
     right.legend(loc="upper left")
     fig.suptitle(run_dir.name)
     fig.tight_layout()
-    path = run_dir / "training.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path, tmp = run_dir / "training.png", run_dir / ".training.png.tmp"
+    try:   # whole or not at all: a full disk leaves the previous figure
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path

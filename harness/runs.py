@@ -1,11 +1,14 @@
 """runs.py — a run folder that cannot be corrupted: one run per folder, resume that checks what it resumes,
 checkpoints written atomically (a full disk is one line, the previous checkpoint intact), damaged ones skipped.
 
-    lock = runs.RunLock(run_dir).acquire()       # a second train.py into the folder: one line naming the holder
-    runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)  # --resume A --out_dir B, B another run: refused
-    checkpoint, state = runs.pick_checkpoint(cfg.resume)          # the newest usable checkpoint (fallback + warning)
+    runs.check_out_dir(cfg.out_dir)             # never into a checkpoint, a model or a run's own subfolders
+    lock = runs.RunLock(run_dir).acquire()      # a second train.py into the folder: one line naming holder
+    runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)  # --resume A --out_dir B, B another run
+    checkpoint, state = runs.pick_checkpoint(cfg.resume)          # the newest usable one (fallback + warning)
     changed = runs.check_resume_config(state["config"], new, allow)  # experiment-changing fields: exit 2
+    runs.set_aside_later(run_dir, step)         # resumed from an earlier checkpoint: later ones moved aside
     with runs.checkpoint_folder(run_dir, step, keep) as tmp: ...  # atomic write, one-line WriteError, pruning
+    runs.load_plain(path)                       # torch.load(weights_only=True): nothing in a file runs code
 
 Everything here is plain functions over paths and dicts, so a training loop of any shape can call them.
 """
@@ -66,7 +69,12 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         tmp = self.path.with_name(f".{self.NAME}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.mine))
+        try:
+            tmp.write_text(json.dumps(self.mine))
+        except OSError as err:   # a full disk: the folder took check_writable's probe, not this
+            tmp.unlink(missing_ok=True)
+            raise WriteError(f"writing {self.path}: {write_failure(err)}; nothing of the run was written; "
+                             f"free space and run the same command again") from None
         try:
             for _ in range(3):
                 try:
@@ -226,25 +234,43 @@ def with_history(saved_json: dict, new: dict, changes: dict, step: int) -> dict:
     return {**new, **({"history": history} if history else {})}
 
 
-def write_json(path: Path, value) -> None:
-    """Replace a JSON file atomically (a kill leaves the old or the new file, never half of one)."""
+def write_text(path: Path, text: str) -> None:
+    """Replace a file atomically: a kill or a full disk leaves the old file or the new one, never half of one
+    (the partial temporary file is removed before the error goes on)."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, value) -> None:
+    """Replace a JSON file atomically (write_text)."""
+    write_text(path, json.dumps(value, indent=2, sort_keys=True))
 
 
 # --------------------------------------------------------------------------------------------------------
 # Checkpoints: written atomically, pruned, and checked before a resume trusts them
 # --------------------------------------------------------------------------------------------------------
+def step_of(checkpoint: Path) -> int:
+    """The step of a checkpoints/step_NNNNNN folder (by number: step_1000000 comes after step_999999)."""
+    return int(Path(checkpoint).name.rsplit("_", 1)[1])
+
+
 def checkpoint_steps(run_dir: Path) -> list[Path]:
     """Complete checkpoints (step_* folders with a trainer state), oldest first."""
     folder = Path(run_dir) / "checkpoints"
-    return sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists()) if folder.is_dir() else []
+    complete = [p for p in folder.glob("step_*")
+                if p.name[5:].isdigit() and (p / "trainer_state.pt").exists()]
+    return sorted(complete, key=step_of)
 
 
 def write_failure(err: BaseException) -> str | None:
     """A short cause when `err` is a write error (disk full, quota, read-only, I/O), else None. safetensors
-    reports OS errors as its own exception with the OS error inside the message."""
+    reports OS errors as its own exception with the OS error inside the message; torch.save reports a write
+    the disk cut short as a RuntimeError "... unexpected pos N vs M" (its zip writer's byte count)."""
     code = getattr(err, "errno", None)
     text = str(err)
     if code == errno.ENOSPC or "No space left" in text or "StorageFull" in text or "os error 28" in text:
@@ -253,6 +279,9 @@ def write_failure(err: BaseException) -> str | None:
         return "disk quota exceeded"
     if isinstance(err, OSError):
         return err.strerror or text
+    cut = re.search(r"unexpected pos \d+ vs \d+", text)
+    if isinstance(err, RuntimeError) and cut:
+        return f"disk full or over quota (torch.save's write was cut short: {cut.group(0)})"
     if "IoError" in text or "os error" in text:
         return text.splitlines()[0]
     return None
@@ -261,41 +290,74 @@ def write_failure(err: BaseException) -> str | None:
 @contextmanager
 def checkpoint_folder(run_dir: Path, step: int, keep: int = 0):
     """Yields a temporary folder to write checkpoint `step` into; on success it is renamed to
-    checkpoints/step_NNNNNN, the `latest` pointer replaced, and (keep > 0) all but the newest `keep`
-    checkpoints deleted. A write error (disk full, ...) removes the partial folder and raises WriteError,
-    one line naming the path and the cause; earlier checkpoints are never touched by a failed write."""
+    checkpoints/step_NNNNNN, the `latest` pointer replaced, and (keep > 0) the oldest checkpoints deleted
+    until `keep` remain — never this one (prune_checkpoints). A write error (disk full, ...) raises
+    WriteError, one line naming the path and the cause; any failure removes the partial folder (partial
+    ones of earlier kills go first), and earlier checkpoints are never touched by a failed write."""
     folder = Path(run_dir) / "checkpoints"
     final, tmp = folder / f"step_{step:06d}", folder / f".tmp_step_{step:06d}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for partial in folder.glob(".tmp_step_*"):   # a kill mid-write left it: nothing refers to it
+            shutil.rmtree(partial, ignore_errors=True)
         tmp.mkdir(parents=True)
         yield tmp
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        pointer = folder / ".latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, folder / "latest")
-    except Exception as err:
-        cause = write_failure(err)
+        write_pointer(folder, final.name)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = write_failure(err) if isinstance(err, Exception) else None
         if cause is None:
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
         previous = checkpoint_steps(run_dir)
         kept = f"previous checkpoint {previous[-1]} intact" if previous else "no earlier checkpoint"
         raise WriteError(f"writing checkpoint {final}: {cause} ({getattr(err, 'filename', None) or tmp}); "
                          f"{kept}; free space and resume with --resume {run_dir}") from err
     if keep > 0:
-        prune_checkpoints(run_dir, keep)
+        prune_checkpoints(run_dir, keep, written=final)
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (--keep_checkpoints); returns what was deleted."""
+def write_pointer(folder: Path, name: str) -> None:
+    """checkpoints/latest := `name`, replaced atomically."""
+    pointer = folder / ".latest.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, folder / "latest")
+
+
+def prune_checkpoints(run_dir: Path, keep: int, written: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints until `keep` remain (--keep_checkpoints); returns what was
+    deleted. `written` (the checkpoint just written, which `latest` names) is never deleted, nor any later
+    one: those belong to a future a resume abandoned (set_aside_later moves them out first)."""
     complete = checkpoint_steps(run_dir)
+    if written is not None:
+        complete = [p for p in complete if step_of(p) <= step_of(written)]
     doomed = complete[:-keep] if keep > 0 else []
     for path in doomed:
         shutil.rmtree(path)
     return doomed
+
+
+def set_aside_later(run_dir: Path, step: int) -> tuple[list[str], Path | None]:
+    """A resume from checkpoint `step` of this run abandons the continuation its later checkpoints hold
+    (their metrics lines are dropped, they would be redone): they are moved, not deleted, to
+    RUN/abandoned/after_step_NNNNNN[_n]/ so that no resume, --model RUN or pruning picks them again, and
+    `latest` names the resumed checkpoint. Returns (the moved folders' names, where they went)."""
+    folder = Path(run_dir) / "checkpoints"
+    later = [p for p in folder.glob("step_*") if p.name[5:].isdigit() and step_of(p) > step] \
+        if folder.is_dir() else []
+    if not later:
+        return [], None
+    dest = Path(run_dir) / "abandoned" / f"after_step_{step:06d}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"after_step_{step:06d}_{n}")
+    dest.mkdir(parents=True)
+    for path in sorted(later, key=step_of):
+        os.rename(path, dest / path.name)
+    write_pointer(folder, f"step_{step:06d}")
+    return [p.name for p in sorted(later, key=step_of)], dest
 
 
 def safetensors_damage(path: Path) -> str | None:

@@ -227,6 +227,137 @@ def test_out_dir_of_a_checkpoint_a_model_or_a_runs_subfolder_is_refused(run, mod
 
 
 # ------------------------------------------------------------------------------------------------------
+# 4. Resume from an earlier checkpoint, pruning and `latest`
+# ------------------------------------------------------------------------------------------------------
+def test_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(run, capsys):
+    checkpoints = run / "checkpoints"
+    later = {name: folder_hash(checkpoints / name) for name in ("step_000002", "step_000003")}
+    lines = run_cli(capsys, TINY + ["--steps", "2", "--keep_checkpoints", "1", "--out_dir", str(run),
+                                    "--resume", str(checkpoints / "step_000001")])
+    aside = run / "abandoned" / "after_step_000001"
+    assert (f"--resume {checkpoints / 'step_000001'}: the later checkpoints step_000002, step_000003 (the "
+            f"continuation this resume abandons) moved to {aside}; no resume picks them again, delete that "
+            f"folder when you no longer need them") in lines
+    assert {name: folder_hash(aside / name) for name in later} == later       # moved whole, not deleted
+    # what it just wrote survives --keep_checkpoints 1; `latest` names it; step 1 pruned
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002"]
+    assert (checkpoints / "latest").read_text() == "step_000002"
+    assert runs.checkpoint_damage(checkpoints / "step_000002")[1] is None
+    assert models.resolve_checkpoint(str(run)) == str(checkpoints / "step_000002")
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 1_000_000):
+        (folder / f"step_{step:06d}").mkdir(parents=True)
+        (folder / f"step_{step:06d}" / "trainer_state.pt").write_text("x")
+    assert runs.checkpoint_steps(tmp_path)[-1].name == "step_1000000"          # by number, not by name
+    written = folder / "step_000002"
+    assert runs.prune_checkpoints(tmp_path, 1, written=written) == [folder / "step_000001"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000002", "step_000003", "step_1000000"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# 6. A full disk: exit 4, one line, no partial folder
+# ------------------------------------------------------------------------------------------------------
+TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
+CUT_SHORT = "disk full or over quota (torch.save's write was cut short: unexpected pos 576 vs 534)"
+
+
+def test_disk_full_inside_torch_save_is_one_line_and_leaves_no_partial_folder(run, capsys, monkeypatch):
+    real = torch.save
+
+    def cut_short(obj, f, *args, **kwargs):   # what torch.save does when the disk fills: part of a file
+        if str(f).endswith("trainer_state.pt"):
+            Path(f).write_bytes(b"PK\x03\x04 partial")
+            raise RuntimeError(TORCH_FULL)
+        return real(obj, f, *args, **kwargs)
+
+    checkpoints = run / "checkpoints"
+    before = folder_hash(checkpoints)
+    monkeypatch.setattr(torch, "save", cut_short)
+    lines = run_cli(capsys, TINY + ["--steps", "4", "--out_dir", str(run), "--resume", str(run)], code=4)
+    assert lines[-1].endswith(
+        f"error: writing checkpoint {checkpoints / 'step_000004'}: {CUT_SHORT} "
+        f"({checkpoints / '.tmp_step_000004'}); previous checkpoint {checkpoints / 'step_000003'} intact; "
+        f"free space and resume with --resume {run}")
+    assert folder_hash(checkpoints) == before                       # no .tmp_step_000004 left
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000001", "step_000002",
+                                                             "step_000003"]
+
+
+def test_disk_full_in_a_journal_state_is_one_line(tmp_path, monkeypatch):
+    first = journal.Journal(tmp_path / "s.jsonl", {"k": 1})
+    first.append([{"index": 0}])
+    before = folder_hash(tmp_path)
+
+    def cut_short(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"PK\x03\x04 partial")
+        raise RuntimeError(TORCH_FULL)
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(faults.WriteError) as err:
+        first.append([{"index": 1}])
+    assert err.value.exit_code == 4 and str(err.value) == (
+        f"writing {tmp_path / 's.jsonl'}: {CUT_SHORT}; its first 1 records are kept (a rerun of the same "
+        f"command continues from them); free space and rerun it")
+    after = folder_hash(tmp_path)
+    assert after.keys() == before.keys()                            # no .tmp left
+    assert after["s.jsonl.state"] == before["s.jsonl.state"]
+    monkeypatch.undo()
+    assert [r["index"] for r in journal.Journal(tmp_path / "s.jsonl", {"k": 1}).resume()] == [0]
+
+
+@pytest.mark.parametrize("full_at", ["run.lock", "config.json", "git_commit.txt"])
+def test_disk_full_at_run_start_is_one_line_and_leaves_no_partial_file(tmp_path, capsys, monkeypatch,
+                                                                      full_at):
+    real = Path.write_text
+
+    def write_text(self, text, *args, **kwargs):   # a full disk: the file is created, part of it written
+        if self.name in (f".{full_at}.{os.getpid()}", f"{full_at}.tmp"):
+            real(self, text[:7], *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    out = tmp_path / "run"
+    lines = run_cli(capsys, TINY + ["--steps", "1", "--out_dir", str(out)], code=4)
+    kept = "nothing of the run was written" if full_at == "run.lock" else "no step has run"
+    assert lines[-1].endswith(f"error: writing {out / full_at}: disk full (No space left on device); {kept}; "
+                              f"free space and run the same command again")
+    whole = {"config.json"} if full_at == "git_commit.txt" else set()
+    assert set(folder_hash(out)) == whole                           # nothing partial, the lock released
+    if whole:
+        assert json.loads((out / "config.json").read_text())["steps"] == 1
+
+
+def _can_mount_tmpfs(folder: Path) -> bool:
+    folder.mkdir()
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=22m", "tmpfs", str(folder)],
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_really_full_disk_while_checkpointing(tmp_path, capsys, monkeypatch):
+    """The same on a 22 MB tmpfs (root only): the first checkpoint does not fit."""
+    disk = tmp_path / "disk"
+    if not _can_mount_tmpfs(disk):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
+        lines = run_cli(capsys, TINY + ["--steps", "2", "--out_dir", str(disk / "run")], code=4)
+        assert re.search(r"error: writing checkpoint .*step_000001: disk full or over quota \(torch.save's "
+                         r"write was cut short: unexpected pos \d+ vs \d+\) .*no earlier checkpoint; free "
+                         r"space", lines[-1])
+        assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == []
+    finally:   # lazy: a file the failed write left open (held by the error) must not keep it mounted
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+# ------------------------------------------------------------------------------------------------------
 # 7. A torn config.json on resume
 # ------------------------------------------------------------------------------------------------------
 def test_torn_config_json_on_resume_is_one_line(run, capsys):
