@@ -259,6 +259,87 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------
+# 5. Stop signals never wait for an evaluation
+# ------------------------------------------------------------------------------------------------------
+EVAL = ["--eval_every", "1", "--eval_limit", "4", "--eval_k", "2", "--gen_batch_size", "2"]  # 4 calls each
+LATER = "--bench arith-test --k 2 --limit 4 --max_new_tokens 12"
+
+
+def stand_in_grade(text, problem, fallback=False):
+    """Right for half of all texts, by a hash (the tiny model never is): numbers that depend on samples."""
+    return None, bool(hashlib.sha256(text.encode()).digest()[0] % 2)
+
+
+@pytest.fixture
+def eval_calls(monkeypatch):
+    """Counts evaluation generate calls; signal_at[n]: the signal sent as call n starts ("load": while the
+    model loads)."""
+    calls = {"n": 0, "signal_at": {}}
+    real_rows, real_load = evaluate.sample_rows, models.load_policy
+
+    def rows(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] in calls["signal_at"]:
+            os.kill(os.getpid(), calls["signal_at"][calls["n"]])
+        return real_rows(*args, **kwargs)
+
+    def load(*args, **kwargs):
+        if "load" in calls["signal_at"]:
+            os.kill(os.getpid(), calls["signal_at"].pop("load"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "sample_rows", rows)
+    monkeypatch.setattr(evaluate, "grade", stand_in_grade)
+    monkeypatch.setattr(models, "load_policy", load)
+    monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
+    return calls
+
+
+def test_signal_while_loading_never_starts_the_before_evaluation(tmp_path, capsys, eval_calls):
+    eval_calls["signal_at"]["load"] = signal.SIGINT
+    lines = run_cli(capsys, TINY + EVAL + ["--steps", "2", "--out_dir", str(tmp_path / "run")])
+    assert eval_calls["n"] == 0
+    assert (f"[eval before @ step 0] skipped: stopped by SIGINT; the run starts with it again, or run it "
+            f"alone: python evaluate.py --model tiny-random {LATER}") in lines
+    assert "stopped by SIGINT before step 1" in lines
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_signal_during_an_evaluation_reaches_the_checkpoint_and_resume_runs_it(tmp_path, capsys,
+                                                                              eval_calls):
+    clean, stopped = tmp_path / "clean", tmp_path / "stopped"
+    run_cli(capsys, TINY + EVAL + ["--steps", "3", "--out_dir", str(clean)])
+    assert eval_calls["n"] == 16                                    # before, during @ 1 and 2, after @ 3
+    eval_calls["n"], eval_calls["signal_at"] = 0, {6: signal.SIGTERM}   # the eval at step 1, its 2nd call
+    lines = run_cli(capsys, TINY + EVAL + ["--steps", "3", "--out_dir", str(stopped)])
+    assert eval_calls["n"] == 6                                     # calls 7 and 8 never ran
+    checkpoint = stopped / "checkpoints" / "step_000001"
+    assert (f"[eval during @ step 1] skipped: stopped by SIGTERM; --resume runs it first, or run it alone: "
+            f"python evaluate.py --model {checkpoint} {LATER}") in lines
+    assert lines[-1] == (f"stopped by SIGTERM after step 1: checkpoint {checkpoint}; continue with the same "
+                         f"command plus --resume {stopped}")
+    assert runs.load_plain(checkpoint / "trainer_state.pt")["pending_eval"] == "during"
+    assert [r.get("eval") for r in FI.metric_rows(stopped)] == ["before", None]
+    run_cli(capsys, TINY + EVAL + ["--steps", "3", "--out_dir", str(stopped), "--resume", str(stopped)])
+    assert FI.metric_rows(stopped) == FI.metric_rows(clean)    # the skipped evaluation's samples included
+    assert FI.identical_weights(clean, stopped)
+    assert len({r["avg@2"] for r in FI.metric_rows(clean) if "eval" in r}) > 1   # they depend on samples
+
+
+def test_signal_during_an_evaluation_of_a_step_with_no_checkpoint_due_still_saves_it(tmp_path, capsys,
+                                                                                      eval_calls):
+    """On b940752 the evaluation ran to its end, no checkpoint was due (--save_every 10) and the next step's
+    check stopped the run: step 1 was lost."""
+    eval_calls["signal_at"] = {6: signal.SIGTERM}
+    out = tmp_path / "run"
+    lines = run_cli(capsys, TINY + EVAL + ["--steps", "3", "--save_every", "10", "--out_dir", str(out)])
+    assert eval_calls["n"] == 6
+    assert lines[-1].startswith(f"stopped by SIGTERM after step 1: checkpoint {out / 'checkpoints'}")
+    assert runs.checkpoint_damage(out / "checkpoints" / "step_000001")[1] is None
+
+
+# ------------------------------------------------------------------------------------------------------
 # 6. A full disk: exit 4, one line, no partial folder
 # ------------------------------------------------------------------------------------------------------
 TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
