@@ -27,27 +27,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.samples import Sample
+
 
 @dataclass
 class Batch:
-    """A step's prompts. `bases` (one-step off-policy): per prompt, its N base responses already sampled, as
-    [tokens, entropies, logprobs] lists recorded by the engine (H_t and log p of each token under the sampling
-    distribution), by the weights of step `sampled_at` (0-based: the weights after that many updates). Plain
-    lists all the way down, so a checkpoint stores it as it is."""
+    """A step's prompts. `bases` (one-step off-policy): per prompt, its N base responses already sampled by
+    the engine (Samples: tokens, H_t and log p of each token under the sampling distribution), by the weights
+    of step `sampled_at` (0-based: the weights after that many updates)."""
     prompts: list[str]
     answers: list[str]
     levels: list
-    bases: list[list[list[list]]] | None = None     # [prompt][j] = [tokens, entropies, logprobs]
+    bases: list[list[Sample]] | None = None     # [prompt][j]
     sampled_at: int | None = None
 
     def to_state(self) -> dict:
-        """For trainer_state.pt (plain lists and numbers)."""
+        """For trainer_state.pt: plain lists and numbers, a base response as [tokens, entropies, logprobs]."""
+        bases = None if self.bases is None else [[[s.tokens, s.entropies, s.logprobs] for s in per]
+                                                 for per in self.bases]
         return {"prompts": self.prompts, "answers": self.answers, "levels": self.levels,
-                "bases": self.bases, "sampled_at": self.sampled_at}
+                "bases": bases, "sampled_at": self.sampled_at}
 
     @classmethod
     def from_state(cls, state: dict | None) -> "Batch | None":
-        return cls(**state) if state else None
+        if not state:
+            return None
+        bases = None if state["bases"] is None else [[Sample(*response) for response in per]
+                                                     for per in state["bases"]]
+        return cls(state["prompts"], state["answers"], state["levels"], bases, state["sampled_at"])
 
     def lag(self, step: int) -> int:
         """policy_lag of its base tokens when trained at step `step` (0-based): updates since they were sampled."""

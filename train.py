@@ -39,6 +39,7 @@ from tqdm import tqdm
 import advantage as A
 import config as C
 import data
+import engine as E
 from harness import distributed as D
 import evaluate
 from harness import faults
@@ -365,6 +366,7 @@ class Setup:
     embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
     problems: list[dict]
     eval_problems: list[dict]
+    backoff: E.Backoff = field(default_factory=E.Backoff)   # the rollout engine's sizes after running out of memory
 
     @property
     def pad_id(self) -> int:
@@ -418,7 +420,8 @@ def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: off
     """Phase 1+2 on this rank's share of the prompts (torchrun), with its own RNG stream: the batch's trees —
     growing given base responses when the batch was sampled last step — and, when `upcoming` is given, its
     N base responses per prompt sampled in the same engine run with the current weights (offpolicy.py),
-    returned whole on every rank (the next step's batch)."""
+    returned whole on every rank (the next step's batch). Running out of memory shrinks the engine's row budget
+    and prefill chunk for the rest of the run (s.backoff)."""
     cfg, step = s.cfg, run.step
     s.model.eval()
     mine, theirs = batch.shard(*D.shard_range(len(batch.prompts))), None
@@ -428,7 +431,7 @@ def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: off
         trees, stats, *ahead = R.rollout_trees(s.model, s.tokenizer, mine.prompts, mine.answers, cfg,
                                                D.rollout_rng(run.rng, cfg.seed, step), method=s.method,
                                                levels=mine.levels, progress=D.is_main(), bases=mine.bases,
-                                               ahead=theirs.prompts if theirs else None)
+                                               ahead=theirs.prompts if theirs else None, backoff=s.backoff)
     for tr in trees:
         tr.policy_lag = batch.lag(step)
     if upcoming:   # every rank keeps the whole next batch (a checkpoint saves it; ranks take their share)
