@@ -1,4 +1,4 @@
-"""advantage.py — advantages as pure functions over a tree given as parent indices (and over groups).
+"""advantage.py — Phase 3 of Algorithm DATPO: every block's advantage, as pure functions over a tree.
 
 A tree is two parallel lists (see tree.py): `parents[i]` is the block that block i continues (None = it
 starts at the prompt) and `rewards[i]` is the 0/1 reward of a terminal block (None for inner blocks).
@@ -11,19 +11,30 @@ DATPO (Sec. 4.2, App. F):
   base_advantages    Â_base(b) = r(b) + V(s_end) − V(s_start), V = V_MC or the release's      (Eq. 3)
   sibling_diversity  Div_sib(b) = 1 − mean cos(e_b, e_b') over b' with the same start state  (Eq. 10)
   release_sibling_diversity  the release's sibling groups for Div_sib (an option, --sibling_groups release)
-  datpo_advantages   Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
+  diversity_bonus    Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
+  datpo_advantages   the same from the tree's lists in one call
   alpha_at           α linearly annealed from start to end over the run (Table "alpha")
 Baselines (Sec. 5.1, App. E.2):
   grpo_advantages    (r − mean) / std within a group (GRPO)
   drgrpo_advantages  r − mean (Dr.GRPO: no std division)
   treerl_advantages  TreeRL / AttnRL process advantage per segment ending at node s:
                      [(V(s) − V(root)) + (V(s) − V(parent(s)))] / √|L(s)|, V = mean leaf reward below
+Phase 3 of a training step (train.train_step), over tree.Tree objects:
+  embed_blocks       the blocks' sentence embeddings, once per step for the whole batch (Div_sib's e_b)
+  score_tree         one BlockScore per block: V(s_start), V(s_end), Â_base, Div_sib and the advantage the
+                     method trains — the numbers the update uses and the tree log writes as they are
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:   # types only: tree.py and methods.py need nothing from here at import time
+    from methods import Method
+    from tree import Tree
 
 
 def _children(parents: list[int | None]) -> list[list[int]]:
@@ -229,23 +240,34 @@ def block_diversity(parents: list[int | None], rewards: list[float | None], bran
     raise ValueError(f"sibling_groups must be one of {', '.join(SIBLING_GROUPS)}, got {sibling_groups!r}")
 
 
-def datpo_advantages(parents: list[int | None], rewards: list[float | None], embeddings, alpha: float,
-                     scope: str = "positive", value_estimate: str = "paper",
-                     branch: list[bool] | None = None, diversity: list[float] | None = None) -> list[float]:
+def diversity_bonus(base: list[float], diversity: list[float] | None, alpha: float,
+                    scope: str = "positive") -> list[float]:
     """Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b) (Sec. 4.2, Eq. 4).
 
     scope "positive" rewards diversity only on blocks that are better than their start state (the paper's
     choice: never encourage exploring wrong paths); "all" drops the indicator (Table "alpha", ablation).
-    With α = 0 the embeddings are not needed (pass None). value_estimate/branch: see base_advantages.
-    diversity: Div_sib per block when computed otherwise (release_sibling_diversity); default Eq. 10.
+    With α = 0 the bonus vanishes and Div_sib is not needed (pass None).
     """
+    if scope not in ("positive", "all"):
+        raise ValueError(f"scope must be 'positive' or 'all', got {scope!r}")
+    if alpha == 0:
+        return base
+    return [a + (alpha * d if (scope == "all" or a > 0) else 0.0) for a, d in zip(base, diversity)]
+
+
+def datpo_advantages(parents: list[int | None], rewards: list[float | None], embeddings, alpha: float,
+                     scope: str = "positive", value_estimate: str = "paper",
+                     branch: list[bool] | None = None, diversity: list[float] | None = None) -> list[float]:
+    """Eq. 4 from the tree's lists: base_advantages, then diversity_bonus with Div_sib = Eq. 10 over
+    `embeddings` (or `diversity` when computed otherwise: release_sibling_diversity). With α = 0 the
+    embeddings are not needed (pass None). value_estimate/branch: see base_advantages."""
     if scope not in ("positive", "all"):
         raise ValueError(f"scope must be 'positive' or 'all', got {scope!r}")
     base = base_advantages(parents, rewards, value_estimate, branch)
     if alpha == 0:
         return base
     div = sibling_diversity(parents, embeddings) if diversity is None else diversity
-    return [a + (alpha * d if (scope == "all" or a > 0) else 0.0) for a, d in zip(base, div)]
+    return diversity_bonus(base, div, alpha, scope)
 
 
 def alpha_at(step: int, total_steps: int, start: float, end: float) -> float:
@@ -289,3 +311,70 @@ def treerl_advantages(parents: list[int | None], rewards: list[float | None]) ->
         v_parent = v_root if p is None else v_node[p]
         out.append(((v_node[i] - v_root) + (v_node[i] - v_parent)) / math.sqrt(len(below[i])))
     return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Phase 3 of a training step: the numbers of every block of every tree (Alg. DATPO, App. F)
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class BlockScore:
+    """Phase 3's numbers for one block (App. F.1): what the update trains and what the tree log shows."""
+    v_start: float              # V(s_start): the value of the state the block starts from (V(root) at the prompt)
+    v_end: float                # V(s_end): 0 after a terminal block
+    base_advantage: float       # Â_base(b) = r(b) + V(s_end) − V(s_start)                              (Eq. 3)
+    div_sib: float | None       # Div_sib(b) (Eq. 10); None when this step embedded no blocks
+    advantage: float | None     # Â(b) by the method's formula; None when the tree is not trained
+
+
+def embed_blocks(embedder, trees: list[Tree], batch_size: int, sibling_groups: str = "paper"
+                 ) -> list[np.ndarray | None]:
+    """Block embeddings e_b for Div_sib, once per step and batched over the whole batch (a row per block).
+    Paper (Eq. 10): only blocks that have a sibling are embedded (Div_sib of a lone block is 0 whatever its
+    embedding; the others' rows stay 0). --sibling_groups release: every block, then one row per base
+    response, its whole text (the release compares an unforked response with all N whole responses)."""
+    wanted, texts, rows = [], [], []
+    for t, tr in enumerate(trees):
+        counts: dict = {}
+        for b in tr.blocks:
+            counts[b.parent] = counts.get(b.parent, 0) + 1
+        keep = [i for i, b in enumerate(tr.blocks) if sibling_groups == "release" or counts[b.parent] > 1]
+        whole = [_response_text(tr, k) for k in range(sum(b.parent is None for b in tr.blocks))] \
+            if sibling_groups == "release" else []
+        wanted += [(t, i) for i in keep] + [(t, len(tr.blocks) + k) for k in range(len(whole))]
+        texts += [tr.blocks[i].text for i in keep] + whole
+        rows.append(len(tr.blocks) + len(whole))
+    out: list[np.ndarray | None] = [None] * len(trees)
+    if not wanted:
+        return out
+    vectors = embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False)
+    for t, n in enumerate(rows):
+        out[t] = np.zeros((n, vectors.shape[1]), dtype=np.float32)
+    for (t, i), v in zip(wanted, vectors):
+        out[t][i] = v
+    return out
+
+
+def _response_text(tr: Tree, k: int) -> str:
+    """Base response k's whole text: its blocks that are not branches, in order."""
+    return "".join(b.text for b in tr.blocks if b.base == k and not b.branch)
+
+
+def tree_diversity(tr: Tree, embeddings, sibling_groups: str = "paper") -> list[float]:
+    """Div_sib of every block of the tree (block_diversity): Eq. 10's siblings, or the release's (then
+    `embeddings` also holds the N whole base responses after the block rows; empty texts drop out)."""
+    return block_diversity(tr.parents, tr.rewards, tr.branch_flags, [b.base for b in tr.blocks], embeddings,
+                           sibling_groups, valid=[bool(b.text.strip()) for b in tr.blocks])
+
+
+def score_tree(tr: Tree, method: Method, alpha: float, embeddings, scope: str = "positive",
+               value_estimate: str = "paper", sibling_groups: str = "paper") -> list[BlockScore]:
+    """One BlockScore per block: V at its start and end (block_values), Â_base (Eq. 3), Div_sib (Eq. 10;
+    when the step embedded the blocks) and the advantage the method trains (methods.py's row: DATPO's is
+    Eq. 4, diversity_bonus; None when the method does not train this tree, e.g. AttnRL's filter)."""
+    parents, rewards = tr.parents, tr.rewards
+    v_start, v_end = block_values(parents, rewards, value_estimate, tr.branch_flags)
+    base = [(r or 0.0) + e - s for r, s, e in zip(rewards, v_start, v_end)]                    # Eq. 3
+    div = tree_diversity(tr, embeddings, sibling_groups) if embeddings is not None else None
+    adv = method.advantages(tr, base, div, alpha, scope) if method.trainable(tr) else None
+    return [BlockScore(v_start[i], v_end[i], base[i], None if div is None else div[i],
+                       None if adv is None else float(adv[i])) for i in range(len(parents))]

@@ -101,7 +101,7 @@ class Config:
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. E.2: 384 for 3B)
     naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
-    rollout_engine: str = "engine"          # engine: engine.py (rows leave when they end, branches start when their
+    rollout_engine: str = "engine"          # engine: engine/ (rows leave when they end, branches start when their
                                             # prompt's bases end, prefixes shared in a slot pool); generate: HF
                                             # generate per group and branch chunk (the reference path)
     max_batch_rows: int = 0                 # engine: rows decoded at once; 0 = max(gen_batch_size, branch_chunk_size)
@@ -121,8 +121,11 @@ class Config:
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10); release = the
                                             # authors' code's groups (advantage.release_sibling_diversity)
-    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline)
+    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline); gte
+                                            # runs its own code from the hub: needs --trust_remote_code true
     embed_batch_size: int = 64
+    trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
+                                            # (HF auto_map); off: a model that needs it is refused in one line
 
     # ---- optimisation (App. E.2 "Training Hyperparameters") ------------------------------------------
     lr: float = 5e-6                        # constant
@@ -330,9 +333,10 @@ ROWS: dict[str, dict] = {
     # Table "wider topology" (App. E.6): the baselines with DATPO's (4, 3, 4)
     "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
     "attnrl-434": dict(method="attnrl", fork="atb", off_policy_steps=1, n_base=4, k_max=3, b_max=4),
-    # Sec. 3.1 / App. B: the difficulty study's G sweep (analysis.py difficulty). GRPO-Zero style: 256 samples per
-    # step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a plain token-level
-    # policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards (difficulty-report).
+    # Sec. 3.1 / App. B: the difficulty study's G sweep (python -m studies difficulty). GRPO-Zero style:
+    # 256 samples per step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a
+    # plain token-level policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards
+    # (difficulty-report).
     # The batch sizes apply at paper scale only (`at_paper_scale`); smaller scales keep their own.
     **{f"grpo-g{g}": dict(method="grpo", group_size=g, ppo_epochs=1, eval_every=0, at_paper_scale=dict(
         prompts_per_step=256 // g, mini_batch_size=256, steps=math.ceil(5 * 1400 / (256 // g)))) for g in (4, 8, 16)},

@@ -17,6 +17,7 @@ imported here, only its data folder is read). Only the HF hub fallbacks (benchma
 owner/name sources) use the network, and they never wait long for it.
 """
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -511,3 +512,20 @@ def summarize(problems):
         by_level[p["level"]] = by_level.get(p["level"], 0) + 1
     order = sorted(by_level, key=lambda lv: (lv is None, lv or 0))
     return {"count": len(problems), "by_level": {lv: by_level[lv] for lv in order}}
+
+
+# -----------------------------------------------------------------------------
+# The training stream: q ~ Q, epoch after shuffled epoch
+# -----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def epoch_order(n_problems: int, seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(n_problems))
+    random.Random(seed + epoch).shuffle(order)
+    return tuple(order)
+
+
+def problem_index(n_problems: int, position: int, seed: int) -> int:
+    """Problem at `position` of an endless stream of shuffled epochs (epoch e shuffled with seed + e); the
+    position (a cursor) is all a checkpoint needs to continue the stream."""
+    epoch, offset = divmod(position, n_problems)
+    return epoch_order(n_problems, seed, epoch)[offset]

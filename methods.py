@@ -25,36 +25,27 @@ import tree as T
 
 
 # --------------------------------------------------------------------------------------------------------
-# Advantages and training paths, per method (the formulas live in advantage.py and tree.py)
+# Advantages and training paths, per method (the formulas live in advantage.py and tree.py). An advantage
+# function gets the tree and Phase 3's shared numbers (advantage.score_tree): Â_base per block (Eq. 3) and
+# Div_sib per block (Eq. 10; None when the step embedded nothing), α and --alpha_scope.
 # --------------------------------------------------------------------------------------------------------
-def div_sib(tr: T.Tree, embeddings, sibling_groups: str = "paper") -> list[float]:
-    """Div_sib of every block of the tree (advantage.block_diversity): Eq. 10's siblings, or the release's
-    (then `embeddings` also holds the N whole base responses after the block rows; empty texts drop out)."""
-    return A.block_diversity(tr.parents, tr.rewards, tr.branch_flags, [b.base for b in tr.blocks], embeddings,
-                             sibling_groups, valid=[bool(b.text.strip()) for b in tr.blocks])
+def datpo_advantages(tr: T.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+    """Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) (Sec. 4.2, Eq. 4)."""
+    return A.diversity_bonus(base, diversity, alpha, scope)
 
 
-def datpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
-                     sibling_groups: str = "paper") -> list[float]:
-    """Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) (Sec. 4.2, Eq. 4); scope, V and Div_sib's siblings:
-    --alpha_scope, --value_estimate, --sibling_groups (tree.block_diversity)."""
-    diversity = None if alpha == 0 else div_sib(tr, embeddings, sibling_groups)
-    return A.datpo_advantages(tr.parents, tr.rewards, embeddings, alpha, scope, value_estimate, tr.branch_flags,
-                              diversity)
-
-
-def grpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
-                    sibling_groups: str = "paper") -> list[float]:
+def grpo_advantages(tr: T.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+    """(r − mean) / std over the G parallel responses (GRPO)."""
     return A.grpo_advantages(tr.rewards)
 
 
-def drgrpo_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
-                      sibling_groups: str = "paper") -> list[float]:
+def drgrpo_advantages(tr: T.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+    """r − mean over the G parallel responses (Dr.GRPO)."""
     return A.drgrpo_advantages(tr.rewards)
 
 
-def treerl_advantages(tr: T.Tree, alpha: float, embeddings, scope: str, value_estimate: str,
-                      sibling_groups: str = "paper") -> list[float]:
+def treerl_advantages(tr: T.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+    """TreeRL's process advantage per segment (also AttnRL's)."""
     return A.treerl_advantages(tr.parents, tr.rewards)
 
 
@@ -75,8 +66,8 @@ def branched_paths(tr: T.Tree) -> list[list[int]]:
 @dataclass(frozen=True)
 class Method:
     name: str
-    advantages: Callable                        # (tree, α, embeddings or None, scope, value_estimate,
-                                                #  sibling_groups) -> one advantage per block
+    advantages: Callable                        # (tree, Â_base, Div_sib or None, α, scope)
+                                                #  -> one advantage per block
     rollout: str = "tree"                       # tree | parallel
     budget: str = "adaptive"                    # adaptive | fixed
     expand: Callable | None = None              # (rewards of the N base responses, rng) -> indices to fork

@@ -3,7 +3,7 @@
     python bench/bench_checkpointing.py --model smollm2-135m --rows 8 --tokens 512 --targets 256
 
 One micro-batch of training rows (random token ids: memory and time do not depend on the text) goes through
-train.row_logprobs and backward, without and with models.enable_gradient_checkpointing, each in a fresh
+packing.row_logprobs and backward, without and with models.enable_gradient_checkpointing, each in a fresh
 process so one's allocations cannot hide the other's. Prints the extra memory the forward+backward needed
 (CUDA: torch.cuda.max_memory_allocated; CPU: peak resident set sampled every 2 ms, minus the set before) and
 the seconds, and the ratios.
@@ -32,7 +32,7 @@ def child(args) -> dict:
     import torch
 
     import models
-    import train
+    import packing as P
 
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
@@ -40,11 +40,11 @@ def child(args) -> dict:
     if args.checkpointing:
         models.enable_gradient_checkpointing(model)
     gen = random.Random(0)
-    rows = [train.Row([gen.randrange(100, len(tokenizer)) for _ in range(args.tokens)], args.tokens - args.targets,
+    rows = [P.Row([gen.randrange(100, len(tokenizer)) for _ in range(args.tokens)], args.tokens - args.targets,
                       [gen.uniform(-1, 1)] * args.targets) for _ in range(args.rows)]
 
     def step() -> None:
-        logps = train.row_logprobs(model, rows, tokenizer.pad_token_id, device)
+        logps = P.row_logprobs(model, rows, tokenizer.pad_token_id, device)
         adv = torch.tensor([a for r in rows for a in r.advantages], device=device)
         (-(torch.cat(logps) * adv).sum() / adv.numel()).backward()
         model.zero_grad(set_to_none=False)     # keep the gradient buffers: measure activations, not grads

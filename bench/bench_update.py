@@ -30,14 +30,21 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
+import advantage as A  # noqa: E402
 import config as C  # noqa: E402
 import data  # noqa: E402
+import methods as M  # noqa: E402
 import models  # noqa: E402
 import packing as P  # noqa: E402
 import rollout as R  # noqa: E402
 import train  # noqa: E402
 import tree as T  # noqa: E402
 
+
+
+def advantages(tr: T.Tree, cfg) -> list[float]:
+    """The method's advantage of every block at α = 0 (advantage.score_tree)."""
+    return [b.advantage for b in A.score_tree(tr, M.METHODS[cfg.method], 0.0, None, cfg.alpha_scope)]
 
 def forwarded_per_unique(trees: list[P.TrainTree], cfg, layout: str, grouping: str) -> float:
     """Tokens forwarded in one pass over the batch per unique tree token, every block live."""
@@ -103,7 +110,7 @@ def demo_part(args) -> None:
     for preset in args.methods:
         cfg = C.make_config(preset, "demo", threads=args.threads, prompts_per_step=args.prompts)
         problems = data.load_problems(cfg.train_data)
-        picked = [problems[train.problem_index(len(problems), i, cfg.seed)] for i in range(args.prompts)]
+        picked = [problems[data.problem_index(len(problems), i, cfg.seed)] for i in range(args.prompts)]
         prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in picked]
         cache = Path(args.cache) / f"{preset}-{args.prompts}.pkl" if args.cache else None
         t0 = time.perf_counter()
@@ -118,9 +125,8 @@ def demo_part(args) -> None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 cache.write_bytes(pickle.dumps(trees))
         t_gen = time.perf_counter() - t0
-        kept = [tr for tr in trees if train.trainable(tr, cfg.method)]
-        tts = [train.train_tree(tr, train.tree_advantages(cfg.method, tr, 0.0, cfg.alpha_scope, None), cfg.method)
-               for tr in kept]
+        kept = [tr for tr in trees if M.METHODS[cfg.method].trainable(tr)]
+        tts = [train.train_tree(tr, advantages(tr, cfg), cfg.method) for tr in kept]
         print(f"[{preset}] {len(kept)} trees, {sum(len(t.tokens) for t in tts)} blocks, generation {t_gen:.0f} s",
               flush=True)
         count_table(preset, tts, cfg, args.demo_tokens)
@@ -165,8 +171,8 @@ def paper_part(args) -> None:
         n, k, b = shapes[preset]
         trees = [synthetic_tree(rng, args.prompt_len, args.response_len, n, k, b, args.vocab)
                  for _ in range(args.paper_prompts)]
-        tts = [train.train_tree(tr, train.tree_advantages(cfg.method, tr, 0.0, "positive", None), cfg.method)
-               for tr in trees if train.trainable(tr, cfg.method)]
+        tts = [train.train_tree(tr, advantages(tr, cfg), cfg.method)
+               for tr in trees if M.METHODS[cfg.method].trainable(tr)]
         print(f"[{preset}] (N, K, B) = {(n, k, b)}, {len(tts)} trees, {sum(len(t.tokens) for t in tts)} blocks, "
               f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch}", flush=True)
         count_table(preset, tts, cfg, args.paper_budgets)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+from harness import distributed as D
 from harness.faults import NonFiniteStop
 
 
@@ -131,6 +132,15 @@ class WeightGuard:
                 for k, v in scalars.items():
                     held[k] = v
         self.optimizer.zero_grad(set_to_none=True)
+
+    def undo_if_broken(self, update: dict, policy, probe_ids) -> None:
+        """The verdict after an update (snapshot() was taken before it): one that made a weight non-finite
+        (ppo_update stopped at it: update["nonfinite_updates"]) or the policy's logits on a prompt of the step
+        non-finite is undone bit for bit and counted in update["nonfinite_updates"] (a bad step for the
+        loop's --max_bad_steps). Under torchrun every rank takes the same verdict."""
+        if self.enabled and (update["nonfinite_updates"] or D.any_rank(not logits_finite(policy, probe_ids))):
+            self.restore()
+            update["nonfinite_updates"] = 1
 
 
 def logits_finite(model, input_ids) -> bool:

@@ -50,17 +50,28 @@ def site(name: str):
     return register
 
 
+@site("update")
+def _update_forward(patch: Callable) -> None:
+    """The update's first micro-batch forward (old log-probs' pass or the gradient pass): packing's
+    micro_logprobs, which both call."""
+    import packing
+
+    raise_once(packing, "micro_logprobs", "update", patch)
+
+
 def install(spec: str | None = None, patch: Callable = setattr) -> list[str]:
     """Install the sites of `spec` (comma-separated; default $DATPO_OOM_AT); returns their names. An unknown
     site is one UserError line listing the known ones."""
     spec = os.environ.get("DATPO_OOM_AT", "") if spec is None else spec
     sites = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [s for s in sites if s not in OOM_SITES]
+    known = list(OOM_SITES) + [s for s in HOOK_SITES if s not in OOM_SITES]
+    unknown = [s for s in sites if s not in known]
     if unknown:
         raise UserError(f"DATPO_OOM_AT={spec}: unknown site(s) {', '.join(unknown)}; expected some of "
-                        f"{', '.join(OOM_SITES)}")
+                        f"{', '.join(known)}")
     for name in sites:
-        OOM_SITES[name](patch)
+        if name in OOM_SITES:     # the others are still hooks in stage code (oom_point, below)
+            OOM_SITES[name](patch)
     return sites
 
 

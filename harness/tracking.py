@@ -1,4 +1,4 @@
-"""tracking.py — what a run writes for people to watch it: metrics.jsonl, TensorBoard, Weights & Biases, tree logs.
+"""harness/tracking.py — what a run writes for people to watch it: metrics.jsonl, TensorBoard, Weights & Biases, tree logs.
 
     python train.py --preset demo --report_to tensorboard          # then: tensorboard --logdir runs/demo
     python train.py --preset demo --report_to tensorboard wandb    # W&B offline unless WANDB_MODE=online
@@ -15,7 +15,8 @@ multi-process run).
 Tree logs (`--log_trees_every N`: step 1 and every N-th step; 0 = never): RUN/trees/step_XXXXXX.jsonl, one
 tree a line with its prompt, gold answer, V(root), K̂/B̂ and forks, and for each block its parent, text, token
 ids and pieces, token entropies, reward, V(s_start)/V(s_end), Â_base, Div_sib and the advantage the update used
-(Sec. 4.1-4.2, App. F; computed with advantage.py's functions). `python viz.py RUN --step N` draws them.
+(Sec. 4.1-4.2, App. F: Phase 3's records, advantage.score_tree, written as they are).
+`python -m harness.viz RUN --step N` draws them.
 """
 from __future__ import annotations
 
@@ -23,12 +24,20 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 import advantage as A
 import config as C
-import methods as M
 import tree as T
+from harness import faults, runs
+
+if TYPE_CHECKING:   # types only
+    from harness.loop import RunState
+    from packing import TrainTree
 
 def tags(record: dict) -> dict[str, float]:
     """The tracker names of a metrics.jsonl record's numeric fields (see the module docstring)."""
@@ -105,9 +114,6 @@ class Log:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as err:   # disk full, quota, read-only: one line, the checkpoints are untouched
-                from harness import faults
-                from harness import runs
-
                 raise faults.WriteError(f"writing {self.path}: {runs.write_failure(err)}; the step's record is "
                                         f"lost, checkpoints are intact; free space and --resume "
                                         f"{self.run_dir}") from err
@@ -187,6 +193,49 @@ def lost_records(path, upto: int, torn: list[int], same_run: bool = True) -> lis
 
 
 # --------------------------------------------------------------------------------------------------------
+# The step's line of metrics.jsonl
+# --------------------------------------------------------------------------------------------------------
+def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree], update: dict, alpha: float,
+                rank_stats: list, seconds: dict, t_step: float) -> dict:
+    """The step's line of metrics.jsonl: rollouts (reward, V(root), tree sizes), the update's statistics,
+    rollout counters summed over ranks, and where the time went."""
+    rewards = [b.reward for tr in trees for b in tr.blocks if b.terminal]
+    record = {
+        "step": run.step,
+        "reward": float(np.mean(rewards)),
+        "v_root": float(np.mean([tr.v_root for tr in trees])),
+        "pass_rate": float(np.mean([tr.pass_rate for tr in trees])),
+        "leaves_per_prompt": float(np.mean([tr.leaves for tr in trees])),
+        "generated_tokens_per_prompt": float(np.mean([tr.generated_tokens for tr in trees])),
+        "k_hat": float(np.mean([tr.k_hat for tr in trees])),
+        "b_hat": float(np.mean([tr.b_hat for tr in trees])),
+        "prompts": len(trees),
+        "blocks": sum(len(t.trained) for t in train_trees),
+        "alpha": alpha,
+        "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
+        **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
+        **update,
+        "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in rank_stats),
+        # one-step off-policy (offpolicy.py): updates between the weights that sampled a token and θ; the stale
+        # (base) tokens trained; the next step's prompts and share of the decode loop's row-steps
+        "policy_lag": max(tr.policy_lag for tr in trees),
+        "stale_tokens": sum(len(b.token_ids) for tr in trees if tr.policy_lag for b in tr.blocks if not b.branch),
+        "ahead_prompts": len(run.ahead.prompts) if run.ahead else 0,
+        "row_steps": sum(r.row_steps for r in rank_stats),
+        "ahead_row_steps": sum(r.ahead_row_steps for r in rank_stats),
+        "mean_batch_rows": sum(r.row_steps for r in rank_stats) / sum(r.decode_steps for r in rank_stats)
+        if any(r.decode_steps for r in rank_stats) else 0.0,   # the engine's rows per decode step (0: generate)
+        "seconds_generation_ahead": max(r.seconds_ahead for r in rank_stats),   # part of seconds_generation
+        "oom_retries": sum(r.oom_retries for r in rank_stats) + update["oom_retries"],   # rollout + update
+        "skipped_prompts": run.skipped_prompts,
+        **{f"seconds_{name}": value for name, value in seconds.items()},
+        "seconds_step": time.perf_counter() - t_step,
+    }
+    record["seconds_other"] = record["seconds_step"] - sum(seconds.values())
+    return record
+
+
+# --------------------------------------------------------------------------------------------------------
 # Tree logs
 # --------------------------------------------------------------------------------------------------------
 def trees_due(step: int, every: int) -> bool:
@@ -194,41 +243,36 @@ def trees_due(step: int, every: int) -> bool:
     return every > 0 and (step == 1 or step % every == 0)
 
 
-def tree_record(tr: T.Tree, tokenizer, advantages: list[float] | None, embeddings=None,
-                value_estimate: str = "paper", sibling_groups: str = "paper") -> dict:
-    """One tree as a JSON-able dict: the quantities of Sec. 4.1-4.2 / App. F for every block.
+def tree_record(tr: T.Tree, tokenizer, scores: list[A.BlockScore], value_estimate: str = "paper",
+                sibling_groups: str = "paper") -> dict:
+    """One tree as a JSON-able dict: the quantities of Sec. 4.1-4.2 / App. F for every block, as Phase 3
+    computed them (advantage.score_tree: nothing is recomputed here).
 
-    v_start/v_end: V at the block's start and end state (advantage.block_values: V_MC, or release_values with
-    value_estimate "release"); base_advantage: Â_base(b) =
-    r(b) + V(s_end) − V(s_start) (Eq. 3); div_sib: Div_sib(b) (Eq. 10, or the release's groups with
-    sibling_groups "release": methods.div_sib; None when no embeddings were computed);
-    advantage: the value the update used, by the run's method (None when the tree was not trained, e.g.
-    AttnRL's filtered trees). Token pieces join to the block's decoded text; entropies are rounded to 1e-3,
-    logprobs (generation-time log p of each token; None when not recorded) to 1e-4.
+    v_start/v_end: V at the block's start and end state (V_MC, or the release's with value_estimate
+    "release"); base_advantage: Â_base(b) = r(b) + V(s_end) − V(s_start) (Eq. 3); div_sib: Div_sib(b)
+    (Eq. 10, or the release's groups; None when no embeddings were computed); advantage: the value the update
+    used, by the run's method (None when the tree was not trained, e.g. AttnRL's filtered trees). Token
+    pieces join to the block's decoded text; entropies are rounded to 1e-3, logprobs (generation-time log p
+    of each token; None when not recorded) to 1e-4.
     """
-    parents, rewards, branch = tr.parents, tr.rewards, tr.branch_flags
-    # the run's own estimates (--value_estimate), so Â_base is the one it used
-    v_start, v_end = A.block_values(parents, rewards, value_estimate, branch)
-    base = A.base_advantages(parents, rewards, value_estimate, branch)
-    div = M.div_sib(tr, embeddings, sibling_groups) if embeddings is not None else [None] * len(parents)
     blocks = []
-    for i, b in enumerate(tr.blocks):
+    for i, (b, score) in enumerate(zip(tr.blocks, scores)):
         text, spans = T.decode_with_offsets(tokenizer, b.token_ids)
         blocks.append({
             "id": i, "parent": b.parent, "base": b.base, "start": b.start, "branch": b.branch,
             "terminal": b.terminal, "text": text, "tokens": [text[s:e] for s, e in spans],
             "token_ids": list(b.token_ids), "entropies": [round(float(h), 3) for h in b.entropies],
             "logprobs": None if b.logprobs is None else [round(float(lp), 4) for lp in b.logprobs],
-            "reward": b.reward, "v_start": v_start[i], "v_end": v_end[i], "base_advantage": base[i],
-            "div_sib": div[i], "advantage": None if advantages is None else float(advantages[i]),
+            "reward": b.reward, "v_start": score.v_start, "v_end": score.v_end,
+            "base_advantage": score.base_advantage, "div_sib": score.div_sib, "advantage": score.advantage,
         })
     return {"prompt": tr.prompt, "answer": tr.answer, "level": tr.level, "v_root": tr.v_root,
             "value_estimate": value_estimate, "sibling_groups": sibling_groups,
             "k_hat": tr.k_hat, "b_hat": tr.b_hat, "forks": tr.forks, "leaves": tr.leaves,
-            "trained": advantages is not None, "blocks": blocks}
+            "trained": bool(scores) and scores[0].advantage is not None, "blocks": blocks}
 
 
-def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: list, embeddings: list,
+def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, scores: list[list[A.BlockScore]],
                 alpha: float, method: str, value_estimate: str = "paper", sibling_groups: str = "paper") -> Path:
     """RUN/trees/step_XXXXXX.jsonl: one tree a line (tree_record plus step, index, method and α); rewritten
     whole, so a resumed run that redoes a step replaces its file."""
@@ -238,15 +282,12 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, advantages: 
     tmp = path.with_suffix(".tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            for index, (tr, adv, emb) in enumerate(zip(trees, advantages, embeddings)):
+            for index, (tr, tree_scores) in enumerate(zip(trees, scores)):
                 record = {"step": step, "tree": index, "method": method, "alpha": alpha,
-                          **tree_record(tr, tokenizer, adv, emb, value_estimate, sibling_groups)}
+                          **tree_record(tr, tokenizer, tree_scores, value_estimate, sibling_groups)}
                 f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
         os.replace(tmp, path)
     except OSError as err:   # disk full: one line; the earlier tree logs and the checkpoints are untouched
-        from harness import faults
-        from harness import runs
-
         tmp.unlink(missing_ok=True)
         raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; free space "
                                 f"and --resume {run_dir}") from err

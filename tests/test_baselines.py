@@ -12,6 +12,7 @@ import rollout as R
 import train
 import tree as T
 from test_train import stand_in_reward
+import methods as M
 
 
 # ---- AttnRL's adaptive sampling and batch size ----------------------------------------------------------
@@ -42,7 +43,7 @@ def test_attnrl_filters_uniform_trees_and_trains_branched_paths_only():
               T.Block(0, [8, 9], [0, 0], reward=0.0, base=0, start=2, branch=True),
               T.Block(None, [3], [0], reward=0.0, base=1)]                     # an unbranched response
     tr = T.Tree("p", [1], "a", blocks, v_root=0.5, k_hat=1, b_hat=1)
-    assert train.trainable(tr, "attnrl") and train.trainable(tr, "datpo")
+    assert M.METHODS["attnrl"].trainable(tr) and M.METHODS["datpo"].trainable(tr)
     tt = train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], "attnrl")
     rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
     assert [r.ids for r in rows] == [[1, 5, 6, 7], [1, 5, 6, 8, 9]]
@@ -50,7 +51,7 @@ def test_attnrl_filters_uniform_trees_and_trains_branched_paths_only():
     assert train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], "treerl").weights == [2.0, 1.0, 1.0, 1.0]   # TreeRL keeps it
     uniform = T.Tree("p", [1], "a", [T.Block(None, [3], [0], reward=1.0), T.Block(None, [4], [0], reward=1.0)],
                      v_root=1.0, k_hat=0, b_hat=0)
-    assert not train.trainable(uniform, "attnrl") and train.trainable(uniform, "treerl")
+    assert not M.METHODS["attnrl"].trainable(uniform) and M.METHODS["treerl"].trainable(uniform)
 
 
 def test_grpo_clip_is_asymmetric():

@@ -25,6 +25,8 @@ import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_injection as FI  # noqa: E402
+from harness import loop
+from harness import tracking
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -111,13 +113,13 @@ def test_evaluate_bad_inputs_are_one_line(files, capsys):
     assert "arith-test problem 1: the prompt is" in err and "context of 2048 tokens" in err
 
 
-def test_analysis_bad_inputs_are_one_line(files, capsys):
-    import analysis
+def test_studies_bad_inputs_are_one_line(files, capsys):
+    from studies import __main__ as studies_cli
 
     assert "cannot write there" in one_line_error(
-        capsys, analysis.main, ["forks", "--scale", "tiny", "--out_dir", str(files / "a_file" / "x")])
+        capsys, studies_cli.main, ["forks", "--scale", "tiny", "--out_dir", str(files / "a_file" / "x")])
     assert "unrecognized arguments: --bogus 1" in one_line_error(
-        capsys, analysis.main, ["forks", "--scale", "tiny", "--bogus", "1"])
+        capsys, studies_cli.main, ["forks", "--scale", "tiny", "--bogus", "1"])
 
 
 def test_debug_shows_the_traceback(files):
@@ -161,7 +163,7 @@ def test_fresh_run_into_a_folder_holding_a_run_is_refused_or_replaced(tmp_path):
 
 
 def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
-    log = train.Log(tmp_path)
+    log = tracking.Log(tmp_path)
     log.write({"step": 1})
     log.write({"step": 2})
     with open(log.path, "a") as f:
@@ -265,7 +267,7 @@ def test_logits_probe_and_checkpoint_refuse_nonfinite_weights(smollm_tokenizer, 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.raises(faults.NonFiniteStop, match="non-finite value; checkpoint not written; last good "
                                                    "checkpoint: none"):
-        train.save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1})
+        loop.save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1})
     assert not (tmp_path / "checkpoints").exists()
 
 

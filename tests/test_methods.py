@@ -1,4 +1,4 @@
-"""methods.py: each row's rollout shape, trained paths and filter by hand; train.RunState saves and restores whole."""
+"""methods.py: each row's rollout shape, trained paths and filter by hand; harness.loop.RunState saves and restores whole."""
 import math
 import random
 
@@ -10,6 +10,7 @@ import config as C
 import methods as M
 import train
 import tree as T
+from harness import loop
 
 
 def _tree():
@@ -67,14 +68,14 @@ def test_run_state_saves_and_restores_whole():
     from engine import Sample
 
     ahead = offpolicy.Batch(["q"], ["4"], [2], [[Sample([5, 6], [0.5, 0.1], [-0.7, -2.0])]], sampled_at=2)
-    run = train.RunState(step=3, cursor=17, skipped_prompts=2, batch_size=5, bad_steps_in_a_row=1,
+    run = loop.RunState(step=3, cursor=17, skipped_prompts=2, batch_size=5, bad_steps_in_a_row=1,
                          rng=random.Random(4), too_long={9, 2}, ahead=ahead)
     run.rng.random()
     saved = run.trainer_state()
     assert set(saved) == {"step", "cursor", "skipped_prompts", "batch_size", "bad_steps_in_a_row", "rng",
                           "too_long", "ahead"}
     expected = [run.rng.random() for _ in range(3)], torch.rand(2)
-    back = train.RunState(rng=random.Random(0))
+    back = loop.RunState(rng=random.Random(0))
     back.restore(saved)
     assert (back.step, back.cursor, back.skipped_prompts, back.batch_size, back.bad_steps_in_a_row) == (3, 17, 2, 5, 1)
     assert back.too_long == {2, 9}                  # a skipped problem is not named again after a resume
@@ -85,11 +86,10 @@ def test_run_state_saves_and_restores_whole():
 
 def test_release_sibling_groups_embed_whole_responses_and_match_the_release_formula():
     """--sibling_groups release: embed_blocks adds one row per base response (its whole text) after the block
-    rows, and methods.div_sib reads them as advantage.release_sibling_diversity does (real MiniLM embedder)."""
+    rows, and advantage.tree_diversity reads them as advantage.release_sibling_diversity does (real MiniLM embedder)."""
     import numpy as np
 
     import models
-    import train
 
     def block(parent, text, base, reward=None, branch=False):
         return T.Block(parent=parent, token_ids=[1], entropies=[0.0], text=text, reward=reward, base=base,
@@ -101,14 +101,14 @@ def test_release_sibling_groups_embed_whole_responses_and_match_the_release_form
               block(None, "The sum of 3 and 4 is 8.", 1, 0.0)]
     tr = T.Tree(prompt="p", prompt_ids=[1], answer="7", blocks=blocks, v_root=0.5, k_hat=1, b_hat=2)
     embedder = models.load_embedder("all-minilm-l6-v2")
-    paper = train.embed_blocks(embedder, [tr], 8)[0]
-    release = train.embed_blocks(embedder, [tr], 8, "release")[0]
+    paper = A.embed_blocks(embedder, [tr], 8)[0]
+    release = A.embed_blocks(embedder, [tr], 8, "release")[0]
     assert paper.shape[0] == 5 and release.shape[0] == 5 + 2
     whole = embedder.encode(["We add 3 and 4. So the answer is 7.", "The sum of 3 and 4 is 8."])
     assert np.allclose(release[5:], whole, atol=1e-5)
     assert np.allclose(release[:5], embedder.encode([b.text for b in blocks]), atol=1e-5)
-    div = M.div_sib(tr, release, "release")
+    div = A.tree_diversity(tr, release, "release")
     assert div == pytest.approx(A.release_sibling_diversity(tr.parents, tr.rewards, tr.branch_flags, [0, 0, 0, 0, 1],
                                                             release[:5], release[5:]))
     assert div[1] == 0.0 and div[2] > 0 and div[3] > 0       # the base continuation is no sibling; branches are
-    assert M.div_sib(tr, paper, "paper") == pytest.approx(A.sibling_diversity(tr.parents, paper))
+    assert A.tree_diversity(tr, paper, "paper") == pytest.approx(A.sibling_diversity(tr.parents, paper))

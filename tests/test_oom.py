@@ -1,4 +1,4 @@
-"""Out of memory everywhere it can happen, proven on CPU with the DATPO_OOM_AT fault injection (harness/inject.py):
+"""Out of memory everywhere it can happen, proven on CPU with the DATPO_OOM_AT fault injection (faults.py):
 the update reruns a mini-batch in smaller micro-batches with the same loss, evaluation and branch generation
 in smaller batches with a valid result; cuBLAS allocation failures count as out of memory."""
 import copy
@@ -14,6 +14,7 @@ import evaluate as E
 from harness import faults
 from harness import inject
 from harness import oom
+import packing as P
 import rollout as R
 import train
 from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
@@ -21,14 +22,13 @@ from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
 
 @pytest.fixture
 def oom_at(monkeypatch):
-    """Out of memory at the named sites for one test: a site registered in harness/inject.py is installed from
-    outside (its wrapper undone after the test); the others (in-code hooks not yet replaced by a site) read
-    DATPO_OOM_AT, with their once-per-process memory cleared before and after."""
+    """DATPO_OOM_AT for one test: the harness's sites (harness/inject.py) wrapped with monkeypatch, so they are
+    undone after it, and the once-per-process memory of the hooks still in stage code cleared before and after.
+    (What the engine learns from running out of memory stays in its Sampler's engine.Backoff: nothing global.)"""
     def set_sites(spec: str):
-        sites = [site for site in spec.split(",") if site]
-        monkeypatch.setenv("DATPO_OOM_AT", ",".join(site for site in sites if site not in inject.OOM_SITES))
+        monkeypatch.setenv("DATPO_OOM_AT", spec)
         inject._oom_fired.clear()
-        inject.install(",".join(site for site in sites if site in inject.OOM_SITES), monkeypatch.setattr)
+        inject.install(",".join(s for s in spec.split(",") if s in inject.OOM_SITES), monkeypatch.setattr)
     yield set_sites
     inject._oom_fired.clear()
 
@@ -40,17 +40,27 @@ def test_is_oom_knows_cuda_and_cublas_allocation_failures():
     assert not oom.is_oom(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
 
 
-def test_oom_point_raises_the_cuda_error_once_per_site(oom_at):
-    oom_at("update,eval")
-    inject.oom_point("base")                        # not listed: nothing
-    with pytest.raises(torch.OutOfMemoryError, match="DATPO_OOM_AT"):
-        inject.oom_point("update")
-    inject.oom_point("update")                      # once
-    with pytest.raises(torch.OutOfMemoryError):
-        inject.oom_point("eval")
-    oom_at("updates")
-    with pytest.raises(faults.UserError, match="DATPO_OOM_AT=updates.*base, branches, update, eval"):
-        inject.oom_point("update")
+def test_an_injected_site_raises_the_cuda_error_once_and_names_unknown_sites(monkeypatch):
+    """harness/inject.py wraps a stage function from outside: its first call raises the error CUDA raises,
+    later calls run it; `when` picks which call; an unknown site is one line naming the known ones."""
+    calls = []
+
+    class Stage:
+        @staticmethod
+        def forward(rows):
+            calls.append(rows)
+            return rows
+
+    inject.raise_once(Stage, "forward", "test", monkeypatch.setattr, when=lambda rows: rows > 1)
+    assert Stage.forward(1) == 1                     # `when` does not hold: runs
+    with pytest.raises(torch.OutOfMemoryError, match="DATPO_OOM_AT at 'test'"):
+        Stage.forward(2)
+    assert Stage.forward(3) == 3 and calls == [1, 3]  # once
+    real = P.micro_logprobs
+    assert inject.install("update", monkeypatch.setattr) == ["update"]
+    assert P.micro_logprobs is not real and P.micro_logprobs.__wrapped__ is real   # the update's site
+    with pytest.raises(faults.UserError, match="DATPO_OOM_AT=updates: unknown site.*expected some of .*update"):
+        inject.install("updates")
 
 
 def test_halving_retry_halves_to_one_then_reraises_and_passes_other_errors():

@@ -103,7 +103,7 @@ def test_fp32_state_survives_a_checkpoint_round_trip():
 
 def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path, monkeypatch, capsys):
     """One tiny pure-bf16 run through train.main with --optimizer_dtype fp32, --packed_attention flex and
-    out of memory injected at branches and update: the flex probe falls back at start-up (one line) and metrics.jsonl says
+    DATPO_OOM_AT=branches,update: the flex probe falls back at start-up (one line) and metrics.jsonl says
     'tree'; both injected out-of-memory errors are absorbed and counted; the checkpoint holds fp32 moments
     and master copies for bf16 weights, and a resume loads them as fp32."""
     import json
@@ -116,9 +116,8 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     monkeypatch.setattr(P, "_kernel_choice", {})
-    monkeypatch.setenv("DATPO_OOM_AT", "update")             # the update's in-code hook
+    monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
     inject._oom_fired.clear()
-    inject.install("branches", monkeypatch.setattr)           # the engine's decode with branch rows, from outside
     flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32", "--packed_attention", "flex",
              "--steps", "1", "--out_dir", str(tmp_path / "run")]
     try:

@@ -12,6 +12,8 @@ import config as C
 import packing as P
 import train
 import tree as T
+import advantage as A
+import methods as M
 
 EOS = 2
 SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -306,7 +308,7 @@ def test_multiplicity_weighting_reproduces_the_flattened_path_loss(method):
     """TreeRL/AttnRL train root-to-leaf paths (App. F.4). One packed forward per token, weighted by the number
     of trained paths through it, gives the loss and the gradient of explicitly flattened paths."""
     tree = _flattened_tree()
-    adv = train.tree_advantages(method, tree, 0.0, "positive", None)
+    adv = [b.advantage for b in A.score_tree(tree, M.METHODS[method], 0.0, None)]
     tt = train.train_tree(tree, adv, method)
     cfg = C.make_config("tiny", mini_batch_size=100, ppo_epochs=1, max_grad_norm=1e9, max_tokens_per_micro_batch=1000)
     base = tiny("llama")

@@ -2,6 +2,7 @@
 formulas by hand, --report_to on the command line; models.enable_gradient_checkpointing gives the same
 gradients in the update."""
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -12,7 +13,9 @@ import time
 import pytest
 import torch
 
+import advantage as A
 import config as C
+import methods as M
 import models
 from harness import tracking
 import train
@@ -114,6 +117,14 @@ def test_tree_logs_at_step_one_and_every_n_hold_every_block(tiny_run):
         tracking.read_trees(tiny_run, 3)
 
 
+def scores_of(tr, advantages=None, embeddings=None, value_estimate="paper"):
+    """Phase 3's records for a tree (advantage.score_tree) with the given advantages as the method's (None:
+    the tree was not trained)."""
+    given = M.Method("given", lambda tr, base, div, alpha, scope: advantages or [0.0] * len(tr.blocks))
+    scores = A.score_tree(tr, given, 0.0, embeddings, value_estimate=value_estimate)
+    return scores if advantages is not None else [dataclasses.replace(b, advantage=None) for b in scores]
+
+
 def test_tree_record_by_hand(smollm_tokenizer):
     """The tree of test_train: prompt → base 0 = b0 b1 b2 (forks at 2 and 4), branches b3 (at 2) and b4
     (at 4); base 1 = b5. Rewards b2 0, b3 1, b4 1, b5 0."""
@@ -130,7 +141,7 @@ def test_tree_record_by_hand(smollm_tokenizer):
     # siblings: (b0, b5) at the prompt: 60° apart → Div 1 − cos 60° = 0.5; (b1, b3) orthogonal → 1;
     # (b2, b4) identical → 0
     emb = [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0], [0, 0, 2], [0.5, math.sqrt(3) / 2, 0]]
-    rec = tracking.tree_record(tr, smollm_tokenizer, advantages=[9, 8, 7, 6, 5, 4], embeddings=emb)
+    rec = tracking.tree_record(tr, smollm_tokenizer, scores_of(tr, [9, 8, 7, 6, 5, 4], emb))
     by = {k: [b[k] for b in rec["blocks"]] for k in rec["blocks"][0]}
     assert by["parent"] == [None, 0, 1, 0, 1, None]
     # V(root) = mean of the 4 leaves = 1/2; V(end b0) = mean(b2, b3, b4) = 2/3; V(end b1) = mean(b2, b4) = 1/2
@@ -143,10 +154,10 @@ def test_tree_record_by_hand(smollm_tokenizer):
     assert by["entropies"][0] == [0.5, 1.5] and by["token_ids"][3] == [510, 511, 512]
     assert by["logprobs"] == [None, None, None, [-0.1235, -2.0, -0.0], None, None]   # rounded to 1e-4
     assert rec["forks"] == [[2, 4], []] and rec["leaves"] == 4 and rec["trained"]
-    assert tracking.tree_record(tr, smollm_tokenizer, None)["blocks"][0]["div_sib"] is None
+    assert tracking.tree_record(tr, smollm_tokenizer, scores_of(tr))["blocks"][0]["div_sib"] is None
     # --value_estimate release: V(root) = mean of the base responses (b2, b5: 0), V(fork) = mean of its branches
     # only (end of b0: b3 = 1; end of b1: b4 = 1)
-    rel = tracking.tree_record(tr, smollm_tokenizer, None, None, "release")
+    rel = tracking.tree_record(tr, smollm_tokenizer, scores_of(tr, value_estimate="release"), "release")
     assert rel["value_estimate"] == "release"
     assert [(b["v_start"], b["v_end"], b["base_advantage"]) for b in rel["blocks"]] == pytest.approx(
         [(0, 1, 1), (1, 1, 0), (1, 0, -1), (1, 0, 0), (1, 0, 0), (0, 0, 0)])

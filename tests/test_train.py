@@ -15,6 +15,7 @@ import packing as P
 import rollout as R
 import train
 import tree as T
+import methods as M
 
 
 def _tree():
@@ -77,12 +78,12 @@ def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
     cfg = C.make_config("tiny", max_new_tokens=4, loss_norm="constant")
     assert cfg.branch_budget == "full"
     # DATPO: 3 blocks of ≤ max_new_tokens each; TreeRL: 2 paths of up to 2·4 − 1 tokens
-    assert P.loss_normaliser([tt], [(0, (0, 1, 2))], cfg.loss_norm, 4, train.max_row_targets(cfg)) == 3 * 4
+    assert P.loss_normaliser([tt], [(0, (0, 1, 2))], cfg.loss_norm, 4, M.method_of(cfg).max_row_targets(cfg)) == 3 * 4
     cfg.method = "treerl"
-    assert P.loss_normaliser([flat], [(0, (0, 1, 2))], cfg.loss_norm, 4, train.max_row_targets(cfg)) == 2 * 7
-    assert all(r.n_targets <= train.max_row_targets(cfg) for r in paths)
+    assert P.loss_normaliser([flat], [(0, (0, 1, 2))], cfg.loss_norm, 4, M.method_of(cfg).max_row_targets(cfg)) == 2 * 7
+    assert all(r.n_targets <= M.method_of(cfg).max_row_targets(cfg) for r in paths)
     cfg.branch_budget = "remaining"
-    assert train.max_row_targets(cfg) == 4
+    assert M.method_of(cfg).max_row_targets(cfg) == 4
 
 
 def test_prompts_are_kept_unless_they_cannot_fit_the_context():

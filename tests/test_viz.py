@@ -11,6 +11,7 @@ from harness import tracking
 import tree as T
 from harness import viz
 from browser import Chromium, find_chromium
+from test_tracking import scores_of
 
 
 def _trees(tokenizer):
@@ -30,10 +31,10 @@ def _trees(tokenizer):
     ]
     one = T.Tree("prompt <b>&", [1], "27", blocks, v_root=0.0, k_hat=2, b_hat=1, forks=[[f1, f2], []])
     emb = np.eye(6)
-    rec0 = tracking.tree_record(one, tokenizer, [0.4, -0.3, -0.5, 0.6, 0.5, -0.5], emb)
+    rec0 = tracking.tree_record(one, tokenizer, scores_of(one, [0.4, -0.3, -0.5, 0.6, 0.5, -0.5], emb))
     two = T.Tree("q", [1], "5", [T.Block(None, ids("5"), [0.2], reward=1.0, base=0),
                                  T.Block(None, ids("6"), [0.9], reward=0.0, base=1)], 0.5, 1, 1, forks=[[], []])
-    rec1 = tracking.tree_record(two, tokenizer, None)
+    rec1 = tracking.tree_record(two, tokenizer, scores_of(two))
     for b in rec1["blocks"]:            # a tree log written before blocks carried log-probs
         del b["logprobs"]
     return [{"step": 7, "tree": i, "method": "datpo", "alpha": 0.1, **r} for i, r in enumerate([rec0, rec1])]

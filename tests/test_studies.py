@@ -1,65 +1,73 @@
-"""analysis.py: the Section 3 metrics against hand computations, the difficulty buckets, tree.level_stats,
-rollout.grow_from_forks, and every study end to end at --scale tiny."""
+"""studies/: the Section 3 metrics against hand computations, the difficulty buckets, tree.level_stats,
+studies/growth.grow_from_forks, and every study end to end at --scale tiny."""
 import json
-import random
+import re
+import shlex
+import shutil
 
 import pytest
 import torch
 
-import analysis as A
 import config as C
+import data
+import evaluate
 import rollout as R
+import train
 import tree as T
+from harness import faults
+from studies import __main__ as cli
+from studies import common, difficulty, dynamics, forks, growth, main_table, tree_vs_parallel
 
 
 # ---- localization metrics (App. D.2), by hand ------------------------------------------------------------
 def test_nearest_neighbor_distance_by_hand():
     # forks 10, 20, 50 in 100 tokens: nearest distances 10, 10, 30 → 50/3 tokens → /100
-    assert A.nearest_neighbor_distance([10, 20, 50], 100) == pytest.approx(50 / 3 / 100)
-    assert A.nearest_neighbor_distance([50, 10, 20], 100) == pytest.approx(50 / 3 / 100)   # unsorted input
-    assert A.nearest_neighbor_distance([5, 5, 30], 100) == pytest.approx(25 / 3 / 100)     # a tie counts 0
-    assert A.nearest_neighbor_distance([10, 40], 60) == pytest.approx(0.5)                  # two forks
-    assert A.nearest_neighbor_distance([10], 60) is None and A.nearest_neighbor_distance([], 60) is None
+    assert forks.nearest_neighbor_distance([10, 20, 50], 100) == pytest.approx(50 / 3 / 100)
+    assert forks.nearest_neighbor_distance([50, 10, 20], 100) == pytest.approx(50 / 3 / 100)   # unsorted
+    assert forks.nearest_neighbor_distance([5, 5, 30], 100) == pytest.approx(25 / 3 / 100)     # a tie: 0
+    assert forks.nearest_neighbor_distance([10, 40], 60) == pytest.approx(0.5)                  # two forks
+    assert forks.nearest_neighbor_distance([10], 60) is None
+    assert forks.nearest_neighbor_distance([], 60) is None
 
 
 def test_mean_pairwise_distance_by_hand():
     # pairs of 10, 20, 50: 10, 40, 30 → 80/3
-    assert A.mean_pairwise_distance([20, 50, 10], 100) == pytest.approx(80 / 3 / 100)
-    assert A.mean_pairwise_distance([7, 7], 10) == 0.0
-    assert A.mean_pairwise_distance([10, 40], 60) == pytest.approx(0.5)
-    assert A.mean_pairwise_distance([3], 10) is None
+    assert forks.mean_pairwise_distance([20, 50, 10], 100) == pytest.approx(80 / 3 / 100)
+    assert forks.mean_pairwise_distance([7, 7], 10) == 0.0
+    assert forks.mean_pairwise_distance([10, 40], 60) == pytest.approx(0.5)
+    assert forks.mean_pairwise_distance([3], 10) is None
 
 
 def test_window_clustering_ratio_by_hand():
     # pairs of 10, 20, 50 in 100 tokens: 10, 40, 30; within 10 % (10 tokens, inclusive): one of three
-    assert A.window_clustering_ratio([50, 20, 10], 100, 10) == pytest.approx(100 / 3)
-    assert A.window_clustering_ratio([10, 20, 50], 100, 5) == 0.0
-    assert A.window_clustering_ratio([10, 20, 50], 100, 40) == 100.0
-    assert A.window_clustering_ratio([4, 4, 9, 60], 100, 5) == pytest.approx(300 / 6)   # (4,4) (4,9) (4,9)
-    assert A.window_clustering_ratio([1], 100, 5) is None
+    assert forks.window_clustering_ratio([50, 20, 10], 100, 10) == pytest.approx(100 / 3)
+    assert forks.window_clustering_ratio([10, 20, 50], 100, 5) == 0.0
+    assert forks.window_clustering_ratio([10, 20, 50], 100, 40) == 100.0
+    assert forks.window_clustering_ratio([4, 4, 9, 60], 100, 5) == pytest.approx(300 / 6)   # (4,4) (4,9)×2
+    assert forks.window_clustering_ratio([1], 100, 5) is None
 
 
 def test_pass_rate_and_mean_of():
-    assert A.pass_rate([0.0, 0.0, 1.0]) == 1.0
-    assert A.pass_rate([0.0, 0.0]) == 0.0 and A.pass_rate([]) == 0.0
-    assert A.mean_of([None, 1.0, 3.0]) == 2.0 and A.mean_of([None]) is None
+    assert common.pass_rate([0.0, 0.0, 1.0]) == 1.0
+    assert common.pass_rate([0.0, 0.0]) == 0.0 and common.pass_rate([]) == 0.0
+    assert common.mean_of([None, 1.0, 3.0]) == 2.0 and common.mean_of([None]) is None
 
 
 # ---- difficulty buckets (App. B) -------------------------------------------------------------------------
 def test_difficulty_bucket_thresholds():
-    got = [A.difficulty_bucket(c) for c in range(13)]
+    got = [difficulty.difficulty_bucket(c) for c in range(13)]
     assert got == [None] + ["hard"] * 4 + ["medium"] * 4 + ["easy"] * 3 + [None]
     with pytest.raises(ValueError):
-        A.difficulty_bucket(13)
+        difficulty.difficulty_bucket(13)
 
 
 def test_difficulty_split_subsamples_with_a_seed():
     counts = [0, 12, 1, 2, 3, 5, 9, 10, 11, 6]
-    full = A.difficulty_split(counts, 12, size=100, seed=0)
+    full = difficulty.difficulty_split(counts, 12, size=100, seed=0)
     assert full == {"easy": [6, 7, 8], "medium": [5, 9], "hard": [2, 3, 4]}
-    small = A.difficulty_split(counts, 12, size=2, seed=3)
+    small = difficulty.difficulty_split(counts, 12, size=2, seed=3)
     assert all(len(v) == 2 and set(v) <= set(full[b]) for b, v in small.items())
-    assert small == A.difficulty_split(counts, 12, size=2, seed=3)
+    assert small == difficulty.difficulty_split(counts, 12, size=2, seed=3)
 
 
 # ---- tree.level_stats (train.py logs it) -----------------------------------------------------------------
@@ -80,11 +88,11 @@ def test_level_summary_weights_by_prompts():
     steps = [{"levels": {"1": {"prompts": 1, "leaves": 4.0, "pass_rate": 1.0}}},
              {"levels": {"1": {"prompts": 3, "leaves": 8.0, "pass_rate": 0.0}, "2": {"prompts": 1, "leaves": 2.0,
                                                                                  "pass_rate": 0.0}}}]
-    assert A.level_summary(steps) == {"1": {"prompts": 4, "leaves": 7.0, "pass_rate": 0.25},
-                                      "2": {"prompts": 1, "leaves": 2.0, "pass_rate": 0.0}}
+    assert dynamics.level_summary(steps) == {"1": {"prompts": 4, "leaves": 7.0, "pass_rate": 0.25},
+                                             "2": {"prompts": 1, "leaves": 2.0, "pass_rate": 0.0}}
 
 
-# ---- rollout.grow_from_forks -----------------------------------------------------------------------------
+# ---- studies/growth.grow_from_forks ----------------------------------------------------------------------
 def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monkeypatch):
     model, tok = tiny_policy
     graded = []
@@ -95,7 +103,7 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
     base = R.sample_base(sampler, [tok("What is 3 + 4?", add_special_tokens=False).input_ids], 2, 12, keep_cache=True)
     saved = [list(t) for t in base.tokens]
     forks = {0: [3, 7], 1: [5]}
-    subtrees = R.grow_from_forks(sampler, tok, base, forks, 3, ["7", "7"], 12, chunk_size=4, base_rewards=[1.0, 0.0])
+    subtrees = growth.grow_from_forks(sampler, tok, base, forks, 3, ["7", "7"], 12, chunk_size=4, base_rewards=[1.0, 0.0])
     for r, fs in forks.items():
         blocks = subtrees[r]
         chain = [b for b in blocks if not b.branch]
@@ -107,7 +115,7 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
             parent = blocks[b.parent]
             assert parent.start + len(parent.token_ids) == b.start and len(b.token_ids) <= 12
             assert tok.decode(saved[r][:b.start] + b.token_ids, skip_special_tokens=True) in graded
-    again = R.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4, budget="remaining")
+    again = growth.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4, budget="remaining")
     assert base.tokens == saved and len(again[0]) == 2 + 2      # the base can be branched again
     assert all(2 + len(b.token_ids) <= 12 for b in again[0] if b.branch)   # "remaining": the path fits in 12
 
@@ -129,10 +137,9 @@ class FakeGrader:
 def test_train_command_rebuilds_the_config():
     cfg = C.make_config("grpo-g8", "demo", steps=3, few_shot=False, max_new_tokens=40, out_dir="runs/x y",
                         report_to=["tensorboard"])
-    command = A.train_command("grpo-g8", "demo", cfg)
+    command = common.train_command("grpo-g8", "demo", cfg)
     assert "--steps 3" in command and "--few_shot false" in command and "'runs/x y'" in command
     assert "--report_to tensorboard" in command                 # a list field: its items, not "['tensorboard']"
-    import shlex
     assert C.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
 
 
@@ -146,16 +153,13 @@ def test_config_has_the_g_sweep_rows():
 
 @pytest.mark.slow
 def test_difficulty_split_trains_and_reports(tmp_path, monkeypatch):
-    import data
-    import evaluate
-
-    problems = A.load_study_problems("arith-train", 6, [])
+    problems = common.load_study_problems("arith-train", 6, [])
     golds = [p["answer"] for p in problems]
     assert len(set(golds)) == 6
     monkeypatch.setattr(evaluate, "compute_reward", FakeGrader(dict(zip(golds, [0, 2, 6, 10, 12, 3]))))
     out = tmp_path / "difficulty"
-    A.main(["difficulty", "--scale", "tiny", "--out_dir", str(out), "--g", "4"])
-    kept = {b: data.load_problems(str(out / f"{b}.jsonl")) for b in A.DIFFICULTY_BUCKETS}
+    cli.main(["difficulty", "--scale", "tiny", "--out_dir", str(out), "--g", "4"])
+    kept = {b: data.load_problems(str(out / f"{b}.jsonl")) for b in difficulty.DIFFICULTY_BUCKETS}
     assert [p["answer"] for p in kept["easy"]] == [golds[3]]
     assert sorted(p["answer"] for p in kept["hard"]) == sorted([golds[1], golds[5]])
     assert [p["answer"] for p in kept["medium"]] == [golds[2]]
@@ -171,9 +175,10 @@ def test_difficulty_split_trains_and_reports(tmp_path, monkeypatch):
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert all("levels" in x for x in lines)          # arithmetic problems carry levels
     report = tmp_path / "report"
-    A.main(["difficulty-report", "--scale", "tiny", "--out_dir", str(report), "--from_dir", str(out)])
+    cli.main(["difficulty-report", "--scale", "tiny", "--out_dir", str(report), "--from_dir", str(out)])
     scores = json.loads((report / "result.json").read_text())["scores"]
-    assert sorted(scores) == sorted(f"{b}_g{g}" for b in A.DIFFICULTY_BUCKETS for g in (4,))   # trained only
+    trained = sorted(f"{b}_g{g}" for b in difficulty.DIFFICULTY_BUCKETS for g in (4,))
+    assert sorted(scores) == trained                                    # the trained runs only
     for per_bench in scores.values():       # per-problem counts behind the intervals agree with the means
         r = per_bench["arith-test"]
         k, counts = r["k"], r["correct_per_problem"]
@@ -184,7 +189,7 @@ def test_difficulty_split_trains_and_reports(tmp_path, monkeypatch):
 
 def test_tree_vs_parallel_tiny(tmp_path):
     out = tmp_path / "tvp"
-    A.main(["tree-vs-parallel", "--scale", "tiny", "--out_dir", str(out), "--limit", "1"])
+    cli.main(["tree-vs-parallel", "--scale", "tiny", "--out_dir", str(out), "--limit", "1"])
     result = json.loads((out / "result.json").read_text())
     (rec,) = result["records"]
     assert rec["parallel/2"]["tokens"] <= rec["parallel/4"]["tokens"]          # nested samples
@@ -194,7 +199,7 @@ def test_tree_vs_parallel_tiny(tmp_path):
     assert (out / "tree_vs_parallel.png").exists() and "PassRate" in (out / "table.md").read_text()
     table = (out / "table.md").read_text()
     (out / "table.md").unlink()                                              # rebuilt from result.json alone
-    A.main(["tree-vs-parallel", "--scale", "tiny", "--out_dir", str(out), "--from_result", "true"])
+    cli.main(["tree-vs-parallel", "--scale", "tiny", "--out_dir", str(out), "--from_result", "true"])
     assert (out / "table.md").read_text() == table
 
 
@@ -205,16 +210,19 @@ def _tvp_records(parallel, tree):
 
 def test_difficulty_report_intervals_over_problems_by_hand():
     # 4 problems, k = 2: shares (1, 0.5, 0, 0.5) mean 0.5, sd √(1/6); any-correct (1, 1, 0, 1) mean 0.75, sd 0.5
-    cell = A.problem_intervals({"avg@k": 0.5, "pass@k": 0.75, "correct_per_problem": [2, 1, 0, 1]}, 2)
+    scores = {"avg@k": 0.5, "pass@k": 0.75, "correct_per_problem": [2, 1, 0, 1]}
+    cell = difficulty.problem_intervals(scores, 2)
     t3 = 3.182446
     assert cell == f"0.500 ± {t3 * (1 / 6) ** 0.5 / 2:.3f} / 0.750 ± {t3 * 0.5 / 2:.3f}"
-    assert A.problem_intervals({"avg@k": 0.5, "pass@k": 0.75}, 2) == "0.500 / 0.750"      # older cached scores
+    # older cached scores, without per-problem counts: the means alone
+    assert difficulty.problem_intervals({"avg@k": 0.5, "pass@k": 0.75}, 2) == "0.500 / 0.750"
 
 
 def test_tree_vs_parallel_intervals_and_paired_verdicts_by_hand():
     o = {"parallel_m": [2], "tree_n": [1], "methods": ["random"], "k": 1, "b": 1, "data": "x", "levels": [],
          "repeats": 1}
-    summary, table = A.summarise_tree_vs_parallel(_tvp_records([0, 0, 1, 0], [1, 1, 1, 0]), o, 4)
+    records = _tvp_records([0, 0, 1, 0], [1, 1, 1, 0])
+    summary, table = tree_vs_parallel.summarise_tree_vs_parallel(records, o, 4)
     (point,) = summary["tree random"]
     # PassRate 3/4; sd of (1,1,1,0) = 0.5, t(0.975, 3) = 3.1824 → half-width 3.1824 · 0.5 / 2
     assert point["pass_rate"] == 0.75 and point["pass_rate_ci"] == pytest.approx(3.182446 * 0.5 / 2, rel=1e-5)
@@ -222,18 +230,18 @@ def test_tree_vs_parallel_intervals_and_paired_verdicts_by_hand():
     (pair,) = summary["paired"]
     assert pair[:3] == ["tree random N = 1", "M = 2", 0.8] and pair[3] == "50.0 ± 91.9"
     assert pair[4] == "no difference shown" and "no difference shown" in table
-    summary, _ = A.summarise_tree_vs_parallel(_tvp_records([0, 0, 0, 0], [1, 1, 1, 1]), o, 4)
+    summary, _ = tree_vs_parallel.summarise_tree_vs_parallel(_tvp_records([0, 0, 0, 0], [1, 1, 1, 1]), o, 4)
     assert summary["paired"][0][4] == "tree higher"             # every unit +1: a zero-width interval above 0
-    summary, _ = A.summarise_tree_vs_parallel(_tvp_records([1, 1, 0, 1], [0, 0, 0, 0]), o, 4)
+    summary, _ = tree_vs_parallel.summarise_tree_vs_parallel(_tvp_records([1, 1, 0, 1], [0, 0, 0, 0]), o, 4)
     assert summary["paired"][0][4] == "no difference shown"     # (−1, −1, 0, −1): −0.75 ± 0.80 straddles 0
-    summary, _ = A.summarise_tree_vs_parallel(_tvp_records([1, 1, 1, 1], [0, 0, 0, 0]), o, 4)
+    summary, _ = tree_vs_parallel.summarise_tree_vs_parallel(_tvp_records([1, 1, 1, 1], [0, 0, 0, 0]), o, 4)
     assert summary["paired"][0][4] == "parallel higher"
 
 
 def test_forks_share_one_base_rollout_per_repeat(tmp_path):
     out = tmp_path / "forks"
-    A.main(["forks", "--scale", "tiny", "--out_dir", str(out), "--limit", "1",
-            "--strategies", "random", "fixed-seg", "tok-entropy"])
+    cli.main(["forks", "--scale", "tiny", "--out_dir", str(out), "--limit", "1",
+              "--strategies", "random", "fixed-seg", "tok-entropy"])
     records = json.loads((out / "result.json").read_text())["records"]
     assert len(records) == 2 * 3
     for repeat in (0, 1):
@@ -241,10 +249,10 @@ def test_forks_share_one_base_rollout_per_repeat(tmp_path):
         assert len({json.dumps(r["base"]) for r in mine}) == 1                # every strategy, the same base
         for r in mine:
             assert r["leaves"] == 1 + 2 * len(r["forks"])
-            assert r["NND"] == A.nearest_neighbor_distance(r["forks"], r["length"])
+            assert r["NND"] == forks.nearest_neighbor_distance(r["forks"], r["length"])
     assert (out / "fork_table.png").exists() and (out / "localization.png").exists()
     table = (out / "table.md").read_text()
-    A.main(["forks", "--scale", "tiny", "--out_dir", str(out), "--from_result", "true"])
+    cli.main(["forks", "--scale", "tiny", "--out_dir", str(out), "--from_result", "true"])
     assert (out / "table.md").read_text() == table                       # rebuilt from result.json alone
 
 
@@ -255,9 +263,9 @@ def test_fork_table_pairs_every_strategy_with_sent_entropy_on_the_same_rollouts(
                 "WCR@10": 0.0}
     records = [rec(i, "sent-entropy", 1.0, 0.5 + 0.1 * i) for i in range(3)] + \
         [rec(i, "tok-entropy", float(i == 0), 0.7 + 0.1 * i) for i in range(3)]
-    strategies = [s for s in A.FORK_STRATEGIES if s[0] in ("tok-entropy", "sent-entropy")]
+    strategies = [s for s in forks.FORK_STRATEGIES if s[0] in ("tok-entropy", "sent-entropy")]
     o = {"k": 2, "b": 1, "data": "x", "levels": [], "repeats": 1}
-    summary, table = A.summarise_forks(records, strategies, o, 3, "m")
+    summary, table = forks.summarise_forks(records, strategies, o, 3, "m")
     (pair,) = summary["paired"]
     # PassRate differences (0, 1, 1): mean 2/3, sd 0.57735, t(0.975, 2) = 4.3027 → ± 1.434: not shown;
     # SibDiv differences −0.2 each: a zero-width interval below 0 → tok-entropy's SibDiv higher
@@ -268,7 +276,7 @@ def test_fork_table_pairs_every_strategy_with_sent_entropy_on_the_same_rollouts(
 
 def test_show_forks_tiny(tmp_path):
     out = tmp_path / "show"
-    A.main(["show-forks", "--scale", "tiny", "--out_dir", str(out)])
+    cli.main(["show-forks", "--scale", "tiny", "--out_dir", str(out)])
     result = json.loads((out / "result.json").read_text())
     assert set(result["forks"]) == {"tok-entropy", "fixed-seg"}
     page = (out / "forks.html").read_text()
@@ -277,22 +285,20 @@ def test_show_forks_tiny(tmp_path):
 
 
 def test_token_lines_wraps_and_breaks():
-    lines = A.token_lines(["ab", "cd\ne", "fgh", ""], width=4)
+    lines = forks.token_lines(["ab", "cd\ne", "fgh", ""], width=4)
     # "cd" fills line 0 to the width; the newline starts line 1; EOS (empty) shows as a dot
     assert lines == [[(0, 0, "ab"), (1, 2, "cd")], [(1, 0, "e"), (2, 1, "fgh"), (3, 4, "·")]]
-    assert A.token_lines(["abc", "de"], width=4) == [[(0, 0, "abc")], [(1, 0, "de")]]      # wraps
+    assert forks.token_lines(["abc", "de"], width=4) == [[(0, 0, "abc")], [(1, 0, "de")]]      # wraps
 
 
 @pytest.mark.slow
 def test_dynamics_reads_levels_and_scores_checkpoints(tmp_path):
-    import train
-
     run = tmp_path / "run"
     train.train(C.make_config("tiny", out_dir=str(run), steps=2, save_every=1))
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(set(x["levels"]) <= {"1", "2", "3", "4", "5"} and x["levels"] for x in lines)
     out = tmp_path / "dyn"
-    A.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
+    cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
     result = json.loads((out / "result.json").read_text())
     (info,) = result["runs"].values()
     assert sorted(info["checkpoints"]) == ["1", "2"]
@@ -300,47 +306,75 @@ def test_dynamics_reads_levels_and_scores_checkpoints(tmp_path):
     for name in ("learning_curve.png", "leaf_count.png", "passk_checkpoints.png"):
         assert (out / name).exists()
     cached = sorted((out / "scores" / "run").iterdir())
-    A.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])   # nothing re-scored
+    cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])   # nothing re-scored
     assert sorted((out / "scores" / "run").iterdir()) == cached
+
+
+def test_dynamics_and_main_table_name_a_torn_metrics_line_and_refuse_a_torn_config(tmp_path, capsys):
+    """A run killed mid-write leaves a torn last line: it is left out and named; a torn config.json is one
+    line (exit 2) naming it, not a traceback; the run folder is not written to."""
+    run = tmp_path / "run"
+    run.mkdir()
+    good = {"step": 1, "reward": 0.5, "levels": {"1": {"prompts": 2, "leaves": 3.0, "pass_rate": 0.5}}}
+    (run / "metrics.jsonl").write_text(json.dumps(good) + "\n" + '{"step": 2, "rew')
+    (run / "config.json").write_text('{"method": "datpo"}')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert main_table.step_records(run) == [good]
+    assert capsys.readouterr().err.strip().endswith("metrics.jsonl: line(s) 2 torn (not a JSON record); left out")
+    out = tmp_path / "dyn"
+    cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
+    assert json.loads((out / "result.json").read_text())["runs"]["run (datpo)"]["levels"]["1"]["prompts"] == 2
+    assert "line(s) 2 torn" in capsys.readouterr().err
+    (run / "config.json").write_text('{"method": "da')
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main_guard(cli.main, ["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and "Traceback" not in "".join(err)
+    assert [line for line in err if "error:" in line] == [err[-1]]      # the torn metrics line is named first
+    assert re.search(r"error: dynamics: .*config.json: not JSON \(.*\); expected the config.json train.py writes",
+                     err[-1])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != "config.json"} == \
+        {k: v for k, v in before.items() if k != "config.json"}
 
 
 def test_cli_rejects_unknown_study_and_bad_flags(capsys):
     with pytest.raises(SystemExit):
-        A.main(["nope"])
+        cli.main(["nope"])
     with pytest.raises(SystemExit):
-        A.main(["forks", "--scale", "tiny", "--k", "x"])
+        cli.main(["forks", "--scale", "tiny", "--k", "x"])
     with pytest.raises(SystemExit):
-        A.main(["difficulty", "--scale", "tiny", "--g", "5"])
+        cli.main(["difficulty", "--scale", "tiny", "--g", "5"])
 
 
 # ---- main-table (Sec. 5.2 in miniature) ---------------------------------------------------------------------
 def test_t_interval_and_pass_curve_by_hand():
-    mean, half = A.t_interval([1.0, 2.0, 3.0])
+    mean, half = common.t_interval([1.0, 2.0, 3.0])
     # sd = 1, n = 3, t(0.975, df 2) = 4.302653 → half-width 4.302653 / √3
     assert mean == pytest.approx(2.0) and half == pytest.approx(4.302653 / 3 ** 0.5, rel=1e-6)
-    assert A.t_interval([0.5]) == (0.5, None)
+    assert common.t_interval([0.5]) == (0.5, None)
     # two problems, n = 4 samples: 1 and 0 correct. pass@1 = (1/4 + 0)/2; pass@2 = (1 − C(3,2)/C(4,2))/2 = (1/2)/2
-    curve = A.pass_curve([1, 0], 4)
+    curve = main_table.pass_curve([1, 0], 4)
     assert curve == pytest.approx({1: 0.125, 2: 0.25, 3: 0.375, 4: 0.5})
 
 
 def test_equal_token_group_size():
-    assert A.equal_token_group_size(639.0, 40.0) == 16      # 15.98 → 16
-    assert A.equal_token_group_size(50.0, 40.0) == 2        # never below 2
+    assert main_table.equal_token_group_size(639.0, 40.0) == 16      # 15.98 → 16
+    assert main_table.equal_token_group_size(50.0, 40.0) == 2        # never below 2
     with pytest.raises(ValueError):
-        A.equal_token_group_size(100.0, 0.0)
+        main_table.equal_token_group_size(100.0, 0.0)
 
 
 def test_main_table_tiny_trains_evaluates_and_resumes(tmp_path):
     out = tmp_path / "mt"
-    A.main(["main-table", "--scale", "tiny", "--out_dir", str(out), "--seeds", "0", "1", "--equal_tokens", "true"])
+    cli.main(["main-table", "--scale", "tiny", "--out_dir", str(out), "--seeds", "0", "1",
+              "--equal_tokens", "true"])
     result = json.loads((out / "result.json").read_text())
     assert set(result["cells"]) == {"paper_s0", "paper_s1", "grpo_s0", "grpo_s1"}
     g = result["equal_tokens_group_size"]
     assert result["cells"]["grpo_s0"]["group_size"] == g
     pilot = [json.loads(x) for x in (out / "runs" / "pilot_grpo" / "metrics.jsonl").read_text().splitlines()]
     datpo = [result["cells"][f"paper_s{s}"]["tokens_per_problem"] for s in (0, 1)]
-    assert g == A.equal_token_group_size(sum(datpo) / 2, pilot[0]["generated_tokens_per_prompt"] / 4)
+    assert g == main_table.equal_token_group_size(sum(datpo) / 2, pilot[0]["generated_tokens_per_prompt"] / 4)
     for name, cell in result["cells"].items():   # every cell trained to its last step and was evaluated
         assert (out / "runs" / name / "checkpoints" / "step_000002").is_dir()
         assert len(cell["pass_curve"]) == 2 and 0 <= cell["avg@k"] <= 1
@@ -352,10 +386,10 @@ def test_main_table_tiny_trains_evaluates_and_resumes(tmp_path):
     # their scores are left alone
     finished = (out / "runs" / "paper_s0" / "metrics.jsonl").read_text()
     cell = out / "runs" / "grpo_s1"
-    import shutil
     shutil.rmtree(cell / "checkpoints" / "step_000002")
     (out / "scores" / "grpo_s1.json").unlink()
-    A.main(["main-table", "--scale", "tiny", "--out_dir", str(out), "--seeds", "0", "1", "--equal_tokens", "true"])
+    cli.main(["main-table", "--scale", "tiny", "--out_dir", str(out), "--seeds", "0", "1",
+              "--equal_tokens", "true"])
     assert (out / "runs" / "paper_s0" / "metrics.jsonl").read_text() == finished
     assert (cell / "checkpoints" / "step_000002").is_dir() and (out / "scores" / "grpo_s1.json").exists()
     steps = [json.loads(x)["step"] for x in (cell / "metrics.jsonl").read_text().splitlines()]
@@ -365,20 +399,20 @@ def test_main_table_tiny_trains_evaluates_and_resumes(tmp_path):
 def test_cli_unknown_or_missing_study_ends_with_an_error_line(capsys):
     for argv, what in ((["bogus"], "unknown study 'bogus'"), ([], "a STUDY is required")):
         with pytest.raises(SystemExit) as exit_info:
-            A.main(argv)
+            cli.main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2
-        assert err[0].startswith("usage: python analysis.py STUDY")
-        assert err[-1] == f"analysis.py: error: {what}; expected one of {', '.join(A.STUDIES)}"
+        assert err[0].startswith("usage: python -m studies STUDY")
+        assert err[-1] == f"python -m studies: error: {what}; expected one of {', '.join(cli.STUDIES)}"
     with pytest.raises(SystemExit) as exit_info:
-        A.main(["--help"])
+        cli.main(["--help"])
     assert exit_info.value.code == 0 and "error:" not in capsys.readouterr().err
 
 
 def test_main_table_pairs_methods_by_problem_by_hand():
     cells = {"paper_s0": {"preset": "paper", "correct": [2, 0]}, "paper_s1": {"preset": "paper", "correct": [1, 0]},
              "grpo_s0": {"preset": "grpo", "correct": [0, 0]}, "grpo_s1": {"preset": "grpo", "correct": [1, 1]}}
-    text = A.paired_by_problem(cells, ["paper", "grpo"], 2)
+    text = main_table.paired_by_problem(cells, ["paper", "grpo"], 2)
     # avg shares per problem: paper (0.75, 0), grpo (0.25, 0.25) → differences (0.5, −0.25): mean 0.125,
     # sd 0.375·√2, t(0.975, 1) = 12.7062 → half-width 12.7062 · 0.53033 / √2 = 4.7648
     # any-correct per seed: paper (1, 0), grpo (0.5, 0.5) → differences (0.5, −0.5): mean 0, half 6.3531
@@ -386,4 +420,4 @@ def test_main_table_pairs_methods_by_problem_by_hand():
     cells["grpo_s0"]["correct"] = cells["grpo_s1"]["correct"] = [0, 0]
     cells["paper_s0"]["correct"] = cells["paper_s1"]["correct"] = [2, 2]
     assert "| paper − grpo | 2 | 100.0 ± 0.0 | paper higher | 100.0 ± 0.0 | paper higher |" in \
-        A.paired_by_problem(cells, ["paper", "grpo"], 2)
+        main_table.paired_by_problem(cells, ["paper", "grpo"], 2)

@@ -1,0 +1,208 @@
+"""studies/common.py — what every Section 3 study shares: the Study it runs on, the statistics its tables
+report, loading problems and the policy, writing result.json/table.md, and plotting.
+
+Statistics (pure functions over plain lists):
+  pass_rate         App. C.2 PassRate: 1 if any leaf's reward is 1
+  mean_of           mean over the values that are not None
+  correct_counts    correct samples per problem, from evaluate's per-sample records
+  t_interval        mean and 95 % Student-t half-width (the independent units: seeds, problems or rollouts)
+  pm, verdict       'mean ± half' cells, and what a paired difference's interval shows
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from scipy import stats
+
+import config as C
+import data
+import models
+import rollout as R
+
+# --------------------------------------------------------------------------------------------------------
+# Settings every study's scales share. A study's <STUDY>_SCALES give, per scale, `config` (Config fields)
+# and the study's own flags (studies/__main__.py's STUDY_FLAGS), which the command line overrides.
+# --------------------------------------------------------------------------------------------------------
+PAPER_MODEL = "Qwen/Qwen2.5-3B-Instruct"     # App. B, C.2, D.5 analyse the instruct model
+DEMO_CONFIG = dict(max_new_tokens=48, few_shot=True)
+TINY_CONFIG = dict(max_new_tokens=10)
+STRATEGY_COLORS = {"random": "tab:gray", "fixed-seg": "tab:green", "atb": "tab:blue",
+                   "tok-entropy": "tab:red", "sent-entropy": "tab:purple", "parallel": "black"}
+
+
+@dataclasses.dataclass
+class Study:
+    """One study's run: its name, the Config its models use, its own options, its output folder, its scale."""
+    name: str
+    cfg: C.Config
+    opts: dict
+    out: Path
+    scale: str
+
+
+# --------------------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------------------
+def pass_rate(rewards) -> float:
+    """PassRate (App. C.2): 1.0 if any leaf's reward is 1, else 0.0."""
+    return float(any(r == 1 for r in rewards))
+
+
+def mean_of(values) -> float | None:
+    """Mean of the values that are not None (aggregates over responses are means of per-response values)."""
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def correct_counts(records: list[dict], n_problems: int) -> list[int]:
+    """Correct samples per problem (evaluate's records: one per sample, with its problem index)."""
+    counts = [0] * n_problems
+    for rec in records:
+        counts[rec["index"]] += int(rec["correct"])
+    return counts
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float | None]:
+    """(mean, half-width of the two-sided Student-t interval over the values); half-width None for one value.
+    The values are independent units: seeds (each a whole training run, evaluated once), problems or base
+    rollouts."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+
+
+def pm(value: float, half: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    """'value ± half', both × scale (100: percentages); half None: one unit, no interval."""
+    return f"{value * scale:.{digits}f}" + ("" if half is None else f" ± {half * scale:.{digits}f}")
+
+
+def verdict(diff: float, half: float | None, first: str, second: str) -> str:
+    """What a paired difference's 95 % interval says: one side higher, or no difference shown."""
+    if half is None:
+        return "one unit: no interval"
+    if diff - half > 0:
+        return f"{first} higher"
+    if diff + half < 0:
+        return f"{second} higher"
+    return "no difference shown"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Loading problems and the policy
+# --------------------------------------------------------------------------------------------------------
+def load_study_problems(source: str, limit: int, levels: list[int]) -> list[dict]:
+    """Problems of `source`, only the given levels (if any), first `limit` of them (0 = all)."""
+    problems = data.load_problems(source)
+    if levels:
+        problems = [p for p in problems if p.get("level") in levels]
+    problems = problems[:limit] if limit else problems
+    if not problems:
+        raise ValueError(f"no problems in {source!r} with levels {levels or 'any'}")
+    return problems
+
+
+def load_policy(cfg: C.Config):
+    """(model in eval mode, tokenizer, device) for cfg.model, with cfg's threads and seed set first."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    device = models.pick_device(cfg.device)
+    model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
+                                          seed=cfg.seed)
+    return model.eval(), tokenizer, device
+
+
+class Sampling(NamedTuple):
+    """What the sampling studies (tree-vs-parallel, forks, show-forks) share."""
+    problems: list[dict]
+    model: object
+    tokenizer: object
+    device: torch.device
+    sampler: R.Sampler
+    prompt_ids: list[list[int]]   # one per problem
+
+
+def sampling_setup(study: Study) -> Sampling:
+    """The study's problems, the policy, a rollout.Sampler and each problem's prompt ids."""
+    cfg, o = study.cfg, study.opts
+    problems = load_study_problems(o["data"], o["limit"], o["levels"])
+    model, tokenizer, device = load_policy(cfg)
+    return Sampling(problems, model, tokenizer, device, R.Sampler.from_config(model, tokenizer, cfg),
+                    prompt_ids_of(problems, tokenizer, cfg))
+
+
+def prompt_ids_of(problems, tokenizer, cfg) -> list[list[int]]:
+    return [tokenizer(data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot),
+                      add_special_tokens=False).input_ids for p in problems]
+
+
+def base_rewards(tokenizer, base, answers: list[str], cfg) -> list[float]:
+    """The reward of each base response (rollout.sample_base's rows) against its gold answer."""
+    return R.grade_responses(tokenizer, base.tokens, answers, cfg.answer_fallback)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Outputs: result.json, table.md, train.py command lines
+# --------------------------------------------------------------------------------------------------------
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def cell(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1 else f"{v:.1f}"
+        return str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(study: Study, result: dict, table: str, seconds: float) -> None:
+    result = {"study": study.name, "scale": study.scale, "seconds": seconds,
+              "config": json.loads(study.cfg.to_json()), "options": study.opts, **result}
+    (study.out / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    (study.out / "table.md").write_text(table)
+    print(table)
+    print(f"[{study.name}] {seconds:.0f}s; wrote {study.out}/result.json, table.md and figures", flush=True)
+
+
+def train_command(preset: str, scale: str, cfg: C.Config) -> str:
+    """The train.py command line that rebuilds `cfg`: the preset and scale plus every field that differs."""
+    def flag_value(value) -> str:   # as train.py's parser reads it: true/false, list items space-separated
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, list):
+            return " ".join(shlex.quote(str(v)) for v in value)
+        return shlex.quote(str(value))
+
+    default = C.make_config(preset, scale)
+    flags = [f"--{f.name} {flag_value(getattr(cfg, f.name))}"
+             for f in dataclasses.fields(C.Config) if getattr(cfg, f.name) != getattr(default, f.name)]
+    return " ".join(["python train.py --preset", preset, "--scale", scale, *flags])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Plotting
+# --------------------------------------------------------------------------------------------------------
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend. Imported here, when a study first draws, so that
+    importing a study's pure functions (the tests do) neither loads pyplot nor picks a backend for the
+    caller."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def legend_if_any(ax) -> None:
+    """A legend only where something was labelled (matplotlib warns on an empty one)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)

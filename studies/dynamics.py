@@ -1,0 +1,156 @@
+"""studies/dynamics.py — Sec. 5.2 / App. E.5: how training went, read from train.py run folders: the learning
+curve (Sec. 5.2 "learning curve"), leaves and PassRate per difficulty level ("leaf count"), and pass@k of each
+saved checkpoint (App. E.5 "pass@64 across checkpoints").
+
+    python -m studies dynamics --runs runs/paper runs/treerl runs/attnrl
+
+Checkpoint scores are cached in OUT/scores/<run>/, so a rerun evaluates only new checkpoints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import evaluate
+from harness import faults, tracking
+from studies.common import (DEMO_CONFIG, TINY_CONFIG, Study, legend_if_any, load_policy, load_study_problems,
+                            markdown_table, pyplot, write_outputs)
+
+DYNAMICS_SCALES = {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH level, pass@64 on AIME26
+    "paper": dict(config=dict(max_new_tokens=2048), bench="aime26", k=64, limit=0, checkpoints=True),
+    "demo": dict(config=DEMO_CONFIG, bench="arith-test", k=4, limit=6, checkpoints=True),
+    "tiny": dict(config=TINY_CONFIG, bench="arith-test", k=2, limit=2, checkpoints=True),
+}
+
+
+def level_summary(step_records: list[dict]) -> dict[str, dict]:
+    """Per level, over a run's logged steps: leaves per prompt and PassRate weighted by the prompts logged
+    (train.py writes tree.level_stats into each step record)."""
+    totals: dict[str, list[float]] = {}
+    for rec in step_records:
+        for level, s in rec.get("levels", {}).items():
+            t = totals.setdefault(level, [0.0, 0.0, 0.0])
+            t[0] += s["prompts"]
+            t[1] += s["leaves"] * s["prompts"]
+            t[2] += s["pass_rate"] * s["prompts"]
+    return {lv: {"prompts": int(t[0]), "leaves": t[1] / t[0], "pass_rate": t[2] / t[0]}
+            for lv, t in sorted(totals.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
+
+
+def read_run(study: Study, folder: Path) -> tuple[str, dict]:
+    """(label, what the figures need) of one train.py run folder: its eval curve, its per-level train-time
+    summary and, with --checkpoints true, each saved checkpoint's scores."""
+    metrics = folder / "metrics.jsonl"
+    if not metrics.exists():
+        raise SystemExit(f"dynamics: {metrics} not found (expected a train.py run folder)")
+    records, torn = tracking.read_metrics(metrics)
+    if torn:
+        faults.say(f"dynamics: {metrics}: line(s) {', '.join(map(str, torn))} torn (not a JSON record); left out")
+    run_cfg = read_config(folder / "config.json")
+    label = f"{folder.name} ({run_cfg.get('method', '?')})"
+    evals = [r for r in records if "eval" in r]
+    key = next((k for r in evals for k in r if k.startswith("avg@")), None)
+    run = {"folder": str(folder), "config": run_cfg,
+           "curve": [(r["step"], r[key]) for r in evals] if key else [], "curve_metric": key,
+           "levels": level_summary([r for r in records if "eval" not in r]), "checkpoints": {}}
+    if study.opts["checkpoints"]:
+        for ckpt in sorted((folder / "checkpoints").glob("step_*")):
+            run["checkpoints"][int(ckpt.name.split("_")[1])] = score_checkpoint(study, folder, ckpt, run_cfg)
+    return label, run
+
+
+def read_config(path: Path) -> dict:
+    """A run's config.json ({} when there is none); a torn one is one line naming it."""
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise faults.UserError(f"dynamics: {path}: not JSON ({err}); expected the config.json train.py "
+                               f"writes (torn by a kill or an edit? leave the run out of --runs)") from None
+    if not isinstance(config, dict):
+        raise faults.UserError(f"dynamics: {path}: a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def score_checkpoint(study: Study, folder: Path, ckpt: Path, run_cfg: dict) -> dict:
+    """avg@k and pass@k of one checkpoint on --bench, from OUT/scores/<run>/ or evaluated now and cached."""
+    cfg, o = study.cfg, study.opts
+    cache = study.out / "scores" / folder.name / f"{ckpt.name}_{o['bench']}_k{o['k']}.json"
+    if not cache.exists():
+        eval_cfg = dataclasses.replace(cfg, model=str(ckpt), **{
+            k: run_cfg[k] for k in ("prompt_style", "few_shot", "answer_fallback") if k in run_cfg})
+        model, tokenizer, _ = load_policy(eval_cfg)
+        result = evaluate.evaluate_problems(model, tokenizer, load_study_problems(o["bench"], o["limit"], []),
+                                            eval_cfg, k=o["k"], max_new_tokens=cfg.max_new_tokens,
+                                            desc=f"{folder.name}/{ckpt.name}")
+        result.pop("records")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(result, indent=2))
+        del model
+    return json.loads(cache.read_text())
+
+
+def dynamics_figures(study: Study, runs: dict) -> list[Path]:
+    """Learning curves, leaves and PassRate per level (bars per run), pass@k per checkpoint."""
+    o = study.opts
+    plt = pyplot()
+    figures = [study.out / "learning_curve.png", study.out / "leaf_count.png",
+               study.out / "passk_checkpoints.png"]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for label, run in runs.items():
+        if run["curve"]:
+            ax.plot(*zip(*run["curve"]), "o-", label=f"{label} {run['curve_metric']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy (train.py eval)")
+    legend_if_any(ax)
+    fig.tight_layout()
+    fig.savefig(figures[0], dpi=110)
+    plt.close(fig)
+    levels = sorted({lv for run in runs.values() for lv in run["levels"]}, key=lambda x: (len(x), x))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(len(runs), 1)
+    for j, (label, run) in enumerate(runs.items()):
+        xs = [i + j * width for i in range(len(levels))]
+        left.bar(xs, [run["levels"].get(lv, {}).get("leaves", 0) for lv in levels], width, label=label)
+        right.bar(xs, [run["levels"].get(lv, {}).get("pass_rate", 0) for lv in levels], width, label=label)
+    for ax, name in ((left, "leaves per prompt (train-time)"), (right, "PassRate (train-time)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(levels))], [f"level {lv}" for lv in levels])
+        ax.set_ylabel(name)
+        legend_if_any(ax)
+    fig.tight_layout()
+    fig.savefig(figures[1], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for label, run in runs.items():
+        if run["checkpoints"]:
+            steps = sorted(run["checkpoints"])
+            ax.plot(steps, [run["checkpoints"][s]["pass@k"] for s in steps], "o-", label=label)
+    ax.set_xlabel("checkpoint step")
+    ax.set_ylabel(f"pass@{o['k']} on {o['bench']}")
+    legend_if_any(ax)
+    fig.tight_layout()
+    fig.savefig(figures[2], dpi=110)
+    plt.close(fig)
+    return figures
+
+
+def run_dynamics(study: Study) -> None:
+    t0 = time.perf_counter()
+    o = study.opts
+    if not o["runs"]:
+        raise SystemExit("dynamics: give one or more run folders with --runs")
+    runs = dict(read_run(study, folder) for folder in map(Path, o["runs"]))
+    figures = dynamics_figures(study, runs)
+    rows = [[label, f"level {lv}", s["prompts"], s["leaves"], 100 * s["pass_rate"]]
+            for label, run in runs.items() for lv, s in run["levels"].items()]
+    table = "Train-time leaves and PassRate per level (Fig. \"leaf count\")\n\n" + markdown_table(
+        ["run", "level", "prompts", "leaves / prompt", "PassRate (%)"], rows)
+    rows = [[label, step, r["avg@k"], r["pass@k"]] for label, run in runs.items()
+            for step, r in sorted(run["checkpoints"].items())]
+    table += f"\nCheckpoints on {o['bench']} (k = {o['k']})\n\n" + markdown_table(
+        ["run", "step", f"avg@{o['k']}", f"pass@{o['k']}"], rows)
+    write_outputs(study, {"runs": runs, "figures": [str(f) for f in figures]}, table,
+                  time.perf_counter() - t0)
