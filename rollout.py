@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 import engine as E
-from engine import generate as G
-from engine.generate import BaseBatch, left_pad  # noqa: F401  (left_pad: packing.py's rows layout)
 import methods as M
 import tree as T
+from engine import generate as G
+from engine.generate import BaseBatch, left_pad  # noqa: F401  (left_pad: packing.py's rows layout)
 from reward import compute_reward
-
 
 # --------------------------------------------------------------------------------------------------------
 # How to sample: the model's stop ids, the sampling distribution, the engine

@@ -39,10 +39,10 @@ The parts:
   generate.py   the reference path on HF `generate`, group by group: the test oracle (greedy trees equal
                 the engine's token for token)
 """
+from engine.kv import KVPool
 from engine.loop import Engine, EngineRun
 from engine.samples import BasesDone, BranchRequest, PromptResult, Sample
 from engine.scheduler import Backoff, DecodeRow
-from engine.kv import KVPool
 
 __all__ = ["Backoff", "BasesDone", "BranchRequest", "DecodeRow", "Engine", "EngineRun", "KVPool",
            "PromptResult", "Sample"]

@@ -28,9 +28,17 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList,
-                          StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine.samples import BasesDone, BranchRequest, PromptResult, Sample
 from harness import oom

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 import engine as E
-from engine import generate as G
 import rollout as R
 import tree as T
+from engine import generate as G
 
 
 @torch.no_grad()
