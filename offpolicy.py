@@ -1,12 +1,12 @@
 """offpolicy.py — one-step off-policy: the next step's base responses are sampled inside this step's rollout.
 
-Paper: Sec. 5.1 and App. E define AttnRL with "a one-step off-policy" pipeline, and App. E.3's wall-clock table
-has a row "DATPO w/ one-step off-policy" (60.0 h against 60.3 h): "branch rollouts cannot commence until the
-base rollouts are fully generated", so the base phase of step t+1 is moved into step t, where it fills the
+Paper: Sec. 5.1 and App. E define AttnRL with "a one-step off-policy" pipeline, and App. E.3's wall-clock
+table has a row "DATPO w/ one-step off-policy" (60.0 h against 60.3 h): "branch rollouts cannot commence until
+the base rollouts are fully generated", so the base phase of step t+1 is moved into step t, where it fills the
 decode batch while step t's branches are sparse. The paper says no more; the authors' release
 (`search_batch_with_next_roots`, flag `one_step_off_policy`) and AttnRL's code (`generate_sequences_mixed`)
-sample batch t+1's roots in the same generation call as batch t's first branching round, with the weights
-of step t before its update. Here (`--off_policy_steps 1`):
+sample batch t+1's roots in the same generation call as batch t's first branching round, with the weights of
+step t before its update. Here (`--off_policy_steps 1`):
 
   step t:  draw step t+1's prompts  →  ONE engine run: step t's branches (current weights θ_t) + step t+1's
            N base responses per prompt (θ_t, before update t)  →  update t  →  θ_{t+1}
@@ -57,7 +57,8 @@ class Batch:
         return cls(state["prompts"], state["answers"], state["levels"], bases, state["sampled_at"])
 
     def lag(self, step: int) -> int:
-        """policy_lag of its base tokens when trained at step `step` (0-based): updates since they were sampled."""
+        """policy_lag of its base tokens when trained at step `step` (0-based): updates since they were
+        sampled."""
         return 0 if self.bases is None else step - self.sampled_at
 
     def shard(self, lo: int, hi: int) -> "Batch":

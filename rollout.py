@@ -126,9 +126,9 @@ def atb_step_scores(model, prompt_ids: list[int], response_ids: list[int], spans
     """FCI of each step of one response (tree.fci_step_scores) from one attention-returning forward pass.
 
     The model runs once with eager attention (the only kind that returns weights). Each layer's
-    [heads, L, L] weights are reduced to step level [heads, S, S] on the device as they are produced (float64),
-    so memory holds one layer's token attention at a time and only [layers·heads, S, S] reaches the CPU — not
-    ~2.4 GB of fp32 maps per 1,024-token response.
+    [heads, L, L] weights are reduced to step level [heads, S, S] on the device as they are produced
+    (float64), so memory holds one layer's token attention at a time and only [layers·heads, S, S] reaches
+    the CPU — not ~2.4 GB of fp32 maps per 1,024-token response.
     """
     per_layer: list[torch.Tensor] = []
     p = len(prompt_ids)
@@ -140,7 +140,8 @@ def atb_step_scores(model, prompt_ids: list[int], response_ids: list[int], spans
         per_layer.append(T.step_attention(weights[0, :, p:, p:], spans))
 
     previous = model.config._attn_implementation
-    handles = [m.register_forward_hook(keep) for name, m in model.named_modules() if name.endswith("self_attn")]
+    handles = [m.register_forward_hook(keep) for name, m in model.named_modules()
+               if name.endswith("self_attn")]
     try:
         model.set_attn_implementation("eager")
         device = next(model.parameters()).device
