@@ -1,4 +1,4 @@
-"""evaluate.py — avg@k, pass@k and maj@k of a policy on math benchmarks (paper Sec. 5.1, 5.3, App. A, App. E.1).
+"""evaluate.py — avg@k, pass@k and maj@k of a policy on math benchmarks (Sec. 5.1, 5.3, App. A, App. E.1).
 
 Protocol of the paper (App. E.1 "Evaluation"): temperature 1.0, at most 2048 new tokens, k = 8 samples per
 problem for MATH500 and k = 64 for AIME24/25/26 and AMC23; pass@k and maj@k are averaged over three
@@ -45,7 +45,8 @@ import models
 from harness import tracking
 from reward import compute_reward, extract_answer, is_equivalent
 
-PAPER_K = {"math500": 8, "gpqa": 8, "mmlu-pro": 8}   # App. E.1: k = 8 for MATH500 (App. E: avg@8 out of domain) ...
+# App. E.1: k = 8 for MATH500 (App. E: avg@8 out of domain) ...
+PAPER_K = {"math500": 8, "gpqa": 8, "mmlu-pro": 8}
 DEFAULT_K = 64             # ... and 64 for the other benchmarks
 
 
@@ -75,7 +76,7 @@ def majority_vote(answers: list[str | None]) -> str | None:
     member appears earliest in `answers` wins. None (no extractable answer) is never a candidate: all None
     → None. Returns the representative of the winning group.
     """
-    counts: dict[str, int] = {}            # identical strings first: one equivalence check per distinct string
+    counts: dict[str, int] = {}            # identical strings first: one equivalence check per string
     for answer in answers:
         if answer is not None:
             counts[answer] = counts.get(answer, 0) + 1
@@ -138,7 +139,8 @@ def score_records(records: list[dict], k: int) -> dict:
     curve = {j: _mean(pass_at_k(n, c, j) for c in correct) for j in pass_ladder(k)}
     result = {
         "k": k, "runs": len(runs), "n_problems": len(problems), "n_samples": len(records),
-        "avg@k": _mean(per_run["avg@k"]), "pass@k": _mean(per_run["pass@k"]), "maj@k": _mean(per_run["maj@k"]),
+        "avg@k": _mean(per_run["avg@k"]), "pass@k": _mean(per_run["pass@k"]),
+        "maj@k": _mean(per_run["maj@k"]),
         "pass@k_unbiased": curve[k], "pass_curve": curve, "per_run": per_run,
     }
     levels = defaultdict(list)  # MATH level / arithmetic level, when the problems carry one
@@ -165,9 +167,9 @@ def grade(response: str, problem: dict, answer_fallback: bool = False) -> tuple[
             compute_reward(response, problem["answer"], answer_fallback) == 1.0)
 
 
-def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: int | None = None, runs: int = 1,
-                      progress: bool = True, desc: str = "eval", journal: Journal | None = None,
-                      stop: signals.GracefulStop | None = None) -> dict:
+def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: int | None = None,
+                      runs: int = 1, progress: bool = True, desc: str = "eval",
+                      journal: Journal | None = None, stop: signals.GracefulStop | None = None) -> dict:
     """Sample k responses per problem in each of `runs` runs, grade them, score them (score_records).
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
@@ -217,7 +219,8 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                         continue   # saved by an earlier, interrupted run
                     n = min(n_per_call, k - done)
                     with torch.no_grad(), models.autocast(sampler.device, cfg.precision):
-                        rows = sample_rows(sampler, [prompt_ids[i] for i in group], n, max_new_tokens, oom_counts)
+                        rows = sample_rows(sampler, [prompt_ids[i] for i in group], n, max_new_tokens,
+                                           oom_counts)
                     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
                     new = []
                     for row, (tokens, text) in enumerate(zip(rows, texts)):
@@ -225,7 +228,8 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                         answer, correct = grade(text, problem, cfg.answer_fallback)
                         new.append({
                             "index": group[row // n], "run": run, "sample": done + row % n,
-                            "problem": problem["problem"], "gold": problem["answer"], "level": problem.get("level"),
+                            "problem": problem["problem"], "gold": problem["answer"],
+                            "level": problem.get("level"),
                             "response": text, "answer": answer, "correct": correct,
                             "tokens": len(tokens), "stopped": bool(tokens) and tokens[-1] in sampler.stop_ids,
                         })
@@ -238,36 +242,46 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     finally:
         bar.close()
         model.train(was_training)
-    records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))  # 1-process order
+    # in the order one process writes them
+    records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))
     seconds = time.perf_counter() - start
     result = score_records(records, k)
-    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records, oom_retries=oom_counts["oom_retries"])
+    result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records,
+                  oom_retries=oom_counts["oom_retries"])
     return result
 
 
-def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int, counts: dict) -> list[list[int]]:
+def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
+                counts: dict) -> list[list[int]]:
     """rollout.sample_base's tokens for these prompts × n samples, prompt-major. Out of memory: the same rows
     in smaller generate calls (whole prompts, then a prompt's samples in pieces), the rows per call halved
     until they fit (oom.halving_retry); the size that fit is kept in counts["rows"] for the next calls."""
-    from rollout import sample_base
-
     def run(size: int) -> list[list[int]]:
-        inject.oom_point("eval")       # DATPO_OOM_AT=eval (tests)
-        out: list[list[int]] = []
-        if size >= n:                  # whole prompts, size // n of them per call
-            per_call = size // n
-            for i in range(0, len(prompt_ids), per_call):
-                out += sample_base(sampler, prompt_ids[i:i + per_call], n, max_new_tokens).tokens
-        else:                          # one prompt per call, `size` of its samples at a time
-            for ids in prompt_ids:
-                for done in range(0, n, size):
-                    out += sample_base(sampler, [ids], min(size, n - done), max_new_tokens).tokens
+        out = generate_rows(sampler, prompt_ids, n, max_new_tokens, size)
         if size < rows:                # fitted only after halving: later calls start there
             counts["rows"] = size
         return out
 
     rows = len(prompt_ids) * n
     return oom.halving_retry(run, min(rows, counts.get("rows", rows)), "evaluation's generation", counts)
+
+
+def generate_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
+                  size: int) -> list[list[int]]:
+    """The n samples of each prompt, prompt-major, in generate calls of at most `size` rows. (The harness's
+    DATPO_OOM_AT=eval makes its first call run out of memory: harness/inject.py.)"""
+    from rollout import sample_base
+
+    out: list[list[int]] = []
+    if size >= n:                  # whole prompts, size // n of them per call
+        per_call = size // n
+        for i in range(0, len(prompt_ids), per_call):
+            out += sample_base(sampler, prompt_ids[i:i + per_call], n, max_new_tokens).tokens
+    else:                          # one prompt per call, `size` of its samples at a time
+        for ids in prompt_ids:
+            for done in range(0, n, size):
+                out += sample_base(sampler, [ids], min(size, n - done), max_new_tokens).tokens
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -279,11 +293,12 @@ def format_table(results_by_model: dict[str, dict[str, dict]]) -> str:
     benches = list(dict.fromkeys(b for res in results_by_model.values() for b in res))
     metrics = ("avg@k", "pass@k", "maj@k")
     name_w = max([5] + [len(m) for m in results_by_model])
-    cols = [f"{b} (k={next(r[b]['k'] for r in results_by_model.values() if b in r)})" for b in benches] + ["Average"]
+    cols = [f"{b} (k={next(r[b]['k'] for r in results_by_model.values() if b in r)})" for b in benches]
+    cols.append("Average")
     col_w = max(22, *(len(c) + 2 for c in cols))
     lines = [" " * name_w + "  " + "".join(c.ljust(col_w) for c in cols),
-             "model".ljust(name_w) + "  " + "".join(" ".join(m.split("@")[0].rjust(6) for m in metrics).ljust(col_w)
-                                                    for _ in cols)]
+             "model".ljust(name_w) + "  "
+             + "".join(" ".join(m.split("@")[0].rjust(6) for m in metrics).ljust(col_w) for _ in cols)]
     for name, res in results_by_model.items():
         cells = []
         for b in benches:
@@ -427,7 +442,8 @@ def model_label(model: str) -> str:
 
 
 def run_folder_config(model: str) -> dict | None:
-    """The training Config (train.py's config.json) when --model is a run folder (it has checkpoints/latest)."""
+    """The training Config (train.py's config.json) when --model is a run folder (it has
+    checkpoints/latest)."""
     folder = Path(model)
     if (folder / "checkpoints" / "latest").exists() and (folder / "config.json").exists():
         return json.loads((folder / "config.json").read_text())
@@ -448,144 +464,128 @@ def build_parser() -> argparse.ArgumentParser:
                             "(else --eval_max_new_tokens, paper 2048).")
     group = parser.add_argument_group("evaluation")
     group.add_argument("--bench", nargs="+", default=None,
-                       help=f"benchmarks ({', '.join(data.NAMED_SOURCES)}, or a file); default: the preset's eval_data")
+                       help=f"benchmarks ({', '.join(data.NAMED_SOURCES)}, or a file); default: the preset's "
+                            "eval_data")
     group.add_argument("--k", nargs="+", type=int, default=None,
                        help="samples per problem: one for all benchmarks or one per --bench "
                             "(default: the paper's, 8 for math500 and 64 otherwise)")
-    group.add_argument("--runs", type=int, default=1, help="independent runs pass@k/maj@k average over (paper: 3)")
-    group.add_argument("--limit", type=int, default=None, help="first N problems per benchmark (default: preset's eval_limit, 0 = all)")
+    group.add_argument("--runs", type=int, default=1,
+                       help="independent runs pass@k/maj@k average over (paper: 3)")
+    group.add_argument("--limit", type=int, default=None,
+                       help="first N problems per benchmark (default: preset's eval_limit, 0 = all)")
     group.add_argument("--rescore", nargs="+", default=None, metavar="FILE",
-                       help="recompute and print the metrics of samples_<bench>.jsonl files; no model is loaded")
+                       help="recompute and print the metrics of samples_<bench>.jsonl files; no model is "
+                            "loaded")
     group.add_argument("--plot_models", nargs="+", default=None, metavar="DIR",
-                       help="folders holding results.json: print one table and draw both figures for all of them")
+                       help="folders holding results.json: print one table and draw both figures for all of "
+                            "them")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the CLI; returns {model label: {bench: metrics}} (records left out)."""
+    """Run the CLI — one of three commands: --rescore FILE... (rescore_command), --plot_models DIR...
+    (plot_models_command), else evaluate a model on benchmarks (evaluate_command). Returns {model label:
+    {bench: metrics}} (records left out)."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    inject.install()   # DATPO_OOM_AT (tests): the harness wraps stage functions from outside, once
     eval_keys = ("bench", "k", "runs", "limit", "rescore", "plot_models")
     given = {key: value for key, value in vars(args).items()
              if key not in ("preset", "scale", "debug", *eval_keys) and value is not None}
-    out_dir_given = "out_dir" in given
-
-    if args.rescore:  # numbers from the jsonl alone
-        by_file = {}
-        for path in args.rescore:
-            try:
-                bench, result = rescore_file(path, bool(given.get("answer_fallback", False)))
-            except (OSError, ValueError, KeyError) as err:
-                why = f"{err.strerror}; expected a samples_<bench>.jsonl written by evaluate.py" \
-                    if isinstance(err, OSError) and err.strerror else str(err) if isinstance(err, ValueError) \
-                    else repr(err)
-                parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {why}\n")
-            by_file.setdefault(Path(path).resolve().parent.name, {})[bench] = result
-        print(format_table(by_file))
-        return by_file
-
+    if args.rescore:
+        return rescore_command(parser, args.rescore, bool(given.get("answer_fallback", False)))
     if args.plot_models:
-        try:
-            by_model = {Path(d).resolve().name: load_results(d) for d in args.plot_models}
-        except (OSError, ValueError, KeyError) as err:
-            parser.exit(2, f"evaluate.py: error: --plot_models needs folders with results.json: {err}\n")
-        out = Path(given["out_dir"] if out_dir_given else "runs/eval/compare")
-        out.mkdir(parents=True, exist_ok=True)
-        plot_pass_curves(by_model, out / "pass_curves.png")
-        plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
-        print(format_table(by_model))
-        print(f"figures: {out / 'pass_curves.png'}, {out / 'maj_vs_avg.png'}")
-        return by_model
+        return plot_models_command(parser, args.plot_models, given.get("out_dir"))
+    return evaluate_command(parser, args, given)
 
-    # A run folder: evaluate with the prompt it was trained with, unless the command line says otherwise.
-    trained = run_folder_config(given.get("model") or C.make_config(args.preset, args.scale).model)
-    for key in ("prompt_style", "few_shot", "answer_fallback"):
-        if trained is not None and key not in given and key in trained:
-            given[key] = trained[key]
+
+def rescore_command(parser, paths: list[str], answer_fallback: bool) -> dict:
+    """--rescore: the metrics of saved samples_<bench>.jsonl files, from the records alone (no model), as a
+    table; {folder name: {bench: metrics}}. An unreadable or malformed file exits 2 naming it."""
+    by_file = {}
+    for path in paths:
+        try:
+            bench, result = rescore_file(path, answer_fallback)
+        except (OSError, ValueError, KeyError) as err:
+            why = f"{err.strerror}; expected a samples_<bench>.jsonl written by evaluate.py" \
+                if isinstance(err, OSError) and err.strerror else str(err) if isinstance(err, ValueError) \
+                else repr(err)
+            parser.exit(2, f"evaluate.py: error: cannot rescore {path}: {why}\n")
+        by_file.setdefault(Path(path).resolve().parent.name, {})[bench] = result
+    print(format_table(by_file))
+    return by_file
+
+
+def plot_models_command(parser, folders: list[str], out_dir: str | None) -> dict:
+    """--plot_models: one table and both figures (pass@k curves, maj@k vs avg@k) for the results.json of
+    several folders, written to --out_dir (default runs/eval/compare); {folder name: {bench: metrics}}."""
     try:
-        cfg = C.make_config(args.preset, args.scale, **given)
-    except ValueError as err:
-        parser.error(str(err))
-    benches = args.bench or [cfg.eval_data]
-    ks = args.k or [PAPER_K.get(b, DEFAULT_K) for b in benches]
-    if len(ks) == 1:
-        ks = ks * len(benches)
-    if len(ks) != len(benches) or min(ks) < 1 or args.runs < 1:
-        parser.error(f"--k: give one k >= 1 or one per --bench ({len(benches)}), got {ks}; --runs >= 1")
+        by_model = {Path(d).resolve().name: load_results(d) for d in folders}
+    except (OSError, ValueError, KeyError) as err:
+        parser.exit(2, f"evaluate.py: error: --plot_models needs folders with results.json: {err}\n")
+    out = Path("runs/eval/compare" if out_dir is None else out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_pass_curves(by_model, out / "pass_curves.png")
+    plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
+    print(format_table(by_model))
+    print(f"figures: {out / 'pass_curves.png'}, {out / 'maj_vs_avg.png'}")
+    return by_model
+
+
+def evaluate_command(parser, args, given: dict) -> dict:
+    """Evaluate one model on benchmarks (App. E.1): k samples per problem in --runs runs, into the output
+    folder (runs/eval/<model label>, --out_dir, or the --resume folder): samples_<bench>.jsonl, results.json
+    after each benchmark, the two figures and the table at the end. Every benchmark, the model name and the
+    folder are checked before the model loads, so mistakes fail in seconds."""
+    import torch
+
+    cfg = evaluation_config(parser, args, given)
+    benches, ks = benchmarks_and_ks(parser, args, cfg)
     limit = (args.limit if args.limit is not None else cfg.eval_limit) or None  # 0 = all, as in config.py
     max_new_tokens = given.get("max_new_tokens", cfg.eval_max_new_tokens)
     label = model_label(cfg.model)
-    out = Path(cfg.out_dir if out_dir_given else Path("runs") / "eval" / label)
-    if cfg.resume:   # the same as rerunning the command that wrote that folder: what is saved is skipped
-        if not Path(cfg.resume).is_dir():
-            raise faults.UserError(f"--resume {cfg.resume}: no such folder; expected the output folder of an "
-                                   f"earlier evaluation (it holds samples_<bench>.jsonl)")
-        out = Path(cfg.resume)
-
-    # every benchmark, the model name and the output folder before the model: mistakes fail in seconds
+    out = output_folder(cfg, label, "out_dir" in given)
     problems = {b: faults.load_data(b, "--bench", limit) for b in benches}
     faults.check_model(cfg.model)
     faults.check_writable(out, "--out_dir")
-
-    import torch
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     D.init(cfg.device)   # torchrun: problems are sharded over ranks and gathered (evaluate_problems)
     device = models.pick_device(cfg.device)
     t0 = time.perf_counter()
-    try:
-        model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
-                                              seed=cfg.seed)
-    except OSError as err:
-        raise faults.UserError(f"--model {cfg.model}: cannot load it ({str(err).splitlines()[0]})") from err
-    bad = [name for name, p in model.named_parameters() if not guards.all_finite([p])]
-    if bad:   # sampling would stop on inf/NaN probabilities: say so before any benchmark runs
-        raise faults.UserError(f"--model {cfg.model}: {len(bad)} weight tensor(s) hold non-finite values "
-                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); expected a model or "
-                               f"checkpoint with finite weights (an earlier checkpoint of the run)")
-    print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; prompt_style={cfg.prompt_style} "
-          f"few_shot={cfg.few_shot} answer_fallback={cfg.answer_fallback} T={cfg.temperature} "
+    model, tokenizer = load_finite_policy(cfg, device)
+    print(f"loaded {cfg.model} on {device} in {time.perf_counter() - t0:.1f}s; "
+          f"prompt_style={cfg.prompt_style} few_shot={cfg.few_shot} answer_fallback={cfg.answer_fallback} "
+          f"T={cfg.temperature} "
           f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(cfg, key) for key in ("model", "prompt_style", "few_shot", "answer_fallback",
                                                    "temperature", "top_p", "top_k", "precision", "seed")}
-    summary = {"model": cfg.model, "settings": {**settings, "max_new_tokens": max_new_tokens, "runs": args.runs},
+    summary = {"model": cfg.model,
+               "settings": {**settings, "max_new_tokens": max_new_tokens, "runs": args.runs},
                "benchmarks": {}}
     for bench, k in zip(benches, ks):
         torch.manual_seed(cfg.seed + D.rank())  # each benchmark reproducible on its own, whatever else runs
-        # One process: samples are appended as they come; a rerun of the same command (or --resume) skips
-        # what is saved. Under torchrun every rank samples its shard and rank 0 writes them all at the end.
-        journal = None if D.active() else Journal(out / f"samples_{bench}.jsonl", extra={"bench": bench},
-                                                         settings={
-            **summary["settings"], "bench": bench, "k": k, "gen_batch_size": cfg.gen_batch_size,
-            "problems": hashlib.sha256(json.dumps(problems[bench], sort_keys=True).encode()).hexdigest()})
-        try:
-            with signals.GracefulStop("after the current batch of samples") as stop:
-                result = evaluate_problems(model, tokenizer, problems[bench], cfg, k, max_new_tokens, args.runs,
-                                           desc=bench, journal=journal, stop=stop if journal else None)
-        except Stopped as saved:
-            print(f"stopped by {stop.requested} in {bench}: {saved}; rerun the same command to continue",
-                  flush=True)
+        result = evaluate_benchmark(model, tokenizer, problems[bench], cfg, bench, k, out,
+                                    summary["settings"])
+        if result is None:   # stopped by a signal; its samples so far are saved
             return {label: summary["benchmarks"]}
         if not D.is_main():   # every rank holds the gathered result; rank 0 writes it
             continue
-        records = result.pop("records")
-        if journal is None:
-            write_jsonl(out / f"samples_{bench}.jsonl", [{"bench": bench, **r} for r in records])
-        elif journal.resumed:
-            print(f"{bench}: reused the samples of an earlier run saved in {journal.path}", flush=True)
         summary["benchmarks"][bench] = result
-        (out / "results.json").write_text(json.dumps(summary, indent=2))  # after each benchmark: partial runs keep
+        (out / "results.json").write_text(json.dumps(summary, indent=2))   # after each: partial runs keep
         tokens = result["mean_tokens"] * result["n_samples"]
         print(f"{bench}: {result['n_problems']} problems x {k} samples x {args.runs} run(s) in "
-              f"{result['seconds']:.0f}s ({tokens / result['seconds']:.0f} tok/s, mean {result['mean_tokens']:.0f} "
-              f"tokens, {100 * result['truncated']:.0f}% hit max_new_tokens)", flush=True)
+              f"{result['seconds']:.0f}s ({tokens / result['seconds']:.0f} tok/s, "
+              f"mean {result['mean_tokens']:.0f} tokens, {100 * result['truncated']:.0f}% hit "
+              f"max_new_tokens)", flush=True)
     writer = D.is_main()
     D.shutdown()
     if not writer:
         return {}
-    tracking.report_eval(out, cfg.report_to, summary["settings"], summary["benchmarks"], tracking.checkpoint_step(cfg.model))
+    tracking.report_eval(out, cfg.report_to, summary["settings"], summary["benchmarks"],
+                         tracking.checkpoint_step(cfg.model))
     by_model = {label: summary["benchmarks"]}
     plot_pass_curves(by_model, out / "pass_curves.png")
     plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
@@ -594,5 +594,89 @@ def main(argv: list[str] | None = None) -> dict:
     return by_model
 
 
+def evaluation_config(parser, args, given: dict) -> C.Config:
+    """The evaluation's Config. A run folder (--model with checkpoints/latest): evaluate with the prompt it
+    was trained with (prompt_style, few_shot, answer_fallback), unless the command line says otherwise."""
+    trained = run_folder_config(given.get("model") or C.make_config(args.preset, args.scale).model)
+    for key in ("prompt_style", "few_shot", "answer_fallback"):
+        if trained is not None and key not in given and key in trained:
+            given[key] = trained[key]
+    try:
+        return C.make_config(args.preset, args.scale, **given)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def benchmarks_and_ks(parser, args, cfg) -> tuple[list[str], list[int]]:
+    """--bench (default: the preset's eval_data) and one k per benchmark (--k: one for all or one each;
+    default the paper's, PAPER_K or DEFAULT_K)."""
+    benches = args.bench or [cfg.eval_data]
+    ks = args.k or [PAPER_K.get(b, DEFAULT_K) for b in benches]
+    if len(ks) == 1:
+        ks = ks * len(benches)
+    if len(ks) != len(benches) or min(ks) < 1 or args.runs < 1:
+        parser.error(f"--k: give one k >= 1 or one per --bench ({len(benches)}), got {ks}; --runs >= 1")
+    return benches, ks
+
+
+def output_folder(cfg, label: str, out_dir_given: bool) -> Path:
+    """runs/eval/<model label>, or --out_dir; --resume names the folder of an earlier evaluation, and
+    rerunning into it is the same as rerunning the command that wrote it (what is saved is skipped)."""
+    out = Path(cfg.out_dir if out_dir_given else Path("runs") / "eval" / label)
+    if cfg.resume:
+        if not Path(cfg.resume).is_dir():
+            raise faults.UserError(f"--resume {cfg.resume}: no such folder; expected the output folder of an "
+                                   f"earlier evaluation (it holds samples_<bench>.jsonl)")
+        out = Path(cfg.resume)
+    return out
+
+
+def load_finite_policy(cfg, device):
+    """(model, tokenizer) of --model, refused in one line when it cannot load or holds a non-finite weight
+    (sampling would stop on inf/NaN probabilities: say so before any benchmark runs)."""
+    try:
+        model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
+                                              seed=cfg.seed)
+    except OSError as err:
+        raise faults.UserError(f"--model {cfg.model}: cannot load it ({str(err).splitlines()[0]})") from err
+    bad = [name for name, p in model.named_parameters() if not guards.all_finite([p])]
+    if bad:
+        raise faults.UserError(f"--model {cfg.model}: {len(bad)} weight tensor(s) hold non-finite values "
+                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); expected a model "
+                               f"or checkpoint with finite weights (an earlier checkpoint of the run)")
+    return model, tokenizer
+
+
+def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, bench: str, k: int, out: Path,
+                       settings: dict) -> dict | None:
+    """One benchmark, its samples saved. One process: appended to samples_<bench>.jsonl as they come (a
+    rerun of the same command, or --resume, skips what is saved); under torchrun every rank samples its
+    shard and rank 0 writes them all at the end. The metrics (records left out on rank 0), or None when a
+    signal stopped it after saving the current batch of samples."""
+    journal = None if D.active() else Journal(
+        out / f"samples_{bench}.jsonl", extra={"bench": bench},
+        settings={**settings, "bench": bench, "k": k, "gen_batch_size": cfg.gen_batch_size,
+                  "problems": hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()})
+    try:
+        with signals.GracefulStop("after the current batch of samples") as stop:
+            result = evaluate_problems(model, tokenizer, problems, cfg, k, settings["max_new_tokens"],
+                                       settings["runs"], desc=bench, journal=journal,
+                                       stop=stop if journal else None)
+    except Stopped as saved:
+        print(f"stopped by {stop.requested} in {bench}: {saved}; rerun the same command to continue",
+              flush=True)
+        return None
+    if D.is_main():
+        records = result.pop("records")
+        if journal is None:
+            write_jsonl(out / f"samples_{bench}.jsonl", [{"bench": bench, **r} for r in records])
+        elif journal.resumed:
+            print(f"{bench}: reused the samples of an earlier run saved in {journal.path}", flush=True)
+    return result
+
+
 if __name__ == "__main__":
-    faults.main_guard(main)
+    # the importable module runs, not this __main__ copy: the harness's sites wrap evaluate.* from outside
+    import evaluate
+
+    faults.main_guard(evaluate.main)

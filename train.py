@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 import advantage as A
+import attention
 import config as C
 import data
 import methods as M
@@ -203,14 +204,6 @@ def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
     return torch.minimum(unclipped, clipped), active
 
 
-def attention_kernel(cfg, device, model=None) -> str:
-    """flex (block-sparse, cost follows the tree) on CUDA when its start-up probe passes, else tree (SDPA
-    segment by segment over each segment's ancestors: cost follows the tree too); dense (one L × L mask)
-    only when asked. packing.resolve_kernel probes flex once and says why it falls back."""
-    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16   # what attention runs in
-    return P.resolve_kernel(cfg.packed_attention, device, model, dtype)[0]
-
-
 def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random,
                guard: guards.WeightGuard | None = None) -> dict:
     """Phase 4 (Alg. DATPO; App. E.2): PPO epochs over mini-batches of blocks, each mini-batch's gradient
@@ -219,7 +212,7 @@ def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, de
     mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping). Blocks whose advantage is zero count
     in the normaliser but cost no forward or backward. `guard` (harness/guards.WeightGuard): a non-finite
     weight after a step ends the update (the caller restores the snapshot it took)."""
-    kernel = attention_kernel(cfg, device, D.unwrap(policy))
+    kernel = attention.update_kernel(cfg, device, D.unwrap(policy))
     packed = cfg.train_layout == "packed"
     budget = cfg.max_tokens_per_micro_batch if packed else cfg.micro_batch_size   # halved on out-of-memory
     offsets = P.token_offsets(trees)
@@ -229,7 +222,7 @@ def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, de
     stats = UpdateStats(trees)
     # packed: the tree kernel's attention backend stays set through every backward (activation checkpointing
     # recomputes the forward there); the rows layout runs the model as it is
-    with P.kernel_backend(D.unwrap(policy), kernel if packed else "dense"):
+    with attention.kernel_backend(D.unwrap(policy), kernel if packed else "dense"):
         minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
         old = old_logprobs(policy, trees, minibatches, offsets, budget, cfg, pad_id, device, kernel, stats.oom)
         bar = tqdm(total=cfg.ppo_epochs * len(minibatches), desc="update", unit="mini-batch", leave=False,

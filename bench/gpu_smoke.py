@@ -94,9 +94,9 @@ class Phases:
 
 
 def smoke(preset: str, args) -> list[str]:
+    import attention
     import evaluate
     import models
-    import packing as P
     import rollout as R
     import train
 
@@ -149,7 +149,7 @@ def smoke(preset: str, args) -> list[str]:
         lines.append(f"  attention kernel: {steps[-1]['attention_kernel']}; oom_retries: "
                      f"{sum(r.get('oom_retries', 0) for r in steps)}; seconds per step: "
                      + ", ".join(f"{r['seconds_step']:.0f}" for r in steps))
-    for key, why in P._kernel_choice.items():
+    for key, why in attention._kernel_choice.items():
         if why:
             lines.append(f"  flex fallback ({key[1]}, heads {key[2]}/{key[3]}, head_dim {key[4]}): {why}")
     if failure:

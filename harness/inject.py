@@ -75,6 +75,15 @@ def install(spec: str | None = None, patch: Callable = setattr) -> list[str]:
     return sites
 
 
+@site("eval")
+def eval_site(patch: Callable) -> None:
+    """Evaluation's generation: the first call of evaluate.generate_rows (the rows of one generate batch)
+    runs out of memory, so evaluate.sample_rows reruns those rows in smaller generate calls."""
+    import evaluate
+
+    raise_once(evaluate, "generate_rows", "eval", patch)
+
+
 # The rollout's sites. Each imports what it wraps when installed, so the harness loads no stage module it
 # does not inject into.
 def _decode_with(branches: bool) -> Callable:

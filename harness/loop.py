@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+import attention
 import config as C
 import engine as E
 import evaluate
@@ -34,7 +35,6 @@ import methods as M
 import models
 import offpolicy
 import optim as O
-import packing as P
 import tree as T
 from advantage import BlockScore
 from harness import distributed as D
@@ -187,8 +187,7 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
         models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
     if cfg.train_layout == "packed":   # flex: the start-up probe, not after a whole rollout (one line if it falls back)
-        P.resolve_kernel(cfg.packed_attention, device, model,
-                         torch.float32 if cfg.precision == "fp32" else torch.bfloat16)   # what attention runs in
+        attention.update_kernel(cfg, device, model)
     optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
     if checkpoint:
         load_trainer_state(state, model, optimizer, run)

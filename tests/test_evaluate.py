@@ -1,11 +1,16 @@
 """evaluate.py: the metrics against exact combinatorics and hand computation, majority voting with equivalent
 spellings, sampling in chunks, and the CLI end to end on a tiny random model (table, results.json, samples,
-figures, --rescore reproducing results.json, seeding, run-folder settings, offline errors)."""
+figures, --rescore reproducing results.json, seeding, run-folder settings, offline errors, the "eval"
+out-of-memory site installed at start-up)."""
 import itertools
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,8 @@ import evaluate as E
 from harness import faults
 import models
 import rollout
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -37,7 +44,8 @@ def test_pass_at_k_known_values():
 def test_pass_at_k_matches_exact_combinatorics_on_a_grid():
     for n in range(1, 13):
         for c, k in itertools.product(range(n + 1), range(1, n + 1)):
-            assert E.pass_at_k(n, c, k) == pytest.approx(float(exact_pass_at_k(n, c, k)), abs=1e-12), (n, c, k)
+            exact = float(exact_pass_at_k(n, c, k))
+            assert E.pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12), (n, c, k)
 
 
 def test_pass_at_k_large_n_is_exact_and_finite():
@@ -72,7 +80,8 @@ def test_majority_vote_groups_equivalent_spellings():
 def test_majority_vote_tie_goes_to_the_earliest_group():
     assert E.majority_vote(["7", "5", "5", "7"]) == "7"
     assert E.majority_vote(["5", "7", "7", "5"]) == "5"
-    assert E.majority_vote(["0.5", "2", "2", "\\frac{1}{2}"]) == "0.5"   # tie across spellings: first member of the first group
+    # a tie across spellings: the first member of the first group
+    assert E.majority_vote(["0.5", "2", "2", "\\frac{1}{2}"]) == "0.5"
     assert E.majority_vote(["9", "4", "1"]) == "9"
 
 
@@ -104,9 +113,11 @@ def test_score_records_by_hand():
     assert res["per_run"]["avg@k"] == pytest.approx([1 / 6, 1 / 2])
     # empirical pass@k: run0 problem 0 only → 0.5; run1 both → 1.0; averaged over runs → 0.75
     assert res["per_run"]["pass@k"] == [0.5, 1.0] and res["pass@k"] == pytest.approx(0.75)
-    # maj@k: run0 votes "5" (wrong) and "3" (wrong) → 0; run1 "4" (right) and a 3-way tie → "10" (first, right) → 1
+    # maj@k: run0 votes "5" (wrong) and "3" (wrong) → 0; run1 "4" (right) and a 3-way tie → "10" (first,
+    # right) → 1
     assert res["per_run"]["maj@k"] == [0.0, 1.0] and res["maj@k"] == pytest.approx(0.5)
-    # unbiased, runs pooled (n = 6, c = 3 and 1): pass@3 = mean(1 − 1/20, 1 − 10/20); pass@2 = mean(1 − 3/15, 1 − 10/15)
+    # unbiased, runs pooled (n = 6, c = 3 and 1): pass@3 = mean(1 − 1/20, 1 − 10/20);
+    # pass@2 = mean(1 − 3/15, 1 − 10/15)
     assert res["pass@k_unbiased"] == pytest.approx(0.725)
     assert res["pass_curve"] == pytest.approx({1: 1 / 3, 2: 17 / 30, 3: 0.725})
     assert (res["n_problems"], res["n_samples"], res["runs"], res["k"]) == (2, 12, 2, 3)
@@ -117,7 +128,7 @@ def test_score_records_ignores_file_order_and_checks_shape():
     records = hand_records()
     shuffled = records[:]
     random.Random(0).shuffle(shuffled)
-    assert E.score_records(shuffled, 3) == E.score_records(records, 3)   # votes follow "sample", not line order
+    assert E.score_records(shuffled, 3) == E.score_records(records, 3)   # votes follow "sample", not lines
     with pytest.raises(ValueError, match="expected k=3"):
         E.score_records(records[1:], 3)
     with pytest.raises(ValueError, match="expected k=2"):
@@ -141,7 +152,8 @@ def test_rescore_grades_handwritten_boxed_responses(tmp_path, capsys):
     out = E.main(["--rescore", str(path)])
     res = out["hand"]["toy"]
     assert res["avg@k"] == pytest.approx(3 / 6) and res["pass@k"] == 1.0
-    # problem 0: {0.5, \dfrac{1}{2}} beat 3 → right; problem 1: 13 vs 12 tie (None does not vote), 13 first → wrong
+    # problem 0: {0.5, \dfrac{1}{2}} beat 3 → right; problem 1: 13 vs 12 tie (None does not vote), 13 first
+    # → wrong
     assert res["maj@k"] == pytest.approx(0.5)
     assert "toy (k=3)" in capsys.readouterr().out
     fallback = E.main(["--rescore", str(path), "--answer_fallback", "true"])["hand"]["toy"]
@@ -221,6 +233,19 @@ def test_cli_end_to_end_and_rescore(tmp_path, capsys):
     assert [json.loads(x)["response"] for x in again] == [json.loads(x)["response"] for x in lines]
 
 
+def test_cli_installs_the_eval_oom_site_at_start_up(tmp_path):
+    """`DATPO_OOM_AT=eval python evaluate.py ...`: start-up installs the harness's "eval" site
+    (harness/inject.py) on the module the command runs, so the first generate call runs out of memory and
+    its rows are rerun in smaller calls: one retry, said in one line, every sample."""
+    env = {**os.environ, "DATPO_OOM_AT": "eval", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "evaluate.py"), *TINY, "--out_dir", str(tmp_path / "ev")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "out of memory in evaluation's generation at 8: retrying at 4" in done.stderr, done.stderr
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())["benchmarks"]["arith-test"]
+    assert res["oom_retries"] == 1 and res["n_samples"] == 16
+
+
 def test_cli_run_folder_settings_and_checkpoint(tmp_path, smollm_tokenizer):
     """A run folder: its latest checkpoint is loaded and its prompt settings apply unless overridden."""
     run = tmp_path / "myrun"
@@ -235,7 +260,7 @@ def test_cli_run_folder_settings_and_checkpoint(tmp_path, smollm_tokenizer):
             "--max_new_tokens", "3", "--few_shot", "false", "--out_dir", str(out)])
     settings = json.loads((out / "results.json").read_text())["settings"]
     assert settings["prompt_style"] == "plain" and settings["answer_fallback"] is True   # from the run
-    assert settings["few_shot"] is False                                                 # the command line wins
+    assert settings["few_shot"] is False                                        # the command line wins
     assert E.model_label(str(run)) == "myrun" and E.model_label(str(ckpt)) == "myrun-step_1"
     assert E.model_label("Qwen/Qwen2.5-3B") == "Qwen2.5-3B"
 
@@ -270,14 +295,15 @@ def test_plot_models_compares_folders(tmp_path, capsys):
         bench = {"math500": fake_result(avg, avg + 0.1), "aime24": fake_result(avg / 2, avg, k=64)}
         (tmp_path / name / "results.json").write_text(json.dumps({"model": name, "benchmarks": bench}))
     out = tmp_path / "cmp"
-    by_model = E.main(["--plot_models", str(tmp_path / "base"), str(tmp_path / "trained"), "--out_dir", str(out)])
+    by_model = E.main(["--plot_models", str(tmp_path / "base"), str(tmp_path / "trained"),
+                       "--out_dir", str(out)])
     assert list(by_model) == ["base", "trained"]
     for name in ("pass_curves.png", "maj_vs_avg.png"):
         assert (out / name).stat().st_size > 5000
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.split()}
     # columns: math500 avg pass maj | aime24 avg pass maj | Average avg pass maj
     assert rows["trained"][1:4] == ["30.0", "60.0", "40.0"] and rows["trained"][7] == "22.5"  # (30 + 15) / 2
-    assert rows["base"][9] == "15.0"                                                        # maj: (20 + 10) / 2
+    assert rows["base"][9] == "15.0"                                              # maj: (20 + 10) / 2
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -305,7 +331,8 @@ def _exit_line(capsys, argv):
 def test_rescore_names_the_bad_line(tmp_path, capsys):
     good = [{"index": i, "run": 0, "sample": 0, "gold": "1", "response": "\\boxed{1}"} for i in range(5)]
     path = tmp_path / "samples_toy.jsonl"
-    for line6, expected in [({"index": 5, "run": 0, "response": "x"}, "line 6: missing gold; expected the fields "
+    for line6, expected in [({"index": 5, "run": 0, "response": "x"},
+                             "line 6: missing gold; expected the fields "
                              "index, run, response, gold of a sample written by evaluate.py"),
                             ('{"index": 5, "ru', "line 6: not JSON (")]:
         E.write_jsonl(path, good)
@@ -328,7 +355,8 @@ def test_rerun_over_a_corrupted_saved_sample_line_starts_that_benchmark_over(tmp
     again = E.main(args)["tiny-random"]["arith-test"]
     err = capsys.readouterr().err
     assert f"{samples} line 2: corrupted (not JSON); its samples are not reused, starting it over" in err
-    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in clean.items() if k != "seconds"}
+    assert ({k: v for k, v in again.items() if k != "seconds"}
+            == {k: v for k, v in clean.items() if k != "seconds"})
     assert samples.read_text().splitlines() == lines
 
 
@@ -340,9 +368,9 @@ def test_checkpoint_with_nonfinite_weights_is_refused_before_sampling(tmp_path, 
     model.save_pretrained(folder)
     smollm_tokenizer.save_pretrained(folder)
     before = _folder_hash(folder)
-    line = _exit_line(capsys, ["--preset", "tiny", "--model", str(folder), "--bench", "arith-test", "--limit", "1",
-                               "--k", "1", "--out_dir", str(tmp_path / "ev")])
+    line = _exit_line(capsys, ["--preset", "tiny", "--model", str(folder), "--bench", "arith-test",
+                               "--limit", "1", "--k", "1", "--out_dir", str(tmp_path / "ev")])
     assert line.endswith(f"error: --model {folder}: 1 weight tensor(s) hold non-finite values "
-                         f"(model.layers.1.mlp.up_proj.weight); expected a model or checkpoint with finite weights "
-                         f"(an earlier checkpoint of the run)")
+                         f"(model.layers.1.mlp.up_proj.weight); expected a model or checkpoint with finite "
+                         f"weights (an earlier checkpoint of the run)")
     assert _folder_hash(folder) == before

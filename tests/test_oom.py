@@ -109,14 +109,14 @@ def test_update_oom_reruns_the_minibatch_smaller_with_the_same_loss(oom_at, layo
     assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(w_clean, w_hit))
 
 
-def test_eval_oom_generates_in_smaller_batches_with_a_valid_result(tiny_policy, oom_at, monkeypatch):
+def test_eval_oom_generates_in_smaller_batches_with_a_valid_result(tiny_policy, monkeypatch):
     model, tok = tiny_policy
     calls = []
     real = R.sample_base
     monkeypatch.setattr(R, "sample_base", lambda s, p, n, m, **kw: calls.append(len(p) * n) or real(s, p, n, m, **kw))
     cfg = config.make_config("tiny", gen_batch_size=4)
     problems = data.load_problems("arith-test", 3)
-    oom_at("eval")
+    inject.install("eval", monkeypatch.setattr)
     torch.manual_seed(0)
     res = E.evaluate_problems(model, tok, problems, cfg, k=2, max_new_tokens=4, runs=1, progress=False)
     assert res["oom_retries"] == 1

@@ -108,14 +108,14 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     and master copies for bf16 weights, and a resume loads them as fp32."""
     import json
 
+    import attention
     from harness import inject
-    import packing as P
     import rollout as R
     import train
     from test_train import stand_in_reward
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
-    monkeypatch.setattr(P, "_kernel_choice", {})
+    monkeypatch.setattr(attention, "_kernel_choice", {})
     monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
     inject._oom_fired.clear()
     flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32", "--packed_attention", "flex",
