@@ -84,6 +84,41 @@ def eval_site(patch: Callable) -> None:
     raise_once(evaluate, "generate_rows", "eval", patch)
 
 
+# The rollout's sites. Each imports what it wraps when installed, so the harness loads no stage module it
+# does not inject into.
+def _decode_with(branches: bool) -> Callable:
+    """when: an engine decode step of more than one row, with (or without) branch rows in it."""
+    return lambda forward, rows: len(rows) > 1 and any(r.fork is not None for r in rows) == branches
+
+
+@site("base")
+def _oom_at_base(patch: Callable) -> None:
+    """The engine's decode forward of several base rows (its row budget halves); the generate path's base
+    call of a group (the base phase's degradation is the engine's: the error goes up)."""
+    from engine import generate, kv
+
+    raise_once(kv.Forward, "decode", "base", patch, when=_decode_with(branches=False))
+    raise_once(generate.GenerateEngine, "bases", "base", patch)
+
+
+@site("branches")
+def _oom_at_branches(patch: Callable) -> None:
+    """The engine's decode forward of several rows some of which are branches (its row budget halves); the
+    generate path's branch chunk (it is retried at half the size)."""
+    from engine import generate, kv
+
+    raise_once(kv.Forward, "decode", "branches", patch, when=_decode_with(branches=True))
+    raise_once(generate, "branch_chunk", "branches", patch)
+
+
+@site("prefill")
+def _oom_at_prefill(patch: Callable) -> None:
+    """The engine's prefill forward (a prompt, or a given response): the prompt waits, or is fed in halves."""
+    from engine import kv
+
+    raise_once(kv.Forward, "prefill_forward", "prefill", patch)
+
+
 _crash_hits: dict[str, int] = {}
 
 

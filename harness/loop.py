@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import attention
 import config as C
+import engine as E
 import evaluate
 import methods as M
 import models
@@ -93,6 +94,7 @@ class Setup:
     embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
     problems: list[dict]
     eval_problems: list[dict]
+    backoff: E.Backoff = field(default_factory=E.Backoff)   # the rollout engine's sizes after running out of memory
 
     @property
     def pad_id(self) -> int:

@@ -109,7 +109,6 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     import json
 
     import attention
-    import engine
     from harness import inject
     import rollout as R
     import train
@@ -117,7 +116,6 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     monkeypatch.setattr(attention, "_kernel_choice", {})
-    monkeypatch.setattr(engine, "ROWS_AFTER_OOM", {})        # the injected OOM halves it: not for later tests
     monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
     inject._oom_fired.clear()
     flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32", "--packed_attention", "flex",
