@@ -23,14 +23,12 @@ from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
 @pytest.fixture
 def oom_at(monkeypatch):
     """DATPO_OOM_AT for one test: the harness's sites (harness/inject.py) wrapped with monkeypatch, so they are
-    undone after it, and the once-per-process memory of the hooks still in stage code cleared before and after.
-    (What the engine learns from running out of memory stays in its Sampler's engine.Backoff: nothing global.)"""
+    undone after it. (What the engine learns from running out of memory stays in its Sampler's
+    engine.Backoff: nothing global.)"""
     def set_sites(spec: str):
         monkeypatch.setenv("DATPO_OOM_AT", spec)
-        inject._oom_fired.clear()
-        inject.install(",".join(s for s in spec.split(",") if s in inject.OOM_SITES), monkeypatch.setattr)
+        inject.install(spec, monkeypatch.setattr)
     yield set_sites
-    inject._oom_fired.clear()
 
 
 def test_is_oom_knows_cuda_and_cublas_allocation_failures():
