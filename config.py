@@ -101,7 +101,7 @@ class Config:
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. E.2: 384 for 3B)
     naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
-    rollout_engine: str = "engine"          # engine: engine.py (rows leave when they end, branches start when their
+    rollout_engine: str = "engine"          # engine: engine/ (rows leave when they end, branches start when their
                                             # prompt's bases end, prefixes shared in a slot pool); generate: HF
                                             # generate per group and branch chunk (the reference path)
     max_batch_rows: int = 0                 # engine: rows decoded at once; 0 = max(gen_batch_size, branch_chunk_size)

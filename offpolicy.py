@@ -1,12 +1,12 @@
 """offpolicy.py — one-step off-policy: the next step's base responses are sampled inside this step's rollout.
 
-Paper: Sec. 5.1 and App. E define AttnRL with "a one-step off-policy" pipeline, and App. E.3's wall-clock table
-has a row "DATPO w/ one-step off-policy" (60.0 h against 60.3 h): "branch rollouts cannot commence until the
-base rollouts are fully generated", so the base phase of step t+1 is moved into step t, where it fills the
+Paper: Sec. 5.1 and App. E define AttnRL with "a one-step off-policy" pipeline, and App. E.3's wall-clock
+table has a row "DATPO w/ one-step off-policy" (60.0 h against 60.3 h): "branch rollouts cannot commence until
+the base rollouts are fully generated", so the base phase of step t+1 is moved into step t, where it fills the
 decode batch while step t's branches are sparse. The paper says no more; the authors' release
 (`search_batch_with_next_roots`, flag `one_step_off_policy`) and AttnRL's code (`generate_sequences_mixed`)
-sample batch t+1's roots in the same generation call as batch t's first branching round, with the weights
-of step t before its update. Here (`--off_policy_steps 1`):
+sample batch t+1's roots in the same generation call as batch t's first branching round, with the weights of
+step t before its update. Here (`--off_policy_steps 1`):
 
   step t:  draw step t+1's prompts  →  ONE engine run: step t's branches (current weights θ_t) + step t+1's
            N base responses per prompt (θ_t, before update t)  →  update t  →  θ_{t+1}
@@ -27,30 +27,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.samples import Sample
+
 
 @dataclass
 class Batch:
-    """A step's prompts. `bases` (one-step off-policy): per prompt, its N base responses already sampled, as
-    [tokens, entropies, logprobs] lists recorded by the engine (H_t and log p of each token under the sampling
-    distribution), by the weights of step `sampled_at` (0-based: the weights after that many updates). Plain
-    lists all the way down, so a checkpoint stores it as it is."""
+    """A step's prompts. `bases` (one-step off-policy): per prompt, its N base responses already sampled by
+    the engine (Samples: tokens, H_t and log p of each token under the sampling distribution), by the weights
+    of step `sampled_at` (0-based: the weights after that many updates)."""
     prompts: list[str]
     answers: list[str]
     levels: list
-    bases: list[list[list[list]]] | None = None     # [prompt][j] = [tokens, entropies, logprobs]
+    bases: list[list[Sample]] | None = None     # [prompt][j]
     sampled_at: int | None = None
 
     def to_state(self) -> dict:
-        """For trainer_state.pt (plain lists and numbers)."""
+        """For trainer_state.pt: plain lists and numbers, a base response as [tokens, entropies, logprobs]."""
+        bases = None if self.bases is None else [[[s.tokens, s.entropies, s.logprobs] for s in per]
+                                                 for per in self.bases]
         return {"prompts": self.prompts, "answers": self.answers, "levels": self.levels,
-                "bases": self.bases, "sampled_at": self.sampled_at}
+                "bases": bases, "sampled_at": self.sampled_at}
 
     @classmethod
     def from_state(cls, state: dict | None) -> "Batch | None":
-        return cls(**state) if state else None
+        if not state:
+            return None
+        bases = None if state["bases"] is None else [[Sample(*response) for response in per]
+                                                     for per in state["bases"]]
+        return cls(state["prompts"], state["answers"], state["levels"], bases, state["sampled_at"])
 
     def lag(self, step: int) -> int:
-        """policy_lag of its base tokens when trained at step `step` (0-based): updates since they were sampled."""
+        """policy_lag of its base tokens when trained at step `step` (0-based): updates since they were
+        sampled."""
         return 0 if self.bases is None else step - self.sampled_at
 
     def shard(self, lo: int, hi: int) -> "Batch":

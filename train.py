@@ -100,7 +100,8 @@ def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: off
     """Phase 1+2 on this rank's share of the prompts (torchrun), with its own RNG stream: the batch's trees —
     growing given base responses when the batch was sampled last step — and, when `upcoming` is given, its
     N base responses per prompt sampled in the same engine run with the current weights (offpolicy.py),
-    returned whole on every rank (the next step's batch)."""
+    returned whole on every rank (the next step's batch). Running out of memory shrinks the engine's row budget
+    and prefill chunk for the rest of the run (s.backoff)."""
     cfg, step = s.cfg, run.step
     s.model.eval()
     mine, theirs = batch.shard(*D.shard_range(len(batch.prompts))), None
@@ -110,7 +111,7 @@ def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: off
         trees, stats, *ahead = R.rollout_trees(s.model, s.tokenizer, mine.prompts, mine.answers, cfg,
                                                D.rollout_rng(run.rng, cfg.seed, step), method=s.method,
                                                levels=mine.levels, progress=D.is_main(), bases=mine.bases,
-                                               ahead=theirs.prompts if theirs else None)
+                                               ahead=theirs.prompts if theirs else None, backoff=s.backoff)
     for tr in trees:
         tr.policy_lag = batch.lag(step)
     if upcoming:   # every rank keeps the whole next batch (a checkpoint saves it; ranks take their share)

@@ -2,6 +2,7 @@
 
 Paper map:
   adaptive_budget      Sec. 4.1, Eq. (1)-(2): K̂ = ⌈K_max(1−V(root))⌉, B̂ = ⌈B_max(1−V(root))⌉
+  ForkPlan             Sec. 4.1: one prompt's V(root), K̂, B̂ and forks (rollout.plan_prompt)
   attnrl_expansion     the AttnRL baseline's adaptive sampling (which base responses get branches)
   select_forks         App. D, Algorithm "Forking Points Selection" (random, fixed-seg, ATB, tok-entropy,
                        sent-entropy) and App. D.4 (distance-forced tok-entropy)
@@ -52,6 +53,17 @@ def adaptive_budget(v_root: float, k_max: int, b_max: int) -> tuple[int, int]:
     k_hat = math.ceil(round(k_max * (1.0 - v_root), 9))
     b_hat = math.ceil(round(b_max * (1.0 - v_root), 9))
     return int(k_hat), int(b_hat)
+
+
+@dataclass
+class ForkPlan:
+    """One prompt's tree plan once its N base responses are graded (Sec. 4.1): V(root) = their mean reward,
+    (K̂, B̂) = the budget at V(root), and for each base response j the forks it is expanded at (fork prefix
+    lengths, as below); each fork gets B̂ branches."""
+    v_root: float
+    k_hat: int
+    b_hat: int
+    forks: list[list[int]]
 
 
 def attnrl_expansion(rewards: list[float], rng) -> list[int]:

@@ -1,4 +1,4 @@
-"""Benchmark: the tree rollout engine (engine.py) vs HF generate (--rollout_engine generate), in one run.
+"""Benchmark: the tree rollout engine (engine/) vs HF generate (--rollout_engine generate), in one run.
 
     python bench/bench_rollout.py                          # (a), (b), (c) below; SmolLM2-135M, fp32, CPU
     python bench/bench_rollout.py --shapes c --threads 1   # one shape, one thread

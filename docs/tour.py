@@ -135,7 +135,7 @@ class Planned:
     tokens: list
     entropies: list
     rewards: list
-    plan: tuple                                          # (V(root), K̂, B̂, forks per response)
+    plan: T.ForkPlan                                     # V(root), K̂, B̂, forks per response
     sentences: dict = field(default_factory=dict)        # response j -> (text, token spans)
     forks: dict = field(default_factory=dict)            # response j -> chosen prefix lengths f
 
@@ -148,9 +148,10 @@ def planned(trace: Trace, trees: list[T.Tree]) -> list[Planned]:
         if name in ("sentence_spans", "select_forks"):
             pending.append((name, args, kwargs, result))
         elif name == "plan_prompt":
-            tokens, entropies, rewards = args[7], args[8], args[9]
+            bases, rewards = args[7], args[8]                      # engine.Samples, their rewards
+            tokens, entropies = [b.tokens for b in bases], [b.entropies for b in bases]
             prompt = next(i for i, tr in enumerate(trees) if tr.prompt_ids == args[6])
-            item = Planned(prompt, tokens, entropies, rewards, tuple(result))
+            item = Planned(prompt, tokens, entropies, rewards, result)
             text = None
             for call in pending:
                 if call[0] == "sentence_spans":
@@ -177,7 +178,7 @@ def render(trace: Trace, s: loop.Setup, record: dict, commit: str) -> str:
 
 def section_bases(plans: list[Planned], tok) -> str:
     out = ["## 2. Phase 1: N base responses — `rollout.rollout_trees` (Sec. 3.2, App. C)\n\n",
-           "Each prompt is prefilled once and its N responses are sampled from it (`engine.py`). For every "
+           "Each prompt is prefilled once and its N responses are sampled from it (`engine/`). For every "
            "token the engine records H_t, the entropy of the distribution it was sampled from (App. D.1); "
            "`reward.compute_reward` grades each response 0/1 against the gold answer (math-verify).\n"]
     for item in plans:
@@ -193,8 +194,8 @@ def section_bases(plans: list[Planned], tok) -> str:
 
 
 def section_budget(plans: list[Planned], cfg: C.Config) -> str:
-    rows = [[item.prompt, " ".join(num(r, 0) for r in item.rewards), num(item.plan[0], 4), item.plan[1],
-             item.plan[2]] for item in plans]
+    rows = [[item.prompt, " ".join(num(r, 0) for r in item.rewards), num(item.plan.v_root, 4), item.plan.k_hat,
+             item.plan.b_hat] for item in plans]
     return ("\n## 3. Difficulty: V(root), K̂ and B̂ — `rollout.plan_prompt`, `tree.adaptive_budget` "
             "(Sec. 4.1, Eq. 1–2)\n\n"
             "V(root) is the mean reward of the N base responses; the budget grows with difficulty: "
@@ -217,14 +218,14 @@ def section_forks(plans: list[Planned], tok, cfg: C.Config) -> str:
             rows = [[m, f"[{a}, {b})", num(sum(h[a:b]) / (b - a), 3), "fork f = " + str(a + 1) if a + 1 in forks
                      else "", cell(tok.decode(item.tokens[j][a:b], skip_special_tokens=True), 60)]
                     for m, (a, b) in enumerate(spans) if b > a]
-            out.append(f"\n**Prompt {item.prompt}, response {j}** (K̂ = {item.plan[1]}): forks "
+            out.append(f"\n**Prompt {item.prompt}, response {j}** (K̂ = {item.plan.k_hat}): forks "
                        f"{sorted(forks)}\n\n" + table(["sentence", "tokens", "H^S", "chosen", "text"], rows))
     return "".join(out)
 
 
 def section_blocks(trees: list[T.Tree]) -> str:
     out = ["\n## 5. Phase 2: branches, and the tree cut into blocks — `rollout.rollout_trees` (App. C)\n\n",
-           "B̂ branches grow from each fork, all prompts' rows in one running batch (`engine.py`: a branch "
+           "B̂ branches grow from each fork, all prompts' rows in one running batch (`engine/`: a branch "
            "starts the moment its prompt's N bases end, its prefix read from the base's cached keys and "
            "values). Each base response is cut at its forks, and each branch is one more block: every "
            "generated token is in exactly one block. A terminal block carries the 0/1 reward of its whole "

@@ -20,6 +20,7 @@ runs.py (run folders and checkpoints), tracking.py, distributed.py, viz.py.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
@@ -90,7 +91,8 @@ def main_guard(main, argv: list[str] | None = None):
 # Pre-flight checks: paths and names
 # --------------------------------------------------------------------------------------------------------
 def check_writable(folder: str | Path, flag: str = "--out_dir") -> Path:
-    """Create `folder` if needed and prove it takes a file; a UserError naming the flag otherwise."""
+    """Create `folder` if needed and prove it takes a file; a UserError naming the flag otherwise (a full
+    disk or quota: WriteError, exit 4, as for every other write)."""
     path = Path(folder)
     probe = path / f".write_test_{os.getpid()}"
     try:
@@ -98,6 +100,11 @@ def check_writable(folder: str | Path, flag: str = "--out_dir") -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
+        if path.is_dir():
+            probe.unlink(missing_ok=True)   # a full disk may leave it empty
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise WriteError(f"{flag} {folder}: cannot write there ({err.strerror}); free space or choose "
+                             f"another folder") from None
         raise UserError(f"{flag} {folder}: cannot write there ({err.strerror or err}); "
                         f"expected a folder you can create and write") from None
     return path
@@ -155,8 +162,9 @@ def check_model(name: str, flag: str = "--model", embedded: tuple[str, ...] = EM
                         f"({blocked}); {expected} reachable online")
 
 
+# What train.py writes into a run folder (--overwrite removes exactly these).
 RUN_FILES = ("metrics.jsonl", "checkpoints", "trees", "tensorboard", "wandb", "training.png", "config.json",
-             "git_commit.txt")   # what train.py writes into a run folder (--overwrite removes exactly these)
+             "git_commit.txt", "abandoned")
 
 
 def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> None:

@@ -38,7 +38,8 @@ def raise_once(owner, name: str, site: str, patch: Callable = setattr,
     patch(owner, name, wrapper)
 
 
-# site -> the installer of its wrapper: (patch) -> None. Each wraps the stage function the site names.
+# site -> the installer of its wrapper: (patch) -> None. Each wraps the stage function the site names and
+# imports it only when installed, so the harness loads no stage module it does not inject into.
 OOM_SITES: dict[str, Callable] = {}
 
 
@@ -59,22 +60,6 @@ def _update_forward(patch: Callable) -> None:
     raise_once(packing, "micro_logprobs", "update", patch)
 
 
-def install(spec: str | None = None, patch: Callable = setattr) -> list[str]:
-    """Install the sites of `spec` (comma-separated; default $DATPO_OOM_AT); returns their names. An unknown
-    site is one UserError line listing the known ones."""
-    spec = os.environ.get("DATPO_OOM_AT", "") if spec is None else spec
-    sites = [s.strip() for s in spec.split(",") if s.strip()]
-    known = list(OOM_SITES) + [s for s in HOOK_SITES if s not in OOM_SITES]
-    unknown = [s for s in sites if s not in known]
-    if unknown:
-        raise UserError(f"DATPO_OOM_AT={spec}: unknown site(s) {', '.join(unknown)}; expected some of "
-                        f"{', '.join(known)}")
-    for name in sites:
-        if name in OOM_SITES:     # the others are still hooks in stage code (oom_point, below)
-            OOM_SITES[name](patch)
-    return sites
-
-
 @site("eval")
 def eval_site(patch: Callable) -> None:
     """Evaluation's generation: the first call of evaluate.generate_rows (the rows of one generate batch)
@@ -82,6 +67,53 @@ def eval_site(patch: Callable) -> None:
     import evaluate
 
     raise_once(evaluate, "generate_rows", "eval", patch)
+
+
+def _decode_with(branches: bool) -> Callable:
+    """when: an engine decode step of more than one row, with (or without) branch rows in it."""
+    return lambda forward, rows: len(rows) > 1 and any(r.fork is not None for r in rows) == branches
+
+
+@site("base")
+def _oom_at_base(patch: Callable) -> None:
+    """The engine's decode forward of several base rows (its row budget halves); the generate path's base
+    call of a group (the base phase's degradation is the engine's: the error goes up)."""
+    from engine import generate, kv
+
+    raise_once(kv.Forward, "decode", "base", patch, when=_decode_with(branches=False))
+    raise_once(generate.GenerateEngine, "bases", "base", patch)
+
+
+@site("branches")
+def _oom_at_branches(patch: Callable) -> None:
+    """The engine's decode forward of several rows some of which are branches (its row budget halves); the
+    generate path's branch chunk (it is retried at half the size)."""
+    from engine import generate, kv
+
+    raise_once(kv.Forward, "decode", "branches", patch, when=_decode_with(branches=True))
+    raise_once(generate, "branch_chunk", "branches", patch)
+
+
+@site("prefill")
+def _oom_at_prefill(patch: Callable) -> None:
+    """The engine's prefill forward (a prompt, or a given response): the prompt waits, or is fed in halves."""
+    from engine import kv
+
+    raise_once(kv.Forward, "prefill_forward", "prefill", patch)
+
+
+def install(spec: str | None = None, patch: Callable = setattr) -> list[str]:
+    """Install the sites of `spec` (comma-separated; default $DATPO_OOM_AT); returns their names. An unknown
+    site is one UserError line listing the known ones."""
+    spec = os.environ.get("DATPO_OOM_AT", "") if spec is None else spec
+    sites = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in sites if s not in OOM_SITES]
+    if unknown:
+        raise UserError(f"DATPO_OOM_AT={spec}: unknown site(s) {', '.join(unknown)}; expected some of "
+                        f"{', '.join(OOM_SITES)}")
+    for name in sites:
+        OOM_SITES[name](patch)
+    return sites
 
 
 _crash_hits: dict[str, int] = {}
@@ -101,26 +133,3 @@ def crash_point(name: str) -> None:
         if parts[0] == name and int(parts[1]) == _crash_hits[name]:
             sig = getattr(signal, parts[2]) if len(parts) > 2 else signal.SIGKILL
             os.kill(os.getpid(), sig)
-
-
-# ---- transitional: the hooks still inside stage code, until each is replaced by a site above ----------
-HOOK_SITES = ("base", "branches", "update", "eval", "prefill")
-_oom_fired: set[str] = set()
-
-
-def oom_point(name: str) -> None:
-    """The old in-code hook: with DATPO_OOM_AT naming `name`, the first time it is reached raises
-    torch.OutOfMemoryError. Removed once no stage file calls it."""
-    spec = os.environ.get("DATPO_OOM_AT")
-    if not spec or name in _oom_fired or name in OOM_SITES:
-        return
-    sites = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [s for s in sites if s not in HOOK_SITES]
-    if unknown:
-        raise UserError(f"DATPO_OOM_AT={spec}: unknown site(s) {', '.join(unknown)}; expected some of "
-                        f"{', '.join(HOOK_SITES)}")
-    if name in sites:
-        import torch
-
-        _oom_fired.add(name)
-        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by DATPO_OOM_AT at '{name}')")

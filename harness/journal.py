@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness.faults import say
+from harness import runs
+from harness.faults import UserError, WriteError, say
 from harness.inject import crash_point
 
 
@@ -21,6 +22,11 @@ class Journal:
     records the state file vouches for (a line torn by a kill, or a unit appended without its state, is
     dropped and redone), restores the torch RNG state so the next unit samples what it would have, and
     returns them. A journal written with other settings is started over.
+
+    The state file is read with torch's weights_only loader (runs.load_plain): one holding a Python object
+    (evaluate.py never writes one: someone put it there) is refused in one line, nothing in it run and
+    nothing of the folder changed; one unreadable or of another shape is started over like a torn one. A
+    full disk while appending is a WriteError line (exit 4): the records the state vouches for are kept.
     """
 
     def __init__(self, path: str | Path, settings: dict, extra: dict | None = None):
@@ -41,8 +47,14 @@ class Journal:
         if not (self.path.exists() and self.state_path.exists()):
             return self._start_over()
         try:
-            state = torch.load(self.state_path, weights_only=False)
+            state = runs.load_plain(self.state_path)
+        except runs.UnsafeFile as err:
+            raise UserError(f"{runs.unsafe_line(self.state_path, err)}; expected the state evaluate.py "
+                            f"writes beside {self.path.name}: delete both to start this evaluation over, or "
+                            f"use another --out_dir") from None
         except Exception:  # a state file is replaced atomically; an unreadable one is not ours
+            return self._start_over()
+        if not _state_shape_ok(state):   # plain values of another shape: not ours either
             return self._start_over()
         if state.get("settings") != self.settings:
             say(f"{self.path}: written with other settings; starting it over")
@@ -83,17 +95,36 @@ class Journal:
 
         import torch
 
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps({**self.extra, **r}, ensure_ascii=False) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps({**self.extra, **r}, ensure_ascii=False) + "\n" for r in records))
+                f.flush()
+                os.fsync(f.fileno())
+            state = {"settings": self.settings, "units": self.units + 1,
+                     "n_records": self.n_records + len(records), "rng": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                state["cuda"] = torch.cuda.get_rng_state_all()
+            torch.save(state, tmp)
+            os.replace(tmp, self.state_path)
+        except Exception as err:
+            tmp.unlink(missing_ok=True)
+            cause = runs.write_failure(err)
+            if cause is None:
+                raise
+            raise WriteError(f"writing {self.path}: {cause}; its first {self.n_records} records are kept "
+                             f"(a rerun of the same command continues from them); free space and rerun "
+                             f"it") from err
         self.units += 1
         self.n_records += len(records)
-        state = {"settings": self.settings, "units": self.units, "n_records": self.n_records,
-                 "rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
         crash_point("journal-append")
+
+
+def _state_shape_ok(state) -> bool:
+    """What Journal.append writes: {settings: dict, units: int, n_records: int, rng: a tensor[, cuda]}."""
+    import torch
+
+    return (isinstance(state, dict) and isinstance(state.get("settings"), dict)
+            and all(isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and state[k] >= 0
+                    for k in ("units", "n_records"))
+            and isinstance(state.get("rng"), torch.Tensor) and state["rng"].dtype == torch.uint8)

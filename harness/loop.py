@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import subprocess
 import time
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 import attention
 import config as C
+import engine as E
 import evaluate
 import methods as M
 import models
@@ -38,6 +40,7 @@ import tree as T
 from advantage import BlockScore
 from harness import distributed as D
 from harness import faults, guards, inject, runs, signals, tracking
+from harness.journal import Stopped
 from harness.tracking import Log
 
 
@@ -52,13 +55,16 @@ class RunState:
     rng: random.Random = field(default_factory=random.Random)   # fork choice, mini-batch order
     too_long: set = field(default_factory=set)   # problems skipped as longer than --max_prompt_tokens (named once)
     ahead: offpolicy.Batch | None = None   # one-step off-policy: the next step's prompts, their bases sampled
+    pending_eval: str | None = None   # "during"/"after": that evaluation a stop skipped; a resume runs it
 
-    def trainer_state(self) -> dict:
-        """The checkpoint's trainer_state.pt fields (besides the optimizer and the config)."""
+    def trainer_state(self, rng: dict | None = None) -> dict:
+        """The checkpoint's trainer_state.pt fields (besides the optimizer and the config). `rng`: the RNG
+        states to save instead of the current ones (a skipped evaluation's: as it found them)."""
         return {"step": self.step, "cursor": self.cursor, "skipped_prompts": self.skipped_prompts,
                 "batch_size": self.batch_size, "bad_steps_in_a_row": self.bad_steps_in_a_row,
-                "rng": rng_state(self.rng), "too_long": sorted(self.too_long),
-                "ahead": self.ahead.to_state() if self.ahead else None}
+                "rng": rng or rng_state(self.rng), "too_long": sorted(self.too_long),
+                "ahead": self.ahead.to_state() if self.ahead else None,
+                **({"pending_eval": self.pending_eval} if self.pending_eval else {})}
 
     def restore(self, state: dict) -> None:
         """Back to a checkpoint's trainer state (older checkpoints lack the later fields)."""
@@ -68,6 +74,7 @@ class RunState:
         self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)
         self.too_long = set(state.get("too_long", ()))
         self.ahead = offpolicy.Batch.from_state(state.get("ahead"))
+        self.pending_eval = state.get("pending_eval")
         set_rng_state(self.rng, state["rng"])
 
 
@@ -87,6 +94,7 @@ class Setup:
     embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
     problems: list[dict]
     eval_problems: list[dict]
+    backoff: E.Backoff = field(default_factory=E.Backoff)   # the rollout engine's sizes after running out of memory
 
     @property
     def pad_id(self) -> int:
@@ -112,8 +120,11 @@ def _train(cfg: C.Config, step: Callable, stop: signals.GracefulStop, held: cont
     if s is None:   # a resume with nothing left to run (setup said so)
         return Path(cfg.out_dir)
     start_step, log = run.step, s.log
-    if cfg.eval_every and start_step == 0:
-        run_eval(s.model, s.tokenizer, s.eval_problems, cfg, s.device, "before", log, 0)
+    if cfg.eval_every and start_step == 0:   # a signal during set-up skips it (the loop then stops at once)
+        run_eval(s, "before", 0, stop)
+    pending = run.pending_eval
+    if pending:   # a stop skipped it before the checkpoint: run it now, as an uninterrupted run did
+        run_pending_eval(s, run, stop)
     bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method,
                dynamic_ncols=True, disable=not D.is_main())
     for _ in bar:
@@ -131,15 +142,25 @@ def _train(cfg: C.Config, step: Callable, stop: signals.GracefulStop, held: cont
         stopping = D.any_rank(stop.requested)   # torchrun: every rank stops at the same step
         if stopping:
             stop.cancel_timeout()   # the safe point is reached: --stop_timeout no longer applies
-        saved = evaluate_and_save(s, run, stopping)
+        saved, stopping = evaluate_and_save(s, run, stop, stopping)
         if stopping and run.step < cfg.steps:
             bar.close()
             log.say(f"stopped by {stop.requested} after step {run.step}: checkpoint {saved}; continue with the "
                     f"same command plus --resume {s.run_dir}")
             return s.run_dir
     bar.close()
-    finish(s, start_step, t_run)
+    finish(s, start_step < cfg.steps or bool(pending), t_run)
     return s.run_dir
+
+
+def run_pending_eval(s: Setup, run: RunState, stop: signals.GracefulStop) -> None:
+    """The evaluation a stop skipped at the checkpoint's step (RunState.pending_eval), from the RNG state it
+    would have found (saved in the checkpoint): the same samples and numbers as an uninterrupted run, and the
+    RNG after it the same for the steps that follow. A resume from that checkpoint always runs it (the RNG
+    needs it); its record is written once (an earlier resume may have written it before being killed)."""
+    logged = any(r.get("eval") == run.pending_eval and r.get("step") == run.step for r in s.log.read())
+    if run_eval(s, run.pending_eval, run.step, stop, write=not logged) is not None:
+        run.pending_eval = None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -157,7 +178,7 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
         torch.set_num_threads(cfg.threads)
     run_dir, log, checkpoint, state = open_run(cfg, held)
     run = RunState(batch_size=cfg.prompts_per_step, rng=random.Random(cfg.seed))
-    if state and state["step"] >= cfg.steps:   # e.g. --resume of a finished run into a new --out_dir
+    if state and state["step"] >= cfg.steps and not pending_eval_due(run_dir, state):   # e.g. a finished run
         log.say(f"nothing left to run: {checkpoint} is at step {state['step']} of --steps {cfg.steps}; "
                 f"raise --steps to train further")
         return None, run
@@ -190,8 +211,10 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     if checkpoint:
         load_trainer_state(state, model, optimizer, run)
         log.say(f"resumed from {checkpoint} at step {run.step}")
+        set_aside_later(cfg, run_dir, checkpoint, run.step, log)
     # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
-    dropped = log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
+    with write_errors(log.path, "no step has run; the checkpoints are intact"):
+        dropped = log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
     if dropped:
         log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
     if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps left with no record
@@ -206,12 +229,25 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
                  problems, eval_problems), run
 
 
+def pending_eval_due(run_dir: Path, state: dict) -> bool:
+    """A checkpoint whose evaluation a stop skipped (its "after" one: at --steps) and whose record is not in
+    the run's metrics yet: the resume is not a no-op."""
+    label = state.get("pending_eval")
+    if not label:
+        return False
+    records = tracking.read_metrics(run_dir / "metrics.jsonl")[0]
+    return not any(r.get("eval") == label and r.get("step") == state["step"] for r in records)
+
+
 def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str | None, dict | None]:
     """The run folder, locked (one run per folder: a second train.py into it stops naming the holder,
     runs.RunLock), checked (never two runs' records in one folder; --resume A --out_dir B refused when B holds
     another run) and its log; with --resume, the newest usable checkpoint and its trainer state (a damaged
     one is skipped with a warning, runs.pick_checkpoint) — whose experiment must be the one asked for
-    (runs.check_resume_config: exit 2 listing the changed fields, unless --allow_config_change)."""
+    (runs.check_resume_config: exit 2 listing the changed fields, unless --allow_config_change). A folder
+    that belongs to something else (a checkpoint, a model: runs.check_out_dir) is refused before anything is
+    created there, and a torn config.json of the run resumed before anything loads (runs.check_run_config)."""
+    runs.check_out_dir(cfg.out_dir)
     run_dir = faults.check_writable(cfg.out_dir)
     if D.is_main():
         held.enter_context(runs.RunLock(run_dir))
@@ -221,26 +257,56 @@ def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str 
         faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
         D.barrier()
     log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
-    checkpoint, state = runs.pick_checkpoint(cfg.resume, faults.resume_source(cfg.resume)) if cfg.resume \
-        else (None, None)
+    source = faults.resume_source(cfg.resume) if cfg.resume else None
+    if source:
+        runs.check_run_config(run_dir)   # read (history kept) once the checkpoint loads
+    checkpoint, state = runs.pick_checkpoint(cfg.resume, source) if cfg.resume else (None, None)
     if state:
         runs.check_resume_config(state.get("config", {}), json.loads(cfg.to_json()), cfg.allow_config_change)
     return run_dir, log, checkpoint, state
 
 
+def set_aside_later(cfg: C.Config, run_dir: Path, checkpoint: str, step: int, log: Log) -> None:
+    """A resume from an earlier checkpoint of this run folder abandons the later ones (their metrics lines
+    are dropped and redone): moved out of checkpoints/ (runs.set_aside_later), said in one line."""
+    if not D.is_main() or runs.run_folder_of(checkpoint) != run_dir.resolve():
+        return
+    with write_errors(run_dir / "abandoned", "the checkpoints are intact"):
+        moved, dest = runs.set_aside_later(run_dir, step)
+    if moved:
+        log.say(f"--resume {cfg.resume}: the later checkpoints {', '.join(moved)} (the continuation "
+                f"this resume abandons) moved to {dest}; no resume picks them again, delete that folder "
+                f"when you no longer need them")
+
+
+@contextlib.contextmanager
+def write_errors(path: Path, kept: str, then: str = "free space and run the same command again"):
+    """A full disk (or another write error) while writing `path` is a WriteError line: exit 4."""
+    try:
+        yield
+    except OSError as err:
+        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; {kept}; {then}") from err
+
+
 def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int) -> None:
     """config.json and git_commit.txt of a new run; on a resume that changed allowed (or forced) settings,
-    the change is added to config.json's history (runs.with_history)."""
+    the change is added to config.json's history (runs.with_history). Each written whole or not at all
+    (runs.write_text); a full disk is a WriteError line."""
     if not D.is_main():
         return
-    if not checkpoint or not (run_dir / "config.json").exists():
-        (run_dir / "config.json").write_text(cfg.to_json())
-        (run_dir / "git_commit.txt").write_text(git_commit() + "\n")
+    config = run_dir / "config.json"
+    kept = "no step has run; the checkpoints are intact" if checkpoint else "no step has run"
+    if not checkpoint or not config.exists():
+        with write_errors(config, kept):
+            runs.write_text(config, cfg.to_json())
+        with write_errors(run_dir / "git_commit.txt", kept):
+            runs.write_text(run_dir / "git_commit.txt", git_commit() + "\n")
         return
     changes = runs.config_changes(state.get("config", {}), json.loads(cfg.to_json())) if state else {}
     if changes:
-        saved = json.loads((run_dir / "config.json").read_text())
-        runs.write_json(run_dir / "config.json", runs.with_history(saved, json.loads(cfg.to_json()), changes, step))
+        with write_errors(config, kept):
+            saved = json.loads(config.read_text())
+            runs.write_json(config, runs.with_history(saved, json.loads(cfg.to_json()), changes, step))
 
 
 def load_trainer_state(state: dict, model, optimizer, run: RunState) -> None:
@@ -281,22 +347,32 @@ def log_trees(s: Setup, step: int, trees: list[T.Tree], scores: list[list[BlockS
                              cfg.sibling_groups)
 
 
-def evaluate_and_save(s: Setup, run: RunState, stopping: bool) -> Path | None:
+def evaluate_and_save(s: Setup, run: RunState, stop: signals.GracefulStop, stopping: bool
+                      ) -> tuple[Path | None, bool]:
     """Held-out evaluation every --eval_every steps and at the end; a checkpoint every --save_every steps, at
-    the end, and when a stop signal came. Returns the checkpoint written, if any."""
-    cfg, done, saved = s.cfg, run.step, None
+    the end, and when a stop signal came — before or during that evaluation, which is then skipped
+    (run_eval) so that the checkpoint does not wait for it. Returns (the checkpoint written, if any;
+    whether to stop)."""
+    cfg, done, saved, found = s.cfg, run.step, None, None
     if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-        run_eval(s.model, s.tokenizer, s.eval_problems, cfg, s.device, "after" if done == cfg.steps else "during",
-                 s.log, done)
+        label = "after" if done == cfg.steps else "during"
+        found = rng_state(run.rng)   # a skipped evaluation's checkpoint saves the RNG as it found it
+        record = run_eval(s, label, done, stop)
+        run.pending_eval = label if record is None else None
+        # skipped by a signal, or one came while it ran to its end (torchrun): the checkpoint is due now
+        stopping = stopping or record is None or D.any_rank(stop.requested)
+        if stopping:
+            stop.cancel_timeout()
     if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
         saved = save_checkpoint(s.run_dir, done, s.model, s.tokenizer, s.optimizer,
-                                {**run.trainer_state(), "config": json.loads(cfg.to_json())},
-                                keep=cfg.keep_checkpoints)
-    return saved
+                                {**run.trainer_state(found if run.pending_eval else None),
+                                 "config": json.loads(cfg.to_json())}, keep=cfg.keep_checkpoints)
+    return saved, stopping
 
 
-def finish(s: Setup, start_step: int, t_run: float) -> None:
-    """The before → after held-out line, training.png, and closing the log and the process group."""
+def finish(s: Setup, wrote: bool, t_run: float) -> None:
+    """The before → after held-out line, training.png (when this process `wrote` records), and closing the
+    log and the process group."""
     cfg, log = s.cfg, s.log
     if D.is_main():
         evals = tracking.read_metrics(s.run_dir / "metrics.jsonl")[0]   # torn lines left out
@@ -305,21 +381,44 @@ def finish(s: Setup, start_step: int, t_run: float) -> None:
             key = f"avg@{cfg.eval_k}"
             log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after {evals[-1][key]:.3f} "
                     f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
-        if start_step < cfg.steps:
-            log.say(f"curves: {plot_run(s.run_dir)}")
+        if wrote:
+            with write_errors(s.run_dir / "training.png", "the run finished, its checkpoints and metrics are "
+                              "intact", "free space (only this figure is missing)"):
+                log.say(f"curves: {plot_run(s.run_dir)}")
     log.close()
     D.shutdown()
 
 
-def run_eval(model, tokenizer, problems, cfg, device, label: str, log: Log, step: int) -> dict:
-    model.eval()
-    with D.full_params(model):     # sharded over ranks and gathered under torchrun
-        result = evaluate.evaluate_problems(model, tokenizer, problems, cfg, k=cfg.eval_k,
-                                            max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}")
+def run_eval(s: Setup, label: str, step: int, stop: signals.GracefulStop, write: bool = True) -> dict | None:
+    """The held-out evaluation `label` ("before", "during", "after") at `step`: its metrics record, written
+    (unless not `write`) and said. A stop signal skips it — one that came before (set-up, the step) skips it
+    whole; one during it stops it after the current generate call (evaluate_problems' `stop`) — and None is
+    returned, one line saying how it runs later. Under torchrun it runs to its end (its ranks' generate calls
+    are collective)."""
+    cfg, model, log = s.cfg, s.model, s.log
+    stopped = D.any_rank(stop.requested)
+    if not stopped:
+        model.eval()
+        try:
+            with D.full_params(model):     # sharded over ranks and gathered under torchrun
+                result = evaluate.evaluate_problems(
+                    model, s.tokenizer, s.eval_problems, cfg, k=cfg.eval_k,
+                    max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}",
+                    stop=None if D.active() else stop)
+        except Stopped:   # at a safe point: the samples of its finished generate calls are dropped
+            stopped = True
+    if stopped:
+        weights = cfg.model if label == "before" else s.run_dir / "checkpoints" / f"step_{step:06d}"
+        later = "the run starts with it again" if label == "before" else "--resume runs it first"
+        log.say(f"[eval {label} @ step {step}] skipped: stopped by {stop.requested or 'a signal'}; {later}, "
+                f"or run it alone: python evaluate.py --model {weights} --bench {cfg.eval_data} --k "
+                f"{cfg.eval_k} --limit {cfg.eval_limit} --max_new_tokens {cfg.eval_max_new_tokens}")
+        return None
     record = {"step": step, "eval": label, "data": cfg.eval_data, f"avg@{cfg.eval_k}": result["avg@k"],
               f"pass@{cfg.eval_k}": result["pass@k"], "n_problems": result["n_problems"],
               "n_samples": result["n_samples"], "seconds": result["seconds"]}
-    log.write(record)
+    if write:
+        log.write(record)
     se = math.sqrt(max(result["avg@k"] * (1 - result["avg@k"]), 1e-12) / max(result["n_samples"], 1))
     log.say(f"[eval {label} @ step {step}] {cfg.eval_data}: avg@{cfg.eval_k} {result['avg@k']:.3f} "
             f"(± {se:.3f}, {result['n_samples']} samples of {result['n_problems']} problems), "
@@ -408,7 +507,11 @@ def plot_run(run_dir: Path) -> Path:
     right.legend(loc="upper left")
     fig.suptitle(run_dir.name)
     fig.tight_layout()
-    path = run_dir / "training.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path, tmp = run_dir / "training.png", run_dir / ".training.png.tmp"
+    try:   # whole or not at all: a full disk leaves the previous figure
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path

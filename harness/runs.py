@@ -1,11 +1,14 @@
 """runs.py — a run folder that cannot be corrupted: one run per folder, resume that checks what it resumes,
 checkpoints written atomically (a full disk is one line, the previous checkpoint intact), damaged ones skipped.
 
-    lock = runs.RunLock(run_dir).acquire()       # a second train.py into the folder: one line naming the holder
-    runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)  # --resume A --out_dir B, B another run: refused
-    checkpoint, state = runs.pick_checkpoint(cfg.resume)          # the newest usable checkpoint (fallback + warning)
+    runs.check_out_dir(cfg.out_dir)             # never into a checkpoint, a model or a run's own subfolders
+    lock = runs.RunLock(run_dir).acquire()      # a second train.py into the folder: one line naming holder
+    runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)  # --resume A --out_dir B, B another run
+    checkpoint, state = runs.pick_checkpoint(cfg.resume)          # the newest usable one (fallback + warning)
     changed = runs.check_resume_config(state["config"], new, allow)  # experiment-changing fields: exit 2
+    runs.set_aside_later(run_dir, step)         # resumed from an earlier checkpoint: later ones moved aside
     with runs.checkpoint_folder(run_dir, step, keep) as tmp: ...  # atomic write, one-line WriteError, pruning
+    runs.load_plain(path)                       # torch.load(weights_only=True): nothing in a file runs code
 
 Everything here is plain functions over paths and dicts, so a training loop of any shape can call them.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -65,7 +69,12 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         tmp = self.path.with_name(f".{self.NAME}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.mine))
+        try:
+            tmp.write_text(json.dumps(self.mine))
+        except OSError as err:   # a full disk: the folder took check_writable's probe, not this
+            tmp.unlink(missing_ok=True)
+            raise WriteError(f"writing {self.path}: {write_failure(err)}; nothing of the run was written; "
+                             f"free space and run the same command again") from None
         try:
             for _ in range(3):
                 try:
@@ -137,6 +146,51 @@ def holds_run(folder: Path) -> bool:
     return (metrics.exists() and metrics.stat().st_size > 0) or any((folder / "checkpoints").glob("step_*"))
 
 
+# A run's own subfolders (faults.RUN_FILES): a run is never started inside another run's.
+RUN_SUBFOLDERS = ("checkpoints", "trees", "tensorboard", "wandb", "abandoned")
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.gguf")
+
+
+def is_model_folder(folder: Path) -> str | None:
+    """'config.json + WEIGHTS' when `folder` is a model (an HF/sentence-transformers folder, a checkpoint
+    copied out of a run), else None. A run folder's config.json is the run's settings, no weights beside."""
+    if not (folder / "config.json").is_file():
+        return None
+    weights = next((w for pattern in WEIGHT_FILES for w in sorted(folder.glob(pattern))), None)
+    return f"config.json + {weights.name}" if weights else None
+
+
+def owner_of(folder: str | Path) -> str | None:
+    """What `folder` belongs to when a run must not write there, whatever --overwrite says: it is (or is
+    inside) a checkpoint, a model folder, or a run's own subfolder (checkpoints/, trees/, ...). None for a
+    new folder, an empty one, or a run folder (those are check_new_run's and check_resume_target's)."""
+    path = Path(folder).expanduser().resolve()
+    for above in (path, *path.parents):
+        inside = "is" if above == path else "is inside"
+        if (above / "trainer_state.pt").is_file() or (above.is_dir() and above.parent.name == "checkpoints"
+                                                      and above.name.startswith(("step_", ".tmp_step_"))):
+            return f"{inside} the checkpoint {above.name} of the run {above.parent.parent}"
+        model = is_model_folder(above)
+        if model and above == path:
+            return f"is a model folder ({model}): the run's config.json would replace the model's"
+        if model:
+            return f"is inside the model folder {above} ({model})"
+        if above != path and path.relative_to(above).parts[0] in RUN_SUBFOLDERS and holds_run(above):
+            part = path.relative_to(above).parts
+            return f"{'is' if len(part) == 1 else 'is inside'} the {part[0]}/ folder of the run {above}"
+    return None
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """--out_dir that belongs to something else (owner_of) is a UserError before anything is created there:
+    --overwrite true replaces a run's records, never a checkpoint or a model."""
+    owner = owner_of(out_dir)
+    if owner:
+        raise UserError(f"--out_dir {out_dir}: {owner}; a run writes only into a new folder or a run "
+                        f"folder of its own (--overwrite true does not change that); expected another "
+                        f"--out_dir, e.g. runs/NAME")
+
+
 def check_resume_target(resume: str, out_dir: str | Path, overwrite: bool) -> bool:
     """--resume A --out_dir B where B is not A's run folder and already holds another run: resuming would
     delete B's later metrics rows and overwrite its checkpoints, so it is refused unless --overwrite true.
@@ -180,25 +234,43 @@ def with_history(saved_json: dict, new: dict, changes: dict, step: int) -> dict:
     return {**new, **({"history": history} if history else {})}
 
 
-def write_json(path: Path, value) -> None:
-    """Replace a JSON file atomically (a kill leaves the old or the new file, never half of one)."""
+def write_text(path: Path, text: str) -> None:
+    """Replace a file atomically: a kill or a full disk leaves the old file or the new one, never half of one
+    (the partial temporary file is removed before the error goes on)."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, value) -> None:
+    """Replace a JSON file atomically (write_text)."""
+    write_text(path, json.dumps(value, indent=2, sort_keys=True))
 
 
 # --------------------------------------------------------------------------------------------------------
 # Checkpoints: written atomically, pruned, and checked before a resume trusts them
 # --------------------------------------------------------------------------------------------------------
+def step_of(checkpoint: Path) -> int:
+    """The step of a checkpoints/step_NNNNNN folder (by number: step_1000000 comes after step_999999)."""
+    return int(Path(checkpoint).name.rsplit("_", 1)[1])
+
+
 def checkpoint_steps(run_dir: Path) -> list[Path]:
     """Complete checkpoints (step_* folders with a trainer state), oldest first."""
     folder = Path(run_dir) / "checkpoints"
-    return sorted(p for p in folder.glob("step_*") if (p / "trainer_state.pt").exists()) if folder.is_dir() else []
+    complete = [p for p in folder.glob("step_*")
+                if p.name[5:].isdigit() and (p / "trainer_state.pt").exists()]
+    return sorted(complete, key=step_of)
 
 
 def write_failure(err: BaseException) -> str | None:
     """A short cause when `err` is a write error (disk full, quota, read-only, I/O), else None. safetensors
-    reports OS errors as its own exception with the OS error inside the message."""
+    reports OS errors as its own exception with the OS error inside the message; torch.save reports a write
+    the disk cut short as a RuntimeError "... unexpected pos N vs M" (its zip writer's byte count)."""
     code = getattr(err, "errno", None)
     text = str(err)
     if code == errno.ENOSPC or "No space left" in text or "StorageFull" in text or "os error 28" in text:
@@ -207,6 +279,9 @@ def write_failure(err: BaseException) -> str | None:
         return "disk quota exceeded"
     if isinstance(err, OSError):
         return err.strerror or text
+    cut = re.search(r"unexpected pos \d+ vs \d+", text)
+    if isinstance(err, RuntimeError) and cut:
+        return f"disk full or over quota (torch.save's write was cut short: {cut.group(0)})"
     if "IoError" in text or "os error" in text:
         return text.splitlines()[0]
     return None
@@ -215,41 +290,74 @@ def write_failure(err: BaseException) -> str | None:
 @contextmanager
 def checkpoint_folder(run_dir: Path, step: int, keep: int = 0):
     """Yields a temporary folder to write checkpoint `step` into; on success it is renamed to
-    checkpoints/step_NNNNNN, the `latest` pointer replaced, and (keep > 0) all but the newest `keep`
-    checkpoints deleted. A write error (disk full, ...) removes the partial folder and raises WriteError,
-    one line naming the path and the cause; earlier checkpoints are never touched by a failed write."""
+    checkpoints/step_NNNNNN, the `latest` pointer replaced, and (keep > 0) the oldest checkpoints deleted
+    until `keep` remain — never this one (prune_checkpoints). A write error (disk full, ...) raises
+    WriteError, one line naming the path and the cause; any failure removes the partial folder (partial
+    ones of earlier kills go first), and earlier checkpoints are never touched by a failed write."""
     folder = Path(run_dir) / "checkpoints"
     final, tmp = folder / f"step_{step:06d}", folder / f".tmp_step_{step:06d}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for partial in folder.glob(".tmp_step_*"):   # a kill mid-write left it: nothing refers to it
+            shutil.rmtree(partial, ignore_errors=True)
         tmp.mkdir(parents=True)
         yield tmp
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        pointer = folder / ".latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, folder / "latest")
-    except Exception as err:
-        cause = write_failure(err)
+        write_pointer(folder, final.name)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = write_failure(err) if isinstance(err, Exception) else None
         if cause is None:
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
         previous = checkpoint_steps(run_dir)
         kept = f"previous checkpoint {previous[-1]} intact" if previous else "no earlier checkpoint"
         raise WriteError(f"writing checkpoint {final}: {cause} ({getattr(err, 'filename', None) or tmp}); "
                          f"{kept}; free space and resume with --resume {run_dir}") from err
     if keep > 0:
-        prune_checkpoints(run_dir, keep)
+        prune_checkpoints(run_dir, keep, written=final)
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (--keep_checkpoints); returns what was deleted."""
+def write_pointer(folder: Path, name: str) -> None:
+    """checkpoints/latest := `name`, replaced atomically."""
+    pointer = folder / ".latest.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, folder / "latest")
+
+
+def prune_checkpoints(run_dir: Path, keep: int, written: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints until `keep` remain (--keep_checkpoints); returns what was
+    deleted. `written` (the checkpoint just written, which `latest` names) is never deleted, nor any later
+    one: those belong to a future a resume abandoned (set_aside_later moves them out first)."""
     complete = checkpoint_steps(run_dir)
+    if written is not None:
+        complete = [p for p in complete if step_of(p) <= step_of(written)]
     doomed = complete[:-keep] if keep > 0 else []
     for path in doomed:
         shutil.rmtree(path)
     return doomed
+
+
+def set_aside_later(run_dir: Path, step: int) -> tuple[list[str], Path | None]:
+    """A resume from checkpoint `step` of this run abandons the continuation its later checkpoints hold
+    (their metrics lines are dropped, they would be redone): they are moved, not deleted, to
+    RUN/abandoned/after_step_NNNNNN[_n]/ so that no resume, --model RUN or pruning picks them again, and
+    `latest` names the resumed checkpoint. Returns (the moved folders' names, where they went)."""
+    folder = Path(run_dir) / "checkpoints"
+    later = [p for p in folder.glob("step_*") if p.name[5:].isdigit() and step_of(p) > step] \
+        if folder.is_dir() else []
+    if not later:
+        return [], None
+    dest = Path(run_dir) / "abandoned" / f"after_step_{step:06d}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"after_step_{step:06d}_{n}")
+    dest.mkdir(parents=True)
+    for path in sorted(later, key=step_of):
+        os.rename(path, dest / path.name)
+    write_pointer(folder, f"step_{step:06d}")
+    return [p.name for p in sorted(later, key=step_of)], dest
 
 
 def safetensors_damage(path: Path) -> str | None:
@@ -275,14 +383,68 @@ def safetensors_damage(path: Path) -> str | None:
     return None
 
 
-def load_trainer_state(checkpoint: Path):
-    """(trainer state, None) or (None, why it is unusable)."""
+class UnsafeFile(Exception):
+    """A torch file whose pickle names a Python object (a class, a function): how a payload runs code on
+    load. load_plain refuses it before anything in it runs; args[0] names the object."""
+
+
+def load_plain(path: Path, mmap: bool = False):
+    """torch.load(weights_only=True): tensors and plain values (dicts, lists, tuples, numbers, strings) only,
+    so nothing in a file someone else wrote (a shared run folder, a downloaded checkpoint) can run code.
+    A pickle naming any other object raises UnsafeFile; other errors (a torn file) propagate."""
+    import pickle
+
     import torch
 
     try:
-        return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False, mmap=True), None
+        return torch.load(path, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if named:
+            raise UnsafeFile(named.group(1)) from None
+        raise
+
+
+def unsafe_line(path: Path, err: UnsafeFile) -> str:
+    """The one line naming a refused file: nothing in it ran."""
+    return (f"{path} holds a Python object ({err.args[0]}), not only tensors and plain values: refused "
+            f"unloaded, nothing in it ran")
+
+
+# What train.py's trainer state holds (loop.RunState.trainer_state plus optimizer and config): anything else
+# is a damaged (or foreign) state, skipped like a torn one.
+TRAINER_FIELDS = {"step": int, "cursor": int, "rng": dict, "optimizer": dict}
+
+
+def trainer_state_problem(state) -> str | None:
+    if not isinstance(state, dict):
+        return f"not a dict but {type(state).__name__}"
+    for name, kind in TRAINER_FIELDS.items():
+        if not isinstance(state.get(name), kind) or isinstance(state.get(name), bool):
+            return f"field {name!r} missing or not {kind.__name__}"
+    if state["step"] < 0 or state["cursor"] < 0:
+        return f"negative step {state['step']} or cursor {state['cursor']}"
+    rng = state["rng"]
+    if not isinstance(rng.get("python"), (tuple, list)) or not hasattr(rng.get("torch"), "dtype"):
+        return "field 'rng' lacks its python or torch state"
+    if not isinstance(state.get("config", {}), dict):
+        return "field 'config' is not a dict"
+    if state.get("pending_eval") not in (None, "during", "after"):
+        return f"field 'pending_eval' is {state['pending_eval']!r}"
+    return None
+
+
+def load_trainer_state(checkpoint: Path):
+    """(trainer state, None) or (None, why it is unusable). Loaded with weights_only (load_plain): a state
+    holding any other Python object raises UnsafeFile (refused by pick_checkpoint, never skipped past)."""
+    try:
+        state = load_plain(Path(checkpoint) / "trainer_state.pt", mmap=True)
+    except UnsafeFile:
+        raise
     except Exception as err:   # a torn zip, a truncated pickle, ...: all mean "damaged"
         return None, f"trainer_state.pt unreadable ({str(err).splitlines()[0][:120]})"
+    why = trainer_state_problem(state)
+    return (None, f"trainer_state.pt is not train.py's ({why})") if why else (state, None)
 
 
 def checkpoint_damage(checkpoint: Path):
@@ -300,7 +462,9 @@ def pick_checkpoint(resume: str, source: str | None):
     `source`: faults.resume_source's answer (None: nothing to resume, start at step 0). When --resume names
     a run folder, its complete checkpoints are tried newest first; a damaged one (unreadable weights or
     trainer state) is skipped with a one-line warning. A checkpoint named explicitly is not replaced by
-    another one: damaged, it is a UserError. None usable: a UserError naming them all."""
+    another one: damaged, it is a UserError. None usable: a UserError naming them all. A trainer state that
+    holds a Python object (UnsafeFile) is a UserError at once: it was put there, not torn by a crash, so the
+    folder is not trusted for an earlier checkpoint either."""
     if source is None:
         return None, None
     named = Path(resume).expanduser()
@@ -310,7 +474,13 @@ def pick_checkpoint(resume: str, source: str | None):
         candidates = [Path(source)]
     damaged = []
     for checkpoint in candidates:
-        state, why = checkpoint_damage(checkpoint)
+        try:
+            state, why = checkpoint_damage(checkpoint)
+        except UnsafeFile as err:
+            refused = unsafe_line(checkpoint / "trainer_state.pt", err)
+            raise UserError(f"--resume {resume}: {refused}; expected a trainer state written by train.py "
+                            f"(resume from a checkpoint you trust, or get the run from its source "
+                            f"again)") from None
         if state is not None:
             if damaged:
                 say(f"checkpoint {damaged[-1][0]} is damaged ({damaged[-1][1]}); resuming from the previous "
@@ -320,3 +490,25 @@ def pick_checkpoint(resume: str, source: str | None):
     listed = "; ".join(f"{c.name}: {why}" for c, why in damaged)
     raise UserError(f"--resume {resume}: no usable checkpoint ({listed}); expected a checkpoint whose "
                     f"model.safetensors and trainer_state.pt are whole")
+
+
+def check_run_config(run_dir: Path) -> None:
+    """RUN/config.json, read on a resume (its history is carried on), must be a JSON object: a torn or
+    edited one is a UserError before anything loads (rewriting it would lose its resume history: the user's
+    call)."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+        why = None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+    except UnicodeDecodeError as err:
+        why = f"not UTF-8 text (byte {err.start})"
+    except ValueError as err:
+        why = f"torn or not JSON ({err})"
+    except OSError as err:
+        why = f"unreadable ({err.strerror or err})"
+    if why:
+        raise UserError(f"--resume: {path}: {why}; expected the run's settings as train.py wrote them: "
+                        f"restore it, or delete it and the resume writes it anew (its resume history is "
+                        f"lost)")

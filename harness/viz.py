@@ -15,8 +15,10 @@ network: data, script and styles are inline.
 from __future__ import annotations
 
 import argparse
+import errno
 import html
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -109,6 +111,79 @@ def scene(trees: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------
+# What a tree log line must be (tracking.tree_record): checked before drawing, one line when it is not
+# --------------------------------------------------------------------------------------------------------
+NUM, OPT_NUM = (int, float), (int, float, type(None))
+TREE_FIELDS = {"tree": int, "method": str, "alpha": NUM, "prompt": str, "answer": (str, int, float),
+               "v_root": NUM, "k_hat": int, "b_hat": int, "leaves": int, "forks": list, "blocks": list}
+BLOCK_FIELDS = {"id": int, "parent": (int, type(None)), "base": int, "start": int, "branch": bool,
+                "terminal": bool, "text": str, "tokens": list, "token_ids": list, "entropies": list,
+                "reward": OPT_NUM, "advantage": OPT_NUM}
+
+
+def _wrong_fields(record: dict, fields: dict) -> list[str]:
+    return [name for name, kind in fields.items() if not isinstance(record.get(name), kind)]
+
+
+def tree_problem(tree) -> str | None:
+    """Why a logged record cannot be drawn (not a tree of tracking.tree_record's shape), or None. Numbers
+    must be numbers and texts texts, so that what the page shows is only ever text."""
+    if not isinstance(tree, dict):
+        return f"a JSON {type(tree).__name__}, not an object"
+    wrong = _wrong_fields(tree, TREE_FIELDS)
+    if wrong:
+        return f"field(s) {', '.join(wrong)} missing or of the wrong type"
+    if not all(isinstance(f, list) and all(isinstance(x, int) for x in f) for f in tree["forks"]):
+        return "forks is not a list of lists of token positions"
+    if not tree["blocks"]:
+        return "no blocks"
+    for b in tree["blocks"]:
+        wrong = _wrong_fields(b, BLOCK_FIELDS) if isinstance(b, dict) else ["(the block itself)"]
+        if wrong:
+            return f"a block's field(s) {', '.join(wrong)} missing or of the wrong type"
+        n = len(b["token_ids"])
+        logprobs = b.get("logprobs") or [0.0] * n
+        if not (len(b["tokens"]) == len(b["entropies"]) == len(logprobs) == n
+                and all(isinstance(x, str) for x in b["tokens"])
+                and all(isinstance(x, int) for x in b["token_ids"])
+                and all(isinstance(x, NUM) for x in b["entropies"] + list(logprobs))):
+            return f"block {b['id']}: tokens, token_ids, entropies and logprobs are not one entry per token"
+    try:
+        layout(tree)
+    except (ValueError, KeyError, RecursionError) as err:
+        return f"its blocks do not form a tree ({err})"
+    return None
+
+
+def drawable(trees: list[dict], path: Path) -> list[dict]:
+    """The trees of a log that can be drawn; each other line is named and left out (as a torn line is), and
+    none left is a ValueError naming the first."""
+    lines = [n for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if line.strip() and _parses(line)]   # the line of each record read_trees returned
+    good, bad = [], []
+    for n, tree in zip(lines, trees):
+        why = tree_problem(tree)
+        if why is None:
+            good.append(tree)
+        else:
+            bad.append(f"line {n}: not a tree ({why})")
+    if not good:
+        raise ValueError(f"{path}: holds no tree to draw ({bad[0]}); expected one JSON tree a line, as "
+                         f"train.py --log_trees_every writes")
+    for line in bad:
+        print(f"{path} {line}; that line is left out", file=sys.stderr)
+    return good
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------
 # HTML
 # --------------------------------------------------------------------------------------------------------
 PAGE = """<!DOCTYPE html>
@@ -164,7 +239,8 @@ function drawTree(t, host) {
   sec.innerHTML = `<h2>tree ${t.tree} &mdash; gold answer ${esc(String(t.answer))}</h2>` +
     `<div class="meta">V(root) ${fmt(t.v_root)} &nbsp; K\\u0302 = ${t.k_hat}, B\\u0302 = ${t.b_hat} &nbsp; forks ` +
     `${esc(JSON.stringify(t.forks))} &nbsp; ${t.leaves} leaves &nbsp; ${t.trained ? "" : "(not trained) "}` +
-    `${t.level === null ? "" : "level " + t.level}</div><details><summary>prompt</summary><pre>${esc(t.prompt)}</pre></details>`;
+    `${t.level === null || t.level === undefined ? "" : "level " + esc(String(t.level))}</div>` +
+    `<details><summary>prompt</summary><pre>${esc(t.prompt)}</pre></details>`;
   host.appendChild(sec);
   const unit = PLOT / Math.max(t.length, 1), H = t.rows * ROW + 2 * PAD;
   const X = x => PAD + PW + 16 + x * unit, Y = r => PAD + r * ROW + 8;
@@ -216,8 +292,17 @@ document.body.dataset.rendered = "yes";
 """
 
 
+# Characters that could end or re-open markup inside the <script> block the data sits in (`</script>`,
+# `<!--<script>`: the HTML parser then swallows the page's own script), or end a JS line: written as JSON
+# \u escapes, which JSON.parse turns back into the same characters.
+SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
+                             "\u2029": "\\u2029"})
+
+
 def render_html(trees: list[dict], title: str) -> str:
-    data = json.dumps(scene(trees), ensure_ascii=False).replace("</", "<\\/")   # never closes the script tag
+    """The page: PAGE with the scene embedded as JSON that no string in it (a generated token, a prompt, a
+    gold answer) can break out of (SCRIPT_SAFE); the page's script escapes text before showing it."""
+    data = json.dumps(scene(trees), ensure_ascii=False).translate(SCRIPT_SAFE)
     a_scale, h_scale = scales(trees)
     fills = {"__TITLE__": html.escape(title), "__ASCALE__": f"{a_scale:.2f}", "__HSCALE__": f"{h_scale:.1f}",
              "__ROW__": str(ROW_H), "__BAR__": str(BAR_H), "__STRIP__": str(STRIP_H), "__PW__": str(PROMPT_W),
@@ -231,8 +316,9 @@ def render_html(trees: list[dict], title: str) -> str:
 # --------------------------------------------------------------------------------------------------------
 # PNG
 # --------------------------------------------------------------------------------------------------------
-def render_png(trees: list[dict], title: str, path) -> None:
-    """The same drawing with matplotlib: one panel per tree."""
+def render_png(trees: list[dict], title: str, path) -> list[str]:
+    """The same drawing with matplotlib: one panel per tree. Returns the titles drawn as plain text
+    (plain_where_math_fails)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,9 +363,26 @@ def render_png(trees: list[dict], title: str, path) -> None:
                      f"{t['leaves']} leaves, gold {t['answer']}", fontsize=8, loc="left")
     fig.suptitle(title + f"  (colour: advantage, ±{drawn['advantage_scale']:.2f}; strip: token entropy; ▼ fork)",
                  fontsize=8)
+    plain = plain_where_math_fails(fig)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
+    return plain
+
+
+def plain_where_math_fails(fig) -> list[str]:
+    """A text with $...$ is drawn as math text; one matplotlib cannot parse (a gold answer like $\\frac{$)
+    would stop the whole figure, so it is drawn as it is written instead. Returns those texts."""
+    from matplotlib.text import Text
+
+    renderer, plain = fig.canvas.get_renderer(), []
+    for text in fig.findobj(Text):
+        try:
+            text.get_window_extent(renderer)
+        except ValueError:
+            text.set_parse_math(False)
+            plain.append(text.get_text())
+    return plain
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -302,8 +405,9 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         parser.exit(2, f"viz.py: error: {Path(args.run) / 'trees'} holds no tree logs; train with --log_trees_every N\n")
     step = steps[-1] if args.step is None else args.step
     try:
-        trees = tracking.read_trees(args.run, step)
-    except (FileNotFoundError, ValueError) as err:   # no log for that step, or an empty / torn one
+        log = Path(args.run) / "trees" / f"step_{step:06d}.jsonl"
+        trees = drawable(tracking.read_trees(args.run, step), log)
+    except (FileNotFoundError, ValueError) as err:   # no log for that step; an empty / torn one; not trees
         parser.exit(2, f"viz.py: error: {err}\n")
     if args.tree is not None:
         chosen = [t for t in trees if t["tree"] == args.tree]
@@ -312,15 +416,41 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
         trees = chosen
     stem = Path(args.out) if args.out else Path(args.run) / "trees" / (
         f"step_{step:06d}" + ("" if args.tree is None else f"_tree{args.tree}"))
-    stem.parent.mkdir(parents=True, exist_ok=True)
     first = trees[0]
     title = (f"{Path(args.run).resolve().name}: step {step}, {first['method']}, α = {first['alpha']:.3f}"
              + ("" if args.tree is None else f", tree {args.tree}"))
     page, png = stem.with_suffix(".html"), stem.with_suffix(".png")
-    page.write_text(render_html(trees, title), encoding="utf-8")
-    render_png(trees, title, png)
+    try:
+        write_outputs(trees, title, page, png)
+    except OSError as err:
+        from harness import runs
+
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        flag = f"--out {args.out}" if args.out else f"{page.parent} (the default output folder, or --out)"
+        target = str(err.filename or page).removesuffix(".tmp")
+        parser.exit(4 if full else 2, f"viz.py: error: {flag}: cannot write {target} "
+                                      f"({runs.write_failure(err)}); expected a folder you can write"
+                                      f"{' with free space' if full else ''}\n")
     print(f"wrote {page} and {png}")
     return page, png
+
+
+def write_outputs(trees: list[dict], title: str, page: Path, png: Path) -> None:
+    """The page and the PNG, each written whole under a temporary name and renamed (an error leaves no
+    half-written file)."""
+    page.parent.mkdir(parents=True, exist_ok=True)
+    tmp_page, tmp_png = page.with_name(page.name + ".tmp"), png.with_name(png.name + ".tmp")
+    try:
+        tmp_page.write_text(render_html(trees, title), encoding="utf-8")
+        plain = render_png(trees, title, tmp_png)
+        if plain:
+            print(f"{png}: {len(plain)} title(s) drawn as plain text, not valid matplotlib math text (e.g. "
+                  f"{plain[0]!r})", file=sys.stderr)
+        os.replace(tmp_page, page)
+        os.replace(tmp_png, png)
+    finally:
+        tmp_page.unlink(missing_ok=True)
+        tmp_png.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ base rollouts: PassRate and SibDiv of the trees it grows, and how its fork point
     python -m studies show-forks --scale demo   # App. D.2 figures "localization" / "case study"
 
 forks: per problem and repeat ONE base rollout; every strategy of FORK_STRATEGIES picks K forks on it and
-grows B branches per fork (rollout.grow_from_forks); PassRate and SibDiv (tree.sib_div) per tree, and the
+grows B branches per fork (growth.grow_from_forks); PassRate and SibDiv (tree.sib_div) per tree, and the
 localization metrics of the fork positions, paired against sent-entropy on the same rollouts.
 show-forks: one response shaded by token entropy with each strategy's forks outlined (forks.png, forks.html).
 
@@ -32,6 +32,7 @@ import config as C
 import models
 import rollout as R
 import tree as T
+from studies import growth
 from studies.common import (DEMO_CONFIG, PAPER_MODEL, STRATEGY_COLORS, TINY_CONFIG, Sampling, Study,
                             base_rewards, markdown_table, mean_of, pass_rate, pm, pyplot, sampling_setup,
                             t_interval, verdict, write_outputs)
@@ -157,9 +158,9 @@ def strategy_records(study: Study, setup: Sampling, embedder, strategy: tuple, b
     forks = {r: R.choose_forks(method, o["k"], setup.tokenizer, setup.model, base.prompt_ids[r],
                                base.tokens[r], base.entropies[r], rng, scfg) for r in range(len(group))}
     with models.autocast(setup.device, cfg.precision):
-        subtrees = R.grow_from_forks(setup.sampler, setup.tokenizer, base, forks, o["b"], answers,
-                                     cfg.max_new_tokens, cfg.branch_chunk_size, cfg.answer_fallback, rewards,
-                                     cfg.branch_budget)
+        subtrees = growth.grow_from_forks(setup.sampler, setup.tokenizer, base, forks, o["b"], answers,
+                                          cfg.max_new_tokens, cfg.branch_chunk_size, cfg.answer_fallback,
+                                          rewards, cfg.branch_budget)
     texts = [b.text for r in range(len(group)) for b in subtrees[r]]
     vectors = embedder.encode(texts, batch_size=cfg.embed_batch_size, convert_to_numpy=True,
                               show_progress_bar=False) if texts else []

@@ -5,7 +5,7 @@ reach a higher PassRate than parallel sampling, and which forking method does be
     python -m studies tree-vs-parallel --scale demo --from_result true   # the table and figure again
 
 Per problem, max(M) parallel samples are drawn once; parallel M uses the first M of them, and the tree
-(N, K, B) grows K forks × B branches (rollout.grow_from_forks) on each of the first N, for each forking
+(N, K, B) grows K forks × B branches (growth.grow_from_forks) on each of the first N, for each forking
 method. The figure is App. C.2's PassRate against generated tokens per problem; the table pairs each tree
 point with the parallel M nearest in tokens.
 """
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import models
 import rollout as R
+from studies import growth
 from studies.common import (DEMO_CONFIG, PAPER_MODEL, STRATEGY_COLORS, TINY_CONFIG, Sampling, Study,
                             base_rewards, markdown_table, pass_rate, pm, pyplot, sampling_setup, t_interval,
                             verdict, write_outputs)
@@ -86,9 +87,9 @@ def group_records(study: Study, setup: Sampling, group: list[int], repeat: int,
         forks = {r: R.choose_forks(method, o["k"], tokenizer, model, base.prompt_ids[r], base.tokens[r],
                                    base.entropies[r], rng, cfg) for r in tree_rows}
         with models.autocast(setup.device, cfg.precision):
-            subtrees[method] = R.grow_from_forks(setup.sampler, tokenizer, base, forks, o["b"], answers,
-                                                 cfg.max_new_tokens, cfg.branch_chunk_size,
-                                                 cfg.answer_fallback, rewards, cfg.branch_budget)
+            subtrees[method] = growth.grow_from_forks(setup.sampler, tokenizer, base, forks, o["b"], answers,
+                                                      cfg.max_new_tokens, cfg.branch_chunk_size,
+                                                      cfg.answer_fallback, rewards, cfg.branch_budget)
     records = []
     for g, index in enumerate(group):
         rows = range(g * m_max, (g + 1) * m_max)

@@ -1,4 +1,4 @@
-"""engine.py against independent paths: HF generate (greedy trees token for token), a fresh full forward
+"""engine/ against independent paths: HF generate (greedy trees token for token), a fresh full forward
 (entropies and log-probs), and its own event log (scheduling, no step on an ended row, KV returned)."""
 import random
 
@@ -7,8 +7,11 @@ import torch
 
 import config
 import engine as E
+from engine import generate as G
+from engine import kv
 import rollout as R
 import methods as M
+from studies import growth
 import tree as T
 
 PROMPTS = ["What is 3 + 4?", "Add 10 and 25, then explain.", "Compute 12 * 3 step by step, please."]
@@ -53,9 +56,19 @@ def rollout(model, tok, cfg, engine, seed=0, **kw):
     return R.rollout_trees(model, tok, PROMPTS, ANSWERS, cfg, random.Random(seed), **kw)
 
 
-def engine_for(model, tok, cfg, max_rows=64, max_kv_tokens=4096, trace=True):
+def engine_for(model, tok, cfg, max_rows=64, max_kv_tokens=4096, trace=True, backoff=None):
     sampler = R.Sampler.from_config(model, tok, cfg)
-    return E.Engine(model, sampler.stop_ids, sampler.warp, max_rows, max_kv_tokens, trace=trace)
+    return E.Engine(model, sampler.stop_ids, sampler.warp, max_rows, max_kv_tokens, trace=trace, backoff=backoff)
+
+
+def run_to_end(engine, prompts, n, max_new_tokens, branches=None, keep_hidden=None, **kwargs):
+    """engine.run to the end, answering each BasesDone(p, bases) with engine.grow(p, branches(p, bases));
+    keep_hidden defaults to whether branches are asked for. The results per prompt."""
+    keep = branches is not None if keep_hidden is None else keep_hidden
+    for done in engine.run(prompts, n, max_new_tokens, keep_hidden=keep, **kwargs):
+        if branches is not None:
+            engine.grow(done.prompt, branches(done.prompt, done.samples))
+    return engine.results
 
 
 # ---- greedy: the same trees as HF generate, token for token --------------------------------------------
@@ -118,7 +131,7 @@ def test_recorded_entropies_and_logprobs_match_a_full_forward(tiny_policy, warpe
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
     requests = [E.BranchRequest(0, 2, 2, 6), E.BranchRequest(1, 5, 1, 6)]
     torch.manual_seed(4)
-    results = engine.run(prompts, 2, 8, on_bases_done=lambda p, bases: requests)
+    results = run_to_end(engine, prompts, 2, 8, branches=lambda p, bases: requests)
     checked = 0
     for p, res in enumerate(results):
         paths = [([], s) for s in res.bases]
@@ -131,7 +144,7 @@ def test_recorded_entropies_and_logprobs_match_a_full_forward(tiny_policy, warpe
             start = len(prompts[p]) + len(prefix) - 1
             scores = sampler.warp(logits[start:start + len(s.tokens)])
             logp = torch.log_softmax(scores, -1)
-            assert torch.allclose(torch.tensor(s.entropies), R.entropy_of(scores), atol=1e-4)
+            assert torch.allclose(torch.tensor(s.entropies), G.entropy_of(scores), atol=1e-4)
             assert torch.allclose(torch.tensor(s.logprobs), logp[torch.arange(len(s.tokens)), s.tokens], atol=1e-4)
             assert all(lp > -float("inf") for lp in s.logprobs)   # every token came from the warped support
             checked += 1
@@ -155,14 +168,14 @@ def test_branches_of_an_early_prompt_decode_while_another_prompts_bases_run(tiny
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
-    probe = engine_for(model, tok, cfg).run(prompts, 1, 12)
+    probe = run_to_end(engine_for(model, tok, cfg), prompts, 1, 12)
     a_tokens, b_tokens = probe[0].bases[0].tokens, probe[1].bases[0].tokens
     stop = next(t for t in a_tokens[2:] if t not in b_tokens and t not in a_tokens[:2])
     a_end = a_tokens.index(stop) + 1
     engine = engine_for(model, tok, cfg)
     engine.stop_ids.add(stop)
     requests = {0: [E.BranchRequest(0, 1, 2, 12)], 1: [E.BranchRequest(1, 4, 2, 12)]}
-    results = engine.run(prompts, 2, 12, on_bases_done=lambda p, bases: requests[p])
+    results = run_to_end(engine, prompts, 2, 12, branches=lambda p, bases: requests[p])
     assert [len(s.tokens) for s in results[0].bases] == [a_end, a_end] and len(results[1].bases[0].tokens) == 12
     step_of = {(kind, ev[2]): ev[0] for ev in engine.events if (kind := ev[1]) in ("bases_done", "tree_done")}
     rows_of = {}
@@ -187,7 +200,7 @@ def test_no_decode_step_on_an_ended_row_and_kv_returned(tiny_policy):
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     requests = [E.BranchRequest(0, 1, 3, 7), E.BranchRequest(1, 3, 2, 4), E.BranchRequest(2, 2, 1, 9)]
     torch.manual_seed(2)
-    results = engine.run(prompts, 3, 9, on_bases_done=lambda p, bases: [r for r in requests
+    results = run_to_end(engine, prompts, 3, 9, branches=lambda p, bases: [r for r in requests
                                                                         if r.fork < len(bases[r.base].tokens)])
     end_step = {ev[2]: ev[0] for ev in engine.events if ev[1] == "end"}
     decoded: dict[int, list[int]] = {}
@@ -233,22 +246,23 @@ def test_out_of_memory_halves_the_row_budget_and_remembers_it(tiny_policy, monke
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
-    reference = engine_for(model, tok, cfg).run(prompts, 2, 8)
-    monkeypatch.setattr(E, "ROWS_AFTER_OOM", {})
-    real = E.Engine._forward
+    reference = run_to_end(engine_for(model, tok, cfg), prompts, 2, 8)
+    real = kv.Forward.decode
 
-    def small_gpu(self, rows, new_tokens):            # "CUDA" that decodes at most 2 rows at once
+    def small_gpu(self, rows):            # "CUDA" that decodes at most 2 rows at once
         if len(rows) > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return real(self, rows, new_tokens)
+        return real(self, rows)
 
-    monkeypatch.setattr(E.Engine, "_forward", small_gpu)
-    engine = engine_for(model, tok, cfg, max_rows=6)
-    results = engine.run(prompts, 2, 8)
+    monkeypatch.setattr(kv.Forward, "decode", small_gpu)
+    backoff = E.Backoff()                             # what the run remembers from one engine to the next
+    engine = engine_for(model, tok, cfg, max_rows=6, backoff=backoff)
+    results = run_to_end(engine, prompts, 2, 8)
     assert [[s.tokens for s in r.bases] for r in results] == [[s.tokens for s in r.bases] for r in reference]
-    assert engine.stats["oom_retries"] == 2 and engine.max_rows == 1    # 6 rows → 3 → 1 (3 // 2)
-    assert engine.pool.used == 0
-    assert engine_for(model, tok, cfg, max_rows=6).max_rows == 1        # the next step starts at what fit
+    assert engine.stats["oom_retries"] == 2 and engine.scheduler.max_rows == 1    # 6 rows → 3 → 1 (3 // 2)
+    assert engine.pool.used == 0 and backoff.rows == {"cpu": 1}
+    assert engine_for(model, tok, cfg, max_rows=6, backoff=backoff).scheduler.max_rows == 1   # the next step
+    assert engine_for(model, tok, cfg, max_rows=6).scheduler.max_rows == 6   # starts at what fit; no global
 
 
 def test_prefill_oom_beside_decoding_rows_waits_for_them(smollm_tokenizer, monkeypatch):
@@ -260,26 +274,24 @@ def test_prefill_oom_beside_decoding_rows_waits_for_them(smollm_tokenizer, monke
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     requests = lambda p, bases: [E.BranchRequest(1, 3, 2, 6)]
-    reference = engine_for(model, tok, cfg).run(prompts, 2, 8, on_bases_done=requests)
-    monkeypatch.setattr(E, "PREFILL_AFTER_OOM", {})
-    monkeypatch.setattr(E, "ROWS_AFTER_OOM", {})
-    real = E.Engine._forward
+    reference = run_to_end(engine_for(model, tok, cfg), prompts, 2, 8, branches=requests)
+    real = kv.Forward.prefill_forward
     beside = []
 
-    def small_gpu(self, rows, new_tokens):
-        if len(new_tokens[0]) > 1:                       # a prefill
-            if len(self.state.active) >= 2:
+    def small_gpu(self, row, tokens):
+        if len(tokens) > 1:                              # a prefill
+            if len(engine.scheduler.active) >= 2:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
-            beside.append(len(self.state.active))
-        return real(self, rows, new_tokens)
+            beside.append(len(engine.scheduler.active))
+        return real(self, row, tokens)
 
-    monkeypatch.setattr(E.Engine, "_forward", small_gpu)
+    monkeypatch.setattr(kv.Forward, "prefill_forward", small_gpu)
     engine = engine_for(model, tok, cfg)
-    results = engine.run(prompts, 2, 8, on_bases_done=requests)
+    results = run_to_end(engine, prompts, 2, 8, branches=requests)
     assert [([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()}) for r in results] \
         == [([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()}) for r in reference]
-    assert engine.stats["oom_retries"] >= 2 and beside == [0, 0, 0] and engine.prefill_chunk is None
-    assert engine.pool.used == 0 and engine.max_rows == 64
+    assert engine.stats["oom_retries"] >= 2 and beside == [0, 0, 0] and engine.scheduler.prefill_chunk is None
+    assert engine.pool.used == 0 and engine.scheduler.max_rows == 64
     prefills = [ev[2] for ev in engine.events if ev[1] == "prefill"]
     assert prefills == [0, 1, 2] and engine.stats["prefill_tokens"] == sum(map(len, prompts))
 
@@ -291,9 +303,9 @@ def test_more_samples_per_prompt_than_rows_take_turns(smollm_tokenizer):
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
-    wide = engine_for(model, tok, cfg).run(prompts, 5, 6)
+    wide = run_to_end(engine_for(model, tok, cfg), prompts, 5, 6)
     narrow = engine_for(model, tok, cfg, max_rows=2, max_kv_tokens=60)
-    results = narrow.run(prompts, 5, 6)
+    results = run_to_end(narrow, prompts, 5, 6)
     assert [[s.tokens for s in r.bases] for r in results] == [[s.tokens for s in r.bases] for r in wide]
     assert max(len(ev[2]) for ev in narrow.events if ev[1] == "decode") == 2
     assert sum(1 for ev in narrow.events if ev[1] == "prefill") == 2 and narrow.pool.used == 0
@@ -326,13 +338,13 @@ def test_branches_from_given_bases_equal_branches_on_its_own_bases(smollm_tokeni
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     requests = {0: [E.BranchRequest(0, 1, 2, 9), E.BranchRequest(1, 4, 1, 9)],
                 1: [E.BranchRequest(1, 2, 2, 5)], 2: [E.BranchRequest(0, 6, 1, 9), E.BranchRequest(1, 0, 1, 3)]}
-    sampled = engine_for(model, tok, cfg).run(prompts, 2, 9, on_bases_done=lambda p, bases: requests[p])
+    sampled = run_to_end(engine_for(model, tok, cfg), prompts, 2, 9, branches=lambda p, bases: requests[p])
     given = {p: sampled[p].bases for p in (0, 2)}
     saved = copy.deepcopy(given)
     seen = {}
     engine = engine_for(model, tok, cfg)
-    results = engine.run(prompts, 2, 9, given_bases=given,
-                         on_bases_done=lambda p, bases: seen.setdefault(p, bases) and requests[p])
+    results = run_to_end(engine, prompts, 2, 9, given_bases=given,
+                         branches=lambda p, bases: seen.setdefault(p, bases) and requests[p])
     for p in range(3):
         assert [s.tokens for s in results[p].bases] == [s.tokens for s in sampled[p].bases]
         assert {k: [s.tokens for s in v] for k, v in results[p].branches.items()} == \
@@ -356,10 +368,10 @@ def test_branches_on_given_bases_match_a_full_forward(tiny_policy, warpers):
     sampler = R.Sampler.from_config(model, tok, cfg)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
     torch.manual_seed(5)
-    given = {p: res.bases for p, res in enumerate(engine_for(model, tok, cfg).run(prompts, 2, 10))}
+    given = {p: res.bases for p, res in enumerate(run_to_end(engine_for(model, tok, cfg), prompts, 2, 10))}
     requests = [E.BranchRequest(0, 0, 1, 6), E.BranchRequest(0, 3, 2, 6), E.BranchRequest(1, 7, 2, 6)]
-    results = engine_for(model, tok, cfg).run(prompts, 2, 10, given_bases=given, on_bases_done=lambda p, b:
-                                              [r for r in requests if r.fork < len(b[r.base].tokens)])
+    results = run_to_end(engine_for(model, tok, cfg), prompts, 2, 10, given_bases=given,
+                         branches=lambda p, b: [r for r in requests if r.fork < len(b[r.base].tokens)])
     checked = 0
     for p, res in enumerate(results):
         for (j, f), per in res.branches.items():
@@ -370,7 +382,7 @@ def test_branches_on_given_bases_match_a_full_forward(tiny_policy, warpers):
                 start = len(prompts[p]) + f - 1
                 scores = sampler.warp(logits[start:start + len(s.tokens)])
                 logp = torch.log_softmax(scores, -1)
-                assert torch.allclose(torch.tensor(s.entropies), R.entropy_of(scores), atol=1e-4)
+                assert torch.allclose(torch.tensor(s.entropies), G.entropy_of(scores), atol=1e-4)
                 assert torch.allclose(torch.tensor(s.logprobs), logp[torch.arange(len(s.tokens)), s.tokens],
                                       atol=1e-4)
                 checked += 1
@@ -385,24 +397,24 @@ def test_given_bases_wait_for_kv_room(smollm_tokenizer):
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
-    given = {p: res.bases for p, res in enumerate(engine_for(model, tok, cfg).run(prompts, 2, 8))}
+    given = {p: res.bases for p, res in enumerate(run_to_end(engine_for(model, tok, cfg), prompts, 2, 8))}
     fork, count, limit = 2, 3, 6
-    on_bases_done = lambda p, bases: [E.BranchRequest(0, fork, count, limit)]
+    grow_at = lambda p, bases: [E.BranchRequest(0, fork, count, limit)]
     roomy = engine_for(model, tok, cfg)
-    wide = roomy.run(prompts, 2, 8, given_bases=given, on_bases_done=on_bases_done)
+    wide = run_to_end(roomy, prompts, 2, 8, given_bases=given, branches=grow_at)
     need = [len(prompts[p]) + sum(len(s.tokens) - 1 for s in given[p]) for p in range(2)]
     # after prompt 0's bases: its branches hold P0 + f prefix slots and may still write count × (limit − 1)
     capacity = max(need[0], need[1] + len(prompts[0]) + fork + count * (limit - 1) - 1)
     assert capacity < need[1] + len(prompts[0]) + fork + count * (limit - 1)
     engine = engine_for(model, tok, cfg, max_kv_tokens=capacity)
-    results = engine.run(prompts, 2, 8, given_bases=given, on_bases_done=on_bases_done)
+    results = run_to_end(engine, prompts, 2, 8, given_bases=given, branches=grow_at)
     assert [r.branches for r in results] == [r.branches for r in wide]
     order = {e: [ev[1:3] for ev in e.events if ev[1] in ("prefill", "tree_done")] for e in (roomy, engine)}
     assert order[roomy] == [("prefill", 0), ("prefill", 1), ("tree_done", 0), ("tree_done", 1)]
     assert order[engine] == [("prefill", 0), ("tree_done", 0), ("prefill", 1), ("tree_done", 1)]
     assert engine.pool.peak <= capacity and engine.pool.used == 0
     with pytest.raises(ValueError, match="given_bases\\[1\\]"):
-        engine_for(model, tok, cfg).run(prompts, 2, 8, given_bases={1: given[1][:1]})
+        run_to_end(engine_for(model, tok, cfg), prompts, 2, 8, given_bases={1: given[1][:1]})
 
 
 def test_keep_hidden_as_a_set_of_prompts(smollm_tokenizer):
@@ -413,11 +425,11 @@ def test_keep_hidden_as_a_set_of_prompts(smollm_tokenizer):
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
-    on_bases_done = lambda p, bases: [E.BranchRequest(0, 1, 1, 1)] if p == 0 else []
+    grow_at = lambda p, bases: [E.BranchRequest(0, 1, 1, 1)] if p == 0 else []
     peaks, out = {}, {}
     for keep in (True, frozenset({0})):
         engine = engine_for(model, tok, cfg, max_rows=1)
-        out[keep] = engine.run(prompts, 2, 8, on_bases_done=on_bases_done, keep_hidden=keep)
+        out[keep] = run_to_end(engine, prompts, 2, 8, branches=grow_at, keep_hidden=keep)
         peaks[keep] = engine.pool.peak
         assert engine.pool.used == 0
         # prompt 0's one branch ends at its first token (budget 1), inside bases_done: its tree is done once
@@ -430,8 +442,8 @@ def test_keep_hidden_as_a_set_of_prompts(smollm_tokenizer):
                                          [len(prompts[p]) + max(lengths[p]) for p in (1, 2)])
     assert peaks[frozenset({0})] < peaks[True]
     with pytest.raises(ValueError, match="prompt 1 without keep_hidden"):
-        engine_for(model, tok, cfg).run(prompts, 2, 8, keep_hidden={0},
-                                        on_bases_done=lambda p, bases: [E.BranchRequest(0, 1, 1, 2)])
+        run_to_end(engine_for(model, tok, cfg), prompts, 2, 8, keep_hidden={0},
+                   branches=lambda p, bases: [E.BranchRequest(0, 1, 1, 2)])
 
 
 def test_grow_from_forks_engine_equals_generate(smollm_tokenizer, monkeypatch):
@@ -448,7 +460,7 @@ def test_grow_from_forks_engine_equals_generate(smollm_tokenizer, monkeypatch):
     subtrees = {}
     for budget in ("full", "remaining"):
         for name, sampler in samplers.items():
-            subtrees[name] = R.grow_from_forks(sampler, tok, base, forks, 2, ["7", "7", "35", "35"], 10,
+            subtrees[name] = growth.grow_from_forks(sampler, tok, base, forks, 2, ["7", "7", "35", "35"], 10,
                                                chunk_size=3, budget=budget)
         shape = {e: {r: [(b.parent, b.token_ids, b.start, b.branch, b.reward) for b in blocks]
                      for r, blocks in subtrees[e].items()} for e in subtrees}
@@ -508,11 +520,11 @@ def test_progress_bar_counts_tokens_rows_and_trees(tiny_policy, monkeypatch, tty
     model, tok = tiny_policy
     cfg = _cfg()
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
-    given = {1: engine_for(model, tok, cfg).run(prompts[1:2], 2, 6, progress=False)[0].bases}
+    given = {1: run_to_end(engine_for(model, tok, cfg), prompts[1:2], 2, 6, progress=False)[0].bases}
     stderr = _Terminal(tty)
     monkeypatch.setattr(sys, "stderr", stderr)
     engine = engine_for(model, tok, cfg)
-    results = engine.run(prompts, 2, 6, on_bases_done=lambda p, bases: [E.BranchRequest(0, 1, 2, 4)],
+    results = run_to_end(engine, prompts, 2, 6, branches=lambda p, bases: [E.BranchRequest(0, 1, 2, 4)],
                          given_bases=given, progress=progress)
     assert any("rollout" in s for s in stderr.text) == drawn
     sampled = [s for p, r in enumerate(results) for s in (r.bases if p != 1 else [])] + \
@@ -537,7 +549,7 @@ def test_compiled_decode_step_gives_the_eager_engine_results(smollm_tokenizer):
         cfg = _cfg(top_k=1, compile_decode=compiled)
         trees[compiled], stats = rollout(model, tok, cfg, "engine")
     assert tree_tokens(trees[True]) == tree_tokens(trees[False]) and stats.row_steps > 0
-    assert E._COMPILED and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1     # it did compile
+    assert kv._COMPILED and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1     # it did compile
     assert any(b.branch for t in trees[True] for b in t.blocks)
     cfg = _cfg(temperature=0.7, top_k=40, compile_decode=True)
     sampled, _ = rollout(model, tok, cfg, "engine", seed=2)
@@ -549,6 +561,6 @@ def test_compiled_decode_step_gives_the_eager_engine_results(smollm_tokenizer):
             start = len(t.prompt_ids) + b.start - 1
             scores = sampler.warp(logits[start:start + len(b.token_ids)])
             logp = torch.log_softmax(scores, -1)
-            assert torch.allclose(torch.tensor(b.entropies), R.entropy_of(scores), atol=1e-4)
+            assert torch.allclose(torch.tensor(b.entropies), G.entropy_of(scores), atol=1e-4)
             assert torch.allclose(torch.tensor(b.logprobs), logp[torch.arange(len(b.token_ids)), b.token_ids],
                                   atol=1e-4)

@@ -331,12 +331,15 @@ def test_run_stops_after_max_bad_steps_with_its_last_checkpoint(tmp_path, monkey
 # Out of memory while generating branches: halve the chunk, down to 1
 # ------------------------------------------------------------------------------------------------------
 def test_branch_chunk_halves_on_out_of_memory(tiny_policy, monkeypatch, capsys):
+    from engine import BranchRequest
+    from engine import generate as G
+
     model, tok = tiny_policy
     sampler = R.Sampler(model, R.stop_token_ids(tok, model), tok.pad_token_id)
     torch.manual_seed(0)
     base = R.sample_base(sampler, [tok("What is 1 + 1?").input_ids], 2, 6, keep_cache=True)
-    requests = [R.BranchRequest(0, 2, 3), R.BranchRequest(1, 3, 3)]
-    real = R.Sampler.generate
+    requests = [BranchRequest(0, 2, 3, 6), BranchRequest(1, 3, 3, 6)]
+    real = G.hf_generate
     sizes = []
 
     def small_gpu(self, input_ids, *args, **kwargs):   # "CUDA" that fits at most 2 rows
@@ -345,10 +348,10 @@ def test_branch_chunk_halves_on_out_of_memory(tiny_policy, monkeypatch, capsys):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return real(self, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(R.Sampler, "generate", small_gpu)
+    monkeypatch.setattr(G, "hf_generate", small_gpu)
     counters = {}
-    out = R.sample_branches(sampler, base, requests, 6, chunk_size=6, counters=counters)
-    assert [len(per) for per in out] == [3, 3] and all(tokens for per in out for tokens, *_ in per)
+    out = G.sample_branches(sampler, base, requests, chunk_size=6, counters=counters)
+    assert [len(per) for per in out] == [3, 3] and all(s.tokens for per in out for s in per)
     assert sizes == [6, 3, 1, 1, 1, 1, 1, 1]       # 6 → 3 → 1 (3 // 2), then every branch once at the size that fits
     assert counters["oom_retries"] == 2
     assert "out of memory generating branches (6 at once): retrying at 3" in capsys.readouterr().err
@@ -356,9 +359,9 @@ def test_branch_chunk_halves_on_out_of_memory(tiny_policy, monkeypatch, capsys):
     def no_gpu(self, input_ids, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(R.Sampler, "generate", no_gpu)
+    monkeypatch.setattr(G, "hf_generate", no_gpu)
     with pytest.raises(torch.OutOfMemoryError):                 # gives up only at size 1
-        R.sample_branches(sampler, base, requests, 6, chunk_size=4, counters={})
+        G.sample_branches(sampler, base, requests, chunk_size=4, counters={})
 
 
 def test_halving_chunks_keeps_order_and_reraises_other_errors():

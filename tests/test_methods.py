@@ -65,8 +65,9 @@ def test_paths_weights_and_filter_by_hand():
 
 def test_run_state_saves_and_restores_whole():
     import offpolicy
+    from engine import Sample
 
-    ahead = offpolicy.Batch(["q"], ["4"], [2], [[[[5, 6], [0.5, 0.1], [-0.7, -2.0]]]], sampled_at=2)
+    ahead = offpolicy.Batch(["q"], ["4"], [2], [[Sample([5, 6], [0.5, 0.1], [-0.7, -2.0])]], sampled_at=2)
     run = loop.RunState(step=3, cursor=17, skipped_prompts=2, batch_size=5, bad_steps_in_a_row=1,
                          rng=random.Random(4), too_long={9, 2}, ahead=ahead)
     run.rng.random()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import config as C
+from engine import Sample
 import models
 import offpolicy
 import packing as P
@@ -19,7 +20,7 @@ import tree as T
 # Bookkeeping
 # --------------------------------------------------------------------------------------------------------
 def _batch():
-    bases = [[[[5, 6, 2], [0.5, 0.25, 0.0], [-0.7, -1.4, -0.01]]] * 2, [[[7], [0.1], [-2.3]]] * 2]
+    bases = [[Sample([5, 6, 2], [0.5, 0.25, 0.0], [-0.7, -1.4, -0.01])] * 2, [Sample([7], [0.1], [-2.3])] * 2]
     return offpolicy.Batch(["p0", "p1"], ["1", "2"], [1, None], bases, sampled_at=3)
 
 
@@ -28,6 +29,9 @@ def test_batch_survives_a_checkpoint_and_shards_by_prompt(tmp_path):
     torch.save({"ahead": batch.to_state()}, tmp_path / "state.pt")
     again = offpolicy.Batch.from_state(torch.load(tmp_path / "state.pt", weights_only=False)["ahead"])
     assert again == batch and json.loads(json.dumps(batch.to_state())) == batch.to_state()
+    # the checkpoint holds plain lists, a base response as [tokens, entropies, logprobs], as before Samples
+    assert batch.to_state()["bases"][0][0] == [[5, 6, 2], [0.5, 0.25, 0.0], [-0.7, -1.4, -0.01]]
+    assert all(isinstance(s, Sample) for per in again.bases for s in per)
     assert offpolicy.Batch.from_state(None) is None
     second = batch.shard(1, 2)
     assert (second.prompts, second.answers, second.levels, second.bases, second.sampled_at) == \

@@ -23,17 +23,12 @@ from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
 @pytest.fixture
 def oom_at(monkeypatch):
     """DATPO_OOM_AT for one test: the harness's sites (harness/inject.py) wrapped with monkeypatch, so they are
-    undone after it, and the once-per-process memory of the hooks still in stage code cleared before and after
-    (and the engine's sizes that fit after running out of memory: they would shrink later tests' batches)."""
-    monkeypatch.setattr(engine, "ROWS_AFTER_OOM", {})
-    monkeypatch.setattr(engine, "PREFILL_AFTER_OOM", {})
-
+    undone after it. (What the engine learns from running out of memory stays in its Sampler's
+    engine.Backoff: nothing global.)"""
     def set_sites(spec: str):
         monkeypatch.setenv("DATPO_OOM_AT", spec)
-        inject._oom_fired.clear()
-        inject.install(",".join(s for s in spec.split(",") if s in inject.OOM_SITES), monkeypatch.setattr)
+        inject.install(spec, monkeypatch.setattr)
     yield set_sites
-    inject._oom_fired.clear()
 
 
 def test_is_oom_knows_cuda_and_cublas_allocation_failures():
@@ -145,30 +140,31 @@ def test_prefill_oom_alone_feeds_the_prompt_in_halves_with_the_same_result(smoll
     """DATPO_OOM_AT=prefill: the first prompt's prefill runs out of memory with no row decoding; it is fed
     again in chunks of half its tokens (and so is every later prompt and given response), and the samples are
     those of a run without the fault: same tokens, H_t and log-probs within 1e-4."""
-    from test_engine import PROMPTS, tiny_model
+    from test_engine import PROMPTS, run_to_end, tiny_model
 
     tok = smollm_tokenizer
     model = tiny_model("qwen2", len(tok))
     sampler = R.Sampler.from_config(model, tok, config.make_config("tiny", temperature=0.8))
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     torch.manual_seed(0)
-    given = {1: sampler.make_engine(prompts, 8, 6, 2).run(prompts[1:2], 2, 8, progress=False)[0].bases}
+    given = {1: run_to_end(sampler.make_engine(prompts, 8, 6, 2), prompts[1:2], 2, 8, progress=False)[0].bases}
     requests = lambda p, bases: [engine.BranchRequest(j, 2, 2, 6) for j in range(2)]
     out = {}
     for spec in ("", "prefill"):
         oom_at(spec)
         torch.manual_seed(1)
         run = sampler.make_engine(prompts, 8, 18, 2)
-        res = run.run(prompts, 2, 8, on_bases_done=requests, given_bases=given, progress=False)
+        res = run_to_end(run, prompts, 2, 8, branches=requests, given_bases=given, progress=False)
         out[spec] = run, [s for r in res for s in r.bases + [x for per in r.branches.values() for x in per]]
     (clean, a), (hit, b) = out[""], out["prefill"]
     assert clean.stats["oom_retries"] == 0 and hit.stats["oom_retries"] == 1
-    assert hit.prefill_chunk == len(prompts[0]) // 2 == engine.PREFILL_AFTER_OOM["cpu"]
+    assert hit.scheduler.prefill_chunk == len(prompts[0]) // 2 == sampler.backoff.prefill_tokens["cpu"]
     assert [s.tokens for s in a] == [s.tokens for s in b] and len(a) == 3 * 2 + 3 * 4
     for x, y in zip(a, b):
         assert x.entropies == pytest.approx(y.entropies, abs=1e-4) and x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
     assert hit.stats["prefill_tokens"] == clean.stats["prefill_tokens"] == sum(map(len, prompts))
-    assert hit.pool.used == 0 and sampler.make_engine(prompts, 8, 6, 2).prefill_chunk == hit.prefill_chunk
+    assert hit.pool.used == 0 and \
+        sampler.make_engine(prompts, 8, 6, 2).scheduler.prefill_chunk == hit.scheduler.prefill_chunk
 
 
 def test_prefill_oom_in_a_rollout_never_kills_the_step(tiny_policy, oom_at, monkeypatch):
@@ -181,3 +177,26 @@ def test_prefill_oom_in_a_rollout_never_kills_the_step(tiny_policy, oom_at, monk
                                    random.Random(0))
     assert stats.oom_retries == 1
     assert [t.leaves for t in trees] == [2 * (1 + 2 * 2)] * 2   # N(1 + K̂B̂) with K̂ = B̂ = 2 at V = 0
+
+
+def test_base_oom_halves_the_engine_rows_and_reaches_the_generate_caller(smollm_tokenizer, oom_at):
+    """DATPO_OOM_AT=base: the engine's first decode step of several base rows runs out of memory once; its row
+    budget halves (kept in the sampler's Backoff) and the greedy samples are those of a run without the
+    fault. On the generate path a group's base call raises it (the base phase's degradation is the engine's)."""
+    from test_engine import PROMPTS, run_to_end, tiny_model
+
+    tok = smollm_tokenizer
+    model = tiny_model("llama", len(tok))
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    out = {}
+    for spec in ("", "base"):
+        oom_at(spec)
+        sampler = R.Sampler.from_config(model, tok, config.make_config("tiny", top_k=1, max_batch_rows=8))
+        run = sampler.make_engine(prompts, 6, 6, 2)
+        out[spec] = run, sampler, [[s.tokens for s in r.bases] for r in run_to_end(run, prompts, 2, 6)]
+    (clean, _, a), (hit, sampler, b) = out[""], out["base"]
+    assert a == b and clean.stats["oom_retries"] == 0 and hit.stats["oom_retries"] == 1
+    assert clean.scheduler.max_rows == 8 and hit.scheduler.max_rows == 3 == sampler.backoff.rows["cpu"]   # 6 // 2
+    cfg = config.make_config("tiny", rollout_engine="generate")
+    with pytest.raises(torch.OutOfMemoryError, match="DATPO_OOM_AT"):
+        R.rollout_trees(model, tok, PROMPTS[:1], ["7"], cfg, random.Random(0))

@@ -109,7 +109,6 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     import json
 
     import attention
-    import engine
     from harness import inject
     import rollout as R
     import train
@@ -117,15 +116,12 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     monkeypatch.setattr(attention, "_kernel_choice", {})
-    monkeypatch.setattr(engine, "ROWS_AFTER_OOM", {})        # the injected OOM halves it: not for later tests
     monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
-    inject._oom_fired.clear()
     flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32", "--packed_attention", "flex",
              "--steps", "1", "--out_dir", str(tmp_path / "run")]
-    try:
-        run = train.main(flags)
-    finally:
-        inject._oom_fired.clear()
+    real_install = inject.install     # the harness installs the sites at start-up: undone after this test
+    monkeypatch.setattr(inject, "install", lambda spec=None, patch=None: real_install(spec, monkeypatch.setattr))
+    run = train.main(flags)
     (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert record["attention_kernel"] == "tree" and record["oom_retries"] == 2 and record["optimizer_steps"] >= 1
     assert capsys.readouterr().err.count("flex_attention cannot run here") == 1

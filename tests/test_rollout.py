@@ -1,5 +1,5 @@
-"""rollout.py on a tiny random model: entropies, tree shape, block/path invariants, and the KV-cache reuse
-path checked against an independent re-prefilled path."""
+"""rollout.py on a tiny random model: entropies, tree shape, block/path invariants, and the generate path's
+KV-cache reuse (engine/generate.py) checked against an independent re-prefilled path."""
 import random
 import types
 
@@ -8,6 +8,8 @@ import torch
 
 import config
 import data
+import engine as E
+from engine import generate as G
 import rollout as R
 import tree as T
 
@@ -93,7 +95,7 @@ def test_recorded_entropy_matches_an_independent_forward(tiny_policy):
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0]
         p = len(base.prompt_ids[row])
-        expected = R.entropy_of(logits[p - 1:p - 1 + len(base.tokens[row])])
+        expected = G.entropy_of(logits[p - 1:p - 1 + len(base.tokens[row])])
         assert torch.allclose(torch.tensor(base.entropies[row]), expected, atol=1e-4)
         logp = torch.log_softmax(logits[p - 1:p - 1 + len(base.tokens[row])], -1)
         assert torch.allclose(torch.tensor(base.logprobs[row]),
@@ -115,10 +117,10 @@ def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
             reused = model.get_output_embeddings()(base.hidden[f][r])
         assert (reference - reused).abs().max().item() < 1e-4
     # the sliced cache continues each prefix exactly like a fresh prefill of prefix + next token
-    cache, width = R.slice_prefix_cache(model, base, rows, forks)
+    cache, width = G.slice_prefix_cache(model, base, rows, forks)
     nxt = [base.tokens[r][f] for r, f in zip(rows, forks)]
     prefixes = [base.prompt_ids[r] + base.tokens[r][:f] for r, f in zip(rows, forks)]
-    ids, mask = R.left_pad([p + [t] for p, t in zip(prefixes, nxt)], tok.pad_token_id, "cpu")
+    ids, mask = G.left_pad([p + [t] for p, t in zip(prefixes, nxt)], tok.pad_token_id, "cpu")
     assert ids.shape[1] == width + 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -137,34 +139,35 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
                tok("Add 10 and 25.", add_special_tokens=False).input_ids]
     torch.manual_seed(11)
     base = R.sample_base(sampler, prompts, n=2, max_new_tokens=10, keep_cache=True)
-    requests = [R.BranchRequest(0, 3, 2), R.BranchRequest(1, 1, 1), R.BranchRequest(3, 8, 3)]
+    requests = [E.BranchRequest(row, f, count, T.branch_limit(10, f, budget))
+                for row, f, count in [(0, 3, 2), (1, 1, 1), (3, 8, 3)]]
     outcomes = {}
     for naive in (False, True):
         counters = {}
         torch.manual_seed(123)
-        outcomes[naive] = (R.sample_branches(sampler, base, requests, max_new_tokens=10, chunk_size=4,
-                                             naive_prefill=naive, counters=counters, budget=budget), counters)
+        outcomes[naive] = (G.sample_branches(sampler, base, requests, chunk_size=4, naive_prefill=naive,
+                                             counters=counters), counters)
     (cached, c_count), (naive, n_count) = outcomes[False], outcomes[True]
     assert c_count["recomputed_prefix_tokens"] == 0
     assert n_count["recomputed_prefix_tokens"] == sum(
-        (len(base.prompt_ids[q.row]) + q.fork) * q.count for q in requests)
+        (len(base.prompt_ids[q.base]) + q.fork) * q.count for q in requests)
     path_lengths = []
     for per_c, per_n, q in zip(cached, naive, requests):
         assert len(per_c) == len(per_n) == q.count
-        for (tok_c, ent_c, lp_c), (tok_n, ent_n, lp_n) in zip(per_c, per_n):
-            assert tok_c == tok_n
+        for c, nv in zip(per_c, per_n):
+            assert c.tokens == nv.tokens
             # the cached path's first token comes from the saved hidden state, the naive one's from generate
-            assert len(lp_c) == len(tok_c) and lp_c == pytest.approx(lp_n, abs=1e-4)
+            assert len(c.logprobs) == len(c.tokens) and c.logprobs == pytest.approx(nv.logprobs, abs=1e-4)
             # full: every branch may add 10 new tokens (App. E.2); remaining: the path stays within 10
-            assert len(tok_c) <= (10 if budget == "full" else 10 - q.fork)
-            assert ent_c == pytest.approx(ent_n, abs=1e-4)
-            path_lengths.append(q.fork + len(tok_c))
+            assert len(c.tokens) <= (10 if budget == "full" else 10 - q.fork)
+            assert c.entropies == pytest.approx(nv.entropies, abs=1e-4)
+            path_lengths.append(q.fork + len(c.tokens))
     # the random model rarely stops, so with the full budget some root-to-leaf path outgrows max_new_tokens
     # (the cached path then extends the sliced cache past the base response's length)
     assert max(path_lengths) <= T.max_path_tokens(10, budget)
     assert (max(path_lengths) > 10) == (budget == "full")
     # branches of one fork are different samples, not copies
-    assert len({tuple(t) for t, *_ in cached[2]}) > 1
+    assert len({tuple(s.tokens) for s in cached[2]}) > 1
 
 
 def test_branch_limits_and_longest_path():
@@ -188,16 +191,14 @@ def test_stop_ids_end_a_base_model_prompted_with_the_release_prompt(smollm_token
     answer = smollm_tokenizer(" 2 + 3 = 5, so \\boxed{5}.", add_special_tokens=False).input_ids
     rambling = smollm_tokenizer("\n\nProblem:\nWhat is", add_special_tokens=False).input_ids
     row = answer + [vocab["<|endoftext|>"]] + rambling
-    sampler = R.Sampler(model=None, stop_ids=stops, pad_id=smollm_tokenizer.pad_token_id)
-    tokens, _ = sampler.trim(torch.tensor([row]), torch.zeros(1, len(row)), limits=[len(row)])
+    tokens, _ = G.trim(stops, torch.tensor([row]), torch.zeros(1, len(row)), limits=[len(row)])
     assert tokens == [answer + [vocab["<|endoftext|>"]]]
 
 
 def test_trim_keeps_the_stop_token_and_cuts_at_the_budget():
     # pad = EOS = 2 (as in SmolLM2): generate pads a finished row with EOS; only the first one is the response's
-    sampler = R.Sampler(model=None, stop_ids=[2, 7], pad_id=2)
     new = torch.tensor([[5, 6, 2, 2, 2], [5, 7, 9, 9, 9], [5, 6, 8, 9, 4]])
     ents = torch.arange(15, dtype=torch.float).reshape(3, 5)
-    tokens, entropies = sampler.trim(new, ents, limits=[5, 5, 3])
+    tokens, entropies = G.trim([2, 7], new, ents, limits=[5, 5, 3])
     assert tokens == [[5, 6, 2], [5, 7], [5, 6, 8]]          # EOS kept (it is trained); budget of 3 respected
     assert entropies == [[0.0, 1.0, 2.0], [5.0, 6.0], [10.0, 11.0, 12.0]]

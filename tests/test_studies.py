@@ -1,5 +1,5 @@
 """studies/: the Section 3 metrics against hand computations, the difficulty buckets, tree.level_stats,
-rollout.grow_from_forks, and every study end to end at --scale tiny."""
+studies/growth.grow_from_forks, and every study end to end at --scale tiny."""
 import json
 import re
 import shlex
@@ -16,7 +16,7 @@ import train
 import tree as T
 from harness import faults
 from studies import __main__ as cli
-from studies import common, difficulty, dynamics, forks, main_table, tree_vs_parallel
+from studies import common, difficulty, dynamics, forks, growth, main_table, tree_vs_parallel
 
 
 # ---- localization metrics (App. D.2), by hand ------------------------------------------------------------
@@ -92,7 +92,7 @@ def test_level_summary_weights_by_prompts():
                                              "2": {"prompts": 1, "leaves": 2.0, "pass_rate": 0.0}}
 
 
-# ---- rollout.grow_from_forks -----------------------------------------------------------------------------
+# ---- studies/growth.grow_from_forks ----------------------------------------------------------------------
 def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monkeypatch):
     model, tok = tiny_policy
     graded = []
@@ -103,7 +103,7 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
     base = R.sample_base(sampler, [tok("What is 3 + 4?", add_special_tokens=False).input_ids], 2, 12, keep_cache=True)
     saved = [list(t) for t in base.tokens]
     forks = {0: [3, 7], 1: [5]}
-    subtrees = R.grow_from_forks(sampler, tok, base, forks, 3, ["7", "7"], 12, chunk_size=4, base_rewards=[1.0, 0.0])
+    subtrees = growth.grow_from_forks(sampler, tok, base, forks, 3, ["7", "7"], 12, chunk_size=4, base_rewards=[1.0, 0.0])
     for r, fs in forks.items():
         blocks = subtrees[r]
         chain = [b for b in blocks if not b.branch]
@@ -115,7 +115,7 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
             parent = blocks[b.parent]
             assert parent.start + len(parent.token_ids) == b.start and len(b.token_ids) <= 12
             assert tok.decode(saved[r][:b.start] + b.token_ids, skip_special_tokens=True) in graded
-    again = R.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4, budget="remaining")
+    again = growth.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4, budget="remaining")
     assert base.tokens == saved and len(again[0]) == 2 + 2      # the base can be branched again
     assert all(2 + len(b.token_ids) <= 12 for b in again[0] if b.branch)   # "remaining": the path fits in 12
 
