@@ -34,7 +34,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shlex
 import sys
 import time
@@ -44,17 +43,11 @@ from pathlib import Path
 
 import config as C
 import data
-from harness import distributed as D
-from harness import faults
-from harness import guards
-from harness import inject
-from harness.journal import Journal, Stopped
-from harness import oom
-from harness import runs
-from harness import signals
 import mcq
 import models
-from harness import tracking
+from harness import distributed as D
+from harness import faults, guards, inject, oom, runs, signals, tracking
+from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
 
 # App. E.1: k = 8 for MATH500 (App. E: avg@8 out of domain) ...
@@ -399,25 +392,17 @@ def save_figure(fig, path) -> None:
 # --------------------------------------------------------------------------------------------------------
 # Files: every write atomic (a full disk is one line, exit 4), every read checked (one line naming the file)
 # --------------------------------------------------------------------------------------------------------
-def write_failure(err: BaseException) -> str | None:
-    """The cause when `err` is a write error (runs.write_failure: disk full, quota, read-only, I/O),
-    torch.save's write cut short included (a RuntimeError "... unexpected pos N vs M"); else None."""
-    cause = runs.write_failure(err)
-    if cause is None and isinstance(err, RuntimeError) and re.search(r"unexpected pos \d+", str(err)):
-        cause = "disk full or over quota (torch.save's write was cut short)"
-    return cause
-
-
 @contextmanager
 def write_errors(path, kept: str):
-    """A write error inside becomes a WriteError (exit 4): one line naming `path`, the cause and what is kept
-    (`kept`); any other exception goes on as it is."""
+    """A write error inside (runs.write_failure: disk full, quota, read-only, I/O, torch.save cut short)
+    becomes a WriteError (exit 4): one line naming `path`, the cause and what is kept (`kept`); any other
+    exception goes on as it is."""
     try:
         yield
     except faults.UserError:
         raise
     except Exception as err:
-        cause = write_failure(err)
+        cause = runs.write_failure(err)
         if cause is None:
             raise
         raise faults.WriteError(f"writing {path}: {cause}; {kept}; free space and rerun the same command") \
@@ -694,25 +679,17 @@ def folder_owner(folder: Path) -> str | None:
 
 def sample_settings(samples: Path) -> dict | None:
     """The settings the journal saved beside samples_<bench>.jsonl (its .state file), read with torch's
-    weights_only loader; None when there is none or it is unreadable (the journal starts that benchmark over,
-    as after a torn write). A state holding a Python object is refused: nothing in it runs."""
-    import pickle
-
-    import torch
-
+    weights_only loader (runs.load_plain); None when there is none or it is unreadable (the journal starts
+    that benchmark over, as after a torn write). A state holding a Python object is refused: nothing in it
+    runs."""
     path = state_path(samples)
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as err:
-        named = re.search(r"GLOBAL ([\w.]+)", str(err))
-        if named:
-            raise faults.UserError(f"{path} holds a Python object ({named.group(1)}), not only tensors and "
-                                   f"plain values: refused unloaded, nothing in it ran; delete it and "
-                                   f"{samples.name} to start that benchmark over, or use another --out_dir") \
-                from None
-        return None
+        state = runs.load_plain(path)
+    except runs.UnsafeFile as err:
+        raise faults.UserError(f"{runs.unsafe_line(path, err)}; delete it and {samples.name} to start that "
+                               f"benchmark over, or use another --out_dir") from None
     except Exception:  # torn: the journal starts it over
         return None
     settings = state.get("settings") if isinstance(state, dict) else None
