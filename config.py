@@ -332,11 +332,11 @@ def check_combinations(cfg: Config) -> None:
         raise ValueError(short)
 
 
-def kv_pool_responses(cfg: Config) -> list[tuple[int, str]]:
+def kv_pool_responses(cfg: Config, evaluation: bool = True) -> list[tuple[int, str]]:
     """The KV tokens the engine's pool must hold besides one prompt (--max_kv_tokens > 0), each with what
     needs them: a training tree, N base responses kept for their forks plus one branch, or a GRPO group's
-    rows decoded at once; a held-out evaluation's k samples. Responses are taken at their full length, as a
-    random or looping model writes them. Empty when the engine does not run (--rollout_engine generate)."""
+    rows decoded at once; with `evaluation`, a held-out evaluation's k samples. Responses are taken at their
+    full length, as a random or looping model writes them. Empty when the engine does not run."""
     if not cfg.max_kv_tokens or cfg.rollout_engine != "engine" or cfg.naive_prefill:
         return []
     rows = cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size)
@@ -348,7 +348,7 @@ def kv_pool_responses(cfg: Config) -> list[tuple[int, str]]:
         needs = [((cfg.n_base + branches) * cfg.max_new_tokens,
                   f"--n_base {cfg.n_base} base responses kept for their forks" + " plus one branch" * branches
                   + f", each up to --max_new_tokens {cfg.max_new_tokens}")]
-    if cfg.eval_every:
+    if cfg.eval_every and evaluation:
         k = min(cfg.eval_k, rows)
         needs.append((k * cfg.eval_max_new_tokens,
                       f"{k} evaluation samples of --eval_max_new_tokens {cfg.eval_max_new_tokens} at once"))
@@ -356,10 +356,10 @@ def kv_pool_responses(cfg: Config) -> list[tuple[int, str]]:
 
 
 def kv_pool_shortfall(cfg: Config, n_prompt: int = 0, where: str = "") -> str | None:
-    """Why --max_kv_tokens cannot hold one prompt (n_prompt tokens; 0: before any is known) and its
-    responses (kv_pool_responses), or None. Checked at start and for each training prompt (train.check_fits),
-    so a pool that is too small is one line, not an error inside the engine mid-step."""
-    for tokens, what in kv_pool_responses(cfg):
+    """Why --max_kv_tokens cannot hold one prompt and its responses (kv_pool_responses), or None. Checked at
+    start (n_prompt 0: before any prompt is known) and for each training prompt `where` of n_prompt tokens
+    (train.check_fits), so a pool that is too small is one line, not an error inside the engine mid-step."""
+    for tokens, what in kv_pool_responses(cfg, evaluation=not n_prompt):
         if cfg.max_kv_tokens < n_prompt + tokens:
             prompt = f"{where}'s {n_prompt} prompt tokens + " if n_prompt else ""
             return (f"--max_kv_tokens: got {cfg.max_kv_tokens}, expected 0 (sized automatically) or at least "
