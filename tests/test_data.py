@@ -196,7 +196,8 @@ def test_default_benchmark_dir_is_beside_data_py(monkeypatch):
 
 def test_hf_names_and_split_suffix(monkeypatch):
     calls = []
-    monkeypatch.setattr(data, "load_hf", lambda name, split=None, hint="": calls.append((name, split)) or [])
+    monkeypatch.setattr(data, "load_hf", lambda name, split=None, hint="", skip_unmatchable=None:
+                        calls.append((name, split)) or [])
     data.load_problems("owner/set:test")
     data.load_problems("owner/set")
     assert calls == [("owner/set", "test"), ("owner/set", "train")]
