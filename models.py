@@ -200,10 +200,29 @@ def check_trusted(name: str, flag: str, trust_remote_code: bool) -> None:
                         f"{instead}")
 
 
+def check_model_config(name: str) -> None:
+    """A model's config.json (local or cached) is a JSON object naming its architecture (model_type)."""
+    file = None if name in EMBEDDED else model_file(name, "config.json")
+    if file is None:   # an embedded model, or a hub model not downloaded yet
+        return
+    config = read_model_json(file, "--model", name)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        got = "no model_type" if isinstance(config, dict) else f"a JSON {type(config).__name__}"
+        raise UserError(f"--model {name}: config.json holds {got}; expected a model's config (a JSON object "
+                        f"with its model_type, as save_pretrained writes it)")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
 def check_loadable(model: str, embed_model: str | None, trust_remote_code: bool) -> None:
-    """Pre-flight (harness/loop.setup, before data and models load): neither model runs its own code without
-    --trust_remote_code true (check_trusted), and a local policy folder holds a tokenizer."""
+    """Pre-flight (harness/loop.setup, before data and models load): the policy's config.json is a model's
+    (check_model_config), neither model runs its own code without --trust_remote_code true (check_trusted),
+    and a local policy folder holds a tokenizer."""
     model = resolve_checkpoint(model)
+    check_model_config(model)
     check_trusted(model, "--model", trust_remote_code)
     if embed_model:
         check_trusted(embed_model, "--embed_model", trust_remote_code)
@@ -230,8 +249,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:   # no tokenizer files, a torn one, a class transformers lacks
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise UserError(f"--model {name}: cannot load its tokenizer ({first})") from err
+        raise UserError(f"--model {name}: cannot load its tokenizer ({_first_line(err)})") from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation appends on the right
@@ -260,14 +278,22 @@ def load_policy(name: str, device: torch.device | str = "cpu", dtype: torch.dtyp
     tokens is refused (check_vocabulary)."""
     from transformers import AutoModelForCausalLM
 
+    from safetensors import SafetensorError
+
     name = resolve_checkpoint(name)
+    check_model_config(name)
     check_trusted(name, "--model", trust_remote_code)
     tokenizer = load_tokenizer(name, trust_remote_code)
     if name == "tiny-random":
         model = tiny_random_model(len(tokenizer), seed=seed).to(dtype)
     else:
         path = str(smollm2_folder()) if name == "smollm2-135m" else name
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
+        except (ValueError, SafetensorError) as err:   # an architecture transformers lacks, damaged weights
+            raise UserError(f"--model {name}: cannot load it ({_first_line(err)}); expected a complete model "
+                            f"folder (config.json and weights as save_pretrained writes them)") from err
     check_vocabulary(model, tokenizer, name)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device), tokenizer
