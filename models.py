@@ -212,6 +212,14 @@ def check_model_config(name: str) -> None:
                         f"with its model_type, as save_pretrained writes it)")
 
 
+def code_refused(err: Exception, flag: str, name: str) -> None:
+    """transformers' own refusal of a hub model's code (one custom_code could not see: not downloaded yet)
+    as one UserError line naming the flag."""
+    if "trust_remote_code" in str(err) or "contains custom code" in str(err):
+        raise UserError(f"{flag} {name}: runs its own Python code; pass --trust_remote_code true to allow "
+                        f"it, only for a model you trust") from err
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0][:200] if text else type(err).__name__
@@ -276,9 +284,8 @@ def load_policy(name: str, device: torch.device | str = "cpu", dtype: torch.dtyp
     Weights stay in `dtype` (fp32 master weights by default). A model that ships its own Python code loads
     only with trust_remote_code (check_trusted); one whose embedding has fewer rows than its tokenizer has
     tokens is refused (check_vocabulary)."""
-    from transformers import AutoModelForCausalLM
-
     from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
 
     name = resolve_checkpoint(name)
     check_model_config(name)
@@ -292,6 +299,7 @@ def load_policy(name: str, device: torch.device | str = "cpu", dtype: torch.dtyp
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                          trust_remote_code=trust_remote_code)
         except (ValueError, SafetensorError) as err:   # an architecture transformers lacks, damaged weights
+            code_refused(err, "--model", name)
             raise UserError(f"--model {name}: cannot load it ({_first_line(err)}); expected a complete model "
                             f"folder (config.json and weights as save_pretrained writes them)") from err
     check_vocabulary(model, tokenizer, name)
@@ -323,10 +331,8 @@ def load_embedder(name: str, device: torch.device | str = "cpu", trust_remote_co
     try:
         return SentenceTransformer(name, device=str(device), trust_remote_code=trust_remote_code)
     except ValueError as err:   # an uncached hub model whose code transformers refused to run
-        if "trust_remote_code" not in str(err):
-            raise
-        raise UserError(f"--embed_model {name}: runs its own Python code; pass --trust_remote_code true to "
-                        f"allow it") from err
+        code_refused(err, "--embed_model", name)
+        raise
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> int:

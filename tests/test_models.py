@@ -79,3 +79,8 @@ def test_custom_code_is_found_wherever_a_model_names_it(tmp_path):
     models.check_trusted("Qwen/Qwen2.5-3B", "--model", False)   # no auto_map (or not cached: HF refuses code)
     with pytest.raises(models.UserError, match="gte-base-en-v1.5: runs its own Python code from the HF hub"):
         models.check_trusted("Alibaba-NLP/gte-base-en-v1.5", "--embed_model", False)
+    # transformers' own refusal (a hub model not downloaded yet, so its files were not read here)
+    with pytest.raises(models.UserError, match="^--model o/m: runs its own Python code; pass --trust_remote"):
+        models.code_refused(ValueError("The repository o/m contains custom code which must be executed"),
+                            "--model", "o/m")
+    models.code_refused(ValueError("Unrecognized model in o/m"), "--model", "o/m")   # another error: kept
