@@ -269,7 +269,7 @@ def read_rows(path):
     """
     name = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
     if os.path.isdir(path):
-        raise ValueError(f"{path}: a folder, not a data file; expected a .jsonl, .json or .parquet file")
+        raise ValueError(f"{name}: a folder, not a data file; expected a .jsonl, .json or .parquet file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
     # utf-8-sig: a byte-order mark (Windows editors write one) is read, not taken for part of the first row
