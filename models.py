@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -335,6 +336,13 @@ def load_embedder(name: str, device: torch.device | str = "cpu", trust_remote_co
         raise
 
 
+def cache_arg(module) -> str:
+    """The name transformers gives a forward's KV cache, as an argument and in its output: `cache` since 5.x
+    renamed it, `past_key_values` before (deprecated there, removed in 5.40). Read from the module's own
+    forward, so the generate reference path runs warning-free on every version requirements.txt admits."""
+    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
+
+
 def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     """Recompute each decoder layer's activations in the backward pass instead of storing them (--gradient_checkpointing).
 
@@ -353,13 +361,13 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     for layer in layers:
         forward = type(layer).forward.__get__(layer)
 
-        def checkpointed(*args, _forward=forward, **kwargs):
+        def checkpointed(*args, _forward=forward, _cache=cache_arg(layer), **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            cache = kwargs.get("past_key_values")
+            cache = kwargs.get(_cache)
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("gradient checkpointing: a forward with gradients over a filled KV cache")
-            kwargs.update(past_key_values=None, use_cache=False)
+            kwargs.update({_cache: None, "use_cache": False})
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         layer.forward = checkpointed
