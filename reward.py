@@ -35,8 +35,11 @@ worker process. Three layers:
      MAX_ANSWER_CHARS characters (MATH's longest gold answer has 159), braces that are unbalanced or,
      with brackets, nested deeper than MAX_NESTING, numeric exponent towers (a digit raised to a digit
      inside an exponent, 9^9^9) and exponents, factorials or binomials of 6+ digit integers. Identical
-     strings are accepted before the guards, so a gold answer is never guarded away from an identical
-     prediction; two plain numbers are compared exactly without sympy (microseconds).
+     strings are accepted before the guards (only the length bound comes first), so a gold answer is never
+     guarded away from an identical prediction; two plain numbers are compared exactly without sympy
+     (microseconds). A gold answer no response could match (longer than the bound, braces that no \\boxed{}
+     can hold: unmatchable_gold) is refused or skipped when the data is loaded (data.py), so every gold
+     answer that reaches training or evaluation scores 1 against a response that boxes it exactly.
   2. On the main thread, math-verify runs in-process under our own SIGALRM (setitimer, re-firing every
      0.1 s in case some library swallows the first exception). math-verify's own timeouts are off
      (parsing_timeout=None, timeout_seconds=None): they call signal.alarm, which raises ValueError off
@@ -184,18 +187,39 @@ def extract_answer(text: str, fallback_last_number: bool = False, join_boxes: bo
 
 
 def unmatchable_gold(gold: str) -> str | None:
-    """Why a gold answer can never be matched, or None. A gold answer that is (or boxes down to) an empty
-    \\boxed{} — "\\boxed{\\boxed{}}" — is such: no response's boxed answer equals nothing, so the problem
-    would only ever score 0."""
+    """Why no response can ever score 1 against this gold answer (its problem would only ever score 0), or
+    None. The test is the grader itself: a response that boxes the gold answer exactly as written,
+    "\\boxed{gold}", must score 1 (compute_reward). The usual reasons are named: more than MAX_ANSWER_CHARS
+    characters (is_equivalent refuses longer answers unread), braces that do not balance ("\\frac{1}{2": no
+    \\boxed{} can hold them), an empty \\boxed{} ("\\boxed{\\boxed{}}"), nothing left once spacing and
+    punctuation are cleaned off. data.py checks every gold answer when it loads a source."""
+    if len(gold) > MAX_ANSWER_CHARS:
+        return f"more than the grader reads ({MAX_ANSWER_CHARS} characters)"
+    if not _braces_balance(gold):
+        return "braces { } that do not balance, which no \\boxed{} can hold"
     inner = gold
     for _ in range(8):   # boxes inside boxes, unwrapped one at a time
         boxed = extract_answer(inner, join_boxes=False)
         if boxed is None or boxed == inner:
-            return None
+            break
         if not boxed.strip():
-            return "an empty \\boxed{} that no response can match; expected the answer itself"
+            return "an empty \\boxed{} that no response can match"
         inner = boxed
+    if not _clean(_unmangle(gold)):
+        return "nothing left once spacing and punctuation are cleaned off"
+    if compute_reward("\\boxed{" + gold + "}", gold) != 1.0:
+        return "a response that boxes it exactly scores 0 (the grader cannot read it back)"
     return None
+
+
+def _braces_balance(text: str) -> bool:
+    """Every unescaped { closed by a later }, and no } before its {."""
+    depth = 0
+    for ch in re.sub(r"\\.", "", text):   # \{ and \} are literal braces
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
 
 
 def _join_parts(parts: list[str]) -> str:

@@ -158,12 +158,16 @@ def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]
 
 def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
     """A prompt is never skipped by default (the release defines max_prompt_len but never applies it), but
-    one whose longest root-to-leaf sequence cannot fit the model's context is an error naming it."""
+    one whose longest root-to-leaf sequence cannot fit the model's context, or whose tree cannot fit the
+    engine's KV pool (--max_kv_tokens, config.kv_pool_shortfall), is an error naming it."""
     faults.check_prompt_fits(
         n_prompt, M.method_of(cfg).longest_response(cfg), context, where,
         flags=f" (--max_new_tokens {cfg.max_new_tokens}, --branch_budget {cfg.branch_budget})",
         fix="problems that fit: skip long prompts with --max_prompt_tokens N, or lower --max_new_tokens / use "
             "--branch_budget remaining")
+    short = C.kv_pool_shortfall(cfg, n_prompt, where)
+    if short:
+        raise faults.UserError(short)
 
 
 # --------------------------------------------------------------------------------------------------------

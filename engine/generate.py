@@ -40,6 +40,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+import models
 from engine.samples import BasesDone, BranchRequest, PromptResult, Sample
 from harness import oom
 
@@ -185,7 +186,7 @@ def hf_generate(sampler, input_ids, attention_mask, limits: list[int], cache=Non
         hidden.__enter__()
     try:
         out = sampler.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                     past_key_values=cache,
+                                     **{models.cache_arg(sampler.model): cache},
                                      generation_config=generation_config(sampler.stop_ids, sampler.pad_id,
                                                                          max(limits)),
                                      logits_processor=processors, stopping_criteria=stopping,
@@ -208,7 +209,7 @@ def hf_generate(sampler, input_ids, attention_mask, limits: list[int], cache=Non
         counters["row_steps"] = counters.get("row_steps", 0) + row_steps
         counters["ended_row_steps"] = counters.get("ended_row_steps", 0) + row_steps - sum(map(len, tokens))
         counters["peak_call_kv_bytes"] = max(counters.get("peak_call_kv_bytes", 0),
-                                             cache_bytes(out.past_key_values))
+                                             cache_bytes(getattr(out, models.cache_arg(sampler.model))))
     return samples, out, (hidden.steps if hidden else None)
 
 
@@ -253,7 +254,7 @@ def generate_bases(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens:
         cache = DynamicCache(config=sampler.model.config)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift the rotary positions
         sampler.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
-                      past_key_values=cache, use_cache=True, logits_to_keep=1)
+                      use_cache=True, logits_to_keep=1, **{models.cache_arg(sampler.model): cache})
         cache.batch_repeat_interleave(n)
     ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
     samples, out, hidden = hf_generate(sampler, ids, mask, [max_new_tokens] * ids.shape[0], cache=cache,
@@ -262,7 +263,7 @@ def generate_bases(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens:
     batch = BaseBatch(rows_prompt, [s.tokens for s in samples], [s.entropies for s in samples],
                       width=ids.shape[1], logprobs=[s.logprobs for s in samples])
     if keep_cache:
-        batch.cache, batch.hidden = out.past_key_values, hidden
+        batch.cache, batch.hidden = getattr(out, models.cache_arg(sampler.model)), hidden
     return batch
 
 

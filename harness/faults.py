@@ -219,7 +219,8 @@ def load_data(source: str, flag: str, limit: int | None = None) -> list[dict]:
         raise UserError(f"{flag} {source}: no such file; expected a .jsonl/.json/.parquet file or one of "
                         f"{', '.join(data.NAMED_SOURCES)}")
     try:
-        problems = data.load_problems(source, limit)
+        skip = (lambda line: say(f"{flag} {source}: {line}")) if flag == "--train_data" else None
+        problems = data.load_problems(source, limit, skip)   # unmatchable golds: skipped in training only
     except (FileNotFoundError, ValueError) as err:
         raise UserError(f"{flag} {source}: {err}") from None
     except OSError as err:

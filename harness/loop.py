@@ -188,6 +188,7 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
         faults.check_model(cfg.model)
     method = M.method_of(cfg)
     wants_embedder = method.embeds and (cfg.alpha_start != 0 or cfg.alpha_end != 0)
+    models.check_loadable(checkpoint or cfg.model, wants_embedder and cfg.embed_model, cfg.trust_remote_code)
     if wants_embedder:
         faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
     problems = faults.load_data(cfg.train_data, "--train_data")
@@ -196,9 +197,11 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
 
     source = checkpoint or cfg.model
     try:
-        model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision), seed=cfg.seed)
+        model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision),
+                                              seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
+    models.check_chat_template(tokenizer, cfg.prompt_style, source)   # --prompt_style chat: before any prompt
     if not guards.all_finite(model.parameters()):   # an old checkpoint (before the weight guard) or a broken model
         raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold non-finite "
                                f"values; expected an earlier checkpoint of the run or a healthy model")
@@ -223,7 +226,8 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
             log.say(line)
     record_config(cfg, run_dir, checkpoint, state, run.step)
     # never loaded when α is 0 for the whole run
-    embedder = models.load_embedder(cfg.embed_model, device) if wants_embedder else None
+    embedder = models.load_embedder(cfg.embed_model, device, cfg.trust_remote_code) if wants_embedder \
+        else None
     guard = guards.WeightGuard(model, optimizer, cfg.guard_weights)
     return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, guard, embedder,
                  problems, eval_problems), run

@@ -117,7 +117,7 @@ def load_policy(cfg: C.Config):
     torch.manual_seed(cfg.seed)
     device = models.pick_device(cfg.device)
     model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
-                                          seed=cfg.seed)
+                                          seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     return model.eval(), tokenizer, device
 
 

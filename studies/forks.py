@@ -122,7 +122,7 @@ def run_forks(study: Study) -> None:
                                          cfg.embed_model)
         return forks_figures(study, strategies, summary, table, time.perf_counter() - t0, records)
     setup = sampling_setup(study)
-    embedder = models.load_embedder(cfg.embed_model, setup.device)
+    embedder = models.load_embedder(cfg.embed_model, setup.device, cfg.trust_remote_code)
     rng = random.Random(cfg.seed)
     records = []
     per_call = max(1, cfg.gen_batch_size)

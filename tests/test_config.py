@@ -109,3 +109,42 @@ def test_every_field_has_a_flag():
     parser = C.build_parser()
     flags = {a.dest for a in parser._actions}
     assert {f.name for f in dataclasses.fields(C.Config)} <= flags
+
+
+def test_negative_numbers_in_any_notation_are_values():
+    """argparse's own pattern reads -1e-3 as an unknown flag ("expected one argument")."""
+    assert C.parse_args(["--alpha_end", "-1e-3"]).alpha_end == -1e-3
+    assert C.parse_args(["--alpha_end", "-.5E+1", "--alpha_start", "-2"]).alpha_end == -5.0
+    with pytest.raises(SystemExit):
+        C.parse_args(["--alpha_start", "-inf"])                      # a value, refused as not finite
+
+
+def test_every_numeric_field_has_a_bounded_range():
+    """A value far outside any run, either sign, is refused naming its flag: ints by INT_RANGES (and
+    --threads, --off_policy_steps), floats by their checks. The one float left open above is
+    --max_grad_norm: a huge norm means no clipping, a legitimate choice."""
+    numeric = [f for f in dataclasses.fields(C.Config) if f.type in ("int", "float", int, float)]
+    assert len(numeric) > 40
+    for f in numeric:
+        for value in ([2**70, -2**70] if f.type in ("int", int) else [1e30, -1e30]):
+            if f.name == "max_grad_norm" and value > 0:
+                continue
+            with pytest.raises(ValueError, match=f"^--{f.name}: got"):
+                C.make_config("tiny", **{f.name: value})
+    assert set(C.INT_RANGES) | {"threads", "off_policy_steps"} == \
+        {f.name for f in numeric if f.type in ("int", int)}
+
+
+def test_kv_pool_needs_one_prompts_responses():
+    tree = C.make_config("tiny", max_kv_tokens=36)                   # (N + 1) × max_new_tokens = 3 × 12
+    assert C.kv_pool_shortfall(tree) is None
+    assert C.kv_pool_shortfall(tree, 5, "p") == (
+        "--max_kv_tokens: got 36, expected 0 (sized automatically) or at least 41 tokens: p's 5 prompt "
+        "tokens + --n_base 2 base responses kept for their forks plus one branch, each up to "
+        "--max_new_tokens 12")
+    grpo = C.make_config("tiny", method="grpo", max_kv_tokens=48)    # G rows at once: 4 × 12
+    assert C.kv_pool_shortfall(grpo) is None and "4 responses" in C.kv_pool_shortfall(grpo, 1, "p")
+    # evaluation: k samples at once, at most --max_batch_rows (tiny: 8) of them
+    with pytest.raises(ValueError, match="least 96 tokens: 8 evaluation samples of --eval_max_new_tokens 12"):
+        C.make_config("tiny", max_kv_tokens=50, eval_every=1, eval_k=20)
+    assert C.kv_pool_shortfall(dataclasses.replace(tree, rollout_engine="generate"), 10**6, "p") is None

@@ -196,7 +196,8 @@ def test_default_benchmark_dir_is_beside_data_py(monkeypatch):
 
 def test_hf_names_and_split_suffix(monkeypatch):
     calls = []
-    monkeypatch.setattr(data, "load_hf", lambda name, split=None, hint="": calls.append((name, split)) or [])
+    monkeypatch.setattr(data, "load_hf", lambda name, split=None, hint="", skip_unmatchable=None:
+                        calls.append((name, split)) or [])
     data.load_problems("owner/set:test")
     data.load_problems("owner/set")
     assert calls == [("owner/set", "test"), ("owner/set", "train")]
@@ -400,3 +401,43 @@ def test_surely_too_long_is_a_lower_bound_on_tokens(smollm_tokenizer):
     assert bound <= n_tokens                                               # never claims more tokens than there are
     assert data.surely_too_long(text, bound - 1, smollm_tokenizer) == bound
     assert data.surely_too_long(text, bound, smollm_tokenizer) == 0 and data.surely_too_long(text, 0, None) == 0
+
+
+def test_a_byte_that_is_not_utf8_is_found_by_line_and_character(tmp_path):
+    """The text decoder only knows an offset into its buffer: the error names the line, the byte and its
+    column in characters (a BOM and multi-byte characters before it are not counted as bytes)."""
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"problem": "é × 2 = ?", "answer": "1"}, ensure_ascii=False)
+    bad = '{"problem": "× '.encode() + b'\xff"}\n'   # 15 characters (16 bytes), then a byte no UTF-8 has
+    path.write_bytes(b"\xef\xbb\xbf" + (good + "\n").encode() * 3 + bad)
+    before = path.read_bytes()
+    with pytest.raises(ValueError) as err:
+        data.read_file(str(path))
+    assert str(err.value) == (f"{tmp_path.name}/bad.jsonl line 4: byte 0xff at column 16 is not UTF-8; "
+                              f"expected a UTF-8 text file (re-save it as UTF-8)")
+    assert path.read_bytes() == before
+
+
+def test_a_folder_named_like_a_data_file_is_one_line(tmp_path):
+    (tmp_path / "train.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"train\.jsonl: a folder, not a data file; expected a \.jsonl, "
+                                         r"\.json or \.parquet file$"):
+        data.load_problems(str(tmp_path / "train.jsonl"))
+
+
+def test_unmatchable_golds_are_refused_or_skipped_by_the_caller(tmp_path):
+    rows = [{"problem": "p", "answer": "1"}, {"problem": "q", "answer": "\\frac{1"},
+            {"problem": "r", "answer": "2"}]
+    path = tmp_path / "g.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(data.UnmatchableGold) as err:    # one: the row's own message, as before
+        data.load_problems(str(path))
+    assert str(err.value) == (f"{tmp_path.name}/g.jsonl line 2: field 'answer' gives the answer "
+                              f"'\\\\frac{{1', braces {{ }} that do not balance, which no \\boxed{{}} can "
+                              f"hold; expected the answer itself")
+    said = []
+    kept = data.load_problems(str(path), skip_unmatchable=said.append)
+    assert [p["answer"] for p in kept] == ["1", "2"] and len(said) == 2
+    assert said[-1] == ("1 of 3 problems skipped (named above): their gold answers can never be matched by "
+                        "the grader, so they could only score 0")
+    assert data.load_problems(str(path), limit=1, skip_unmatchable=said.append) == kept[:1]

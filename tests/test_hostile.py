@@ -27,6 +27,7 @@ import torch
 import evaluate
 import models
 import offpolicy
+from engine import Sample
 import optim as O
 import rollout as R
 import train
@@ -130,7 +131,7 @@ def test_trainer_state_of_every_kind_loads_with_weights_only(tmp_path):
     optimizer = O.AdamWFP32(model.parameters(), lr=1e-3)
     model(torch.ones(1, 3, dtype=torch.bfloat16)).float().sum().backward()
     optimizer.step()
-    ahead = offpolicy.Batch(["p"], ["1"], [None], [[[[1, 2], [0.5, 0.25], [-1.0, -2.0]]]], 1)
+    ahead = offpolicy.Batch(["p"], ["1"], [None], [[Sample([1, 2], [0.5, 0.25], [-1.0, -2.0])]], 1)
     run_state = loop.RunState(step=2, cursor=5, batch_size=4, too_long={7, 3}, ahead=ahead)
     saved = {"optimizer": optimizer.state_dict(), **run_state.trainer_state(),
              "config": {"lr": 1e-3, "x": [1]}}

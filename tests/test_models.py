@@ -1,4 +1,6 @@
 """models.py: the embedded models load offline, tiny models build from a config, run folders resolve."""
+import json
+
 import pytest
 import torch
 
@@ -53,3 +55,32 @@ def test_precision_helpers():
         assert torch.is_autocast_enabled("cpu")
     with models.autocast("cpu", "fp32"):
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_custom_code_is_found_wherever_a_model_names_it(tmp_path):
+    """auto_map in config.json or tokenizer_config.json, at the top or in a sentence-transformers module's
+    folder, and a module class that is not sentence-transformers' own: each would run the model's code."""
+    folder = tmp_path / "m"
+    (folder / "2_Custom").mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert models.custom_code(str(folder)) == []
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tok.Slow", "owner/repo--tok_fast.Fast"]}}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "2_Custom", "type": "custom_module.Pooler"}]))
+    (folder / "2_Custom" / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "deep.Model"}}))
+    assert models.custom_code(str(folder)) == ["modules.json's module custom_module.Pooler",
+                                               "tokenizer_config.json's auto_map (tok.py, tok_fast.py)",
+                                               "2_Custom/config.json's auto_map (deep.py)"]
+    with pytest.raises(models.UserError, match="--embed_model .*pass --trust_remote_code true only"):
+        models.check_trusted(str(folder), "--embed_model", False)
+    models.check_trusted(str(folder), "--embed_model", True)           # the user vouched for it
+    models.check_trusted("Qwen/Qwen2.5-3B", "--model", False)   # no auto_map (or not cached: HF refuses code)
+    with pytest.raises(models.UserError, match="gte-base-en-v1.5: runs its own Python code from the HF hub"):
+        models.check_trusted("Alibaba-NLP/gte-base-en-v1.5", "--embed_model", False)
+    # transformers' own refusal (a hub model not downloaded yet, so its files were not read here)
+    with pytest.raises(models.UserError, match="^--model o/m: runs its own Python code; pass --trust_remote"):
+        models.code_refused(ValueError("The repository o/m contains custom code which must be executed"),
+                            "--model", "o/m")
+    models.code_refused(ValueError("Unrecognized model in o/m"), "--model", "o/m")   # another error: kept

@@ -264,6 +264,30 @@ def test_many_chained_boxes_are_linear_and_wrong():
 # Reward
 
 
+@pytest.mark.parametrize("gold, why", [
+    ("\\frac{1}{2", "braces { } that do not balance, which no \\boxed{} can hold"),
+    ("1}", "braces { } that do not balance, which no \\boxed{} can hold"),
+    ("x" * 1001, "more than the grader reads (1000 characters)"),
+    ("\\boxed{\\boxed{ }}", "an empty \\boxed{} that no response can match"),
+    ("\\,", "nothing left once spacing and punctuation are cleaned off"),
+    ("5\\", "a response that boxes it exactly scores 0 (the grader cannot read it back)"),
+])
+def test_unmatchable_gold_names_why(gold, why):
+    assert reward.unmatchable_gold(gold) == why
+    assert reward.compute_reward("\\boxed{" + gold + "}", gold) == 0.0     # the reason is real
+
+
+def test_a_gold_answer_that_passes_scores_1_against_itself_boxed():
+    """The module docstring's promise: a gold answer that unmatchable_gold lets through is never guarded away
+    from an identical prediction (deep nesting, explosive exponents, sets, long-but-bounded answers)."""
+    golds = ["5", "\\frac12", "\\{1,2\\}", "\\boxed{3}", "[1,2)", "x" * reward.MAX_ANSWER_CHARS,
+             "{" * 17 + "1" + "}" * 17, "2^{1000000}", "9^{9^{9}}", "1,000", "\\text{(A)}", "$5$",
+             "30^\\circ"]
+    for gold in golds:
+        assert reward.unmatchable_gold(gold) is None, gold
+        assert reward.compute_reward("\\boxed{" + gold + "}", gold) == 1.0, gold
+
+
 def test_compute_reward():
     assert reward.compute_reward("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert reward.compute_reward("so \x08oxed{\x0crac{1}{2}}", "0.5") == 1.0  # as typed in a non-raw string

@@ -9,9 +9,10 @@ import torch
 import config
 import data
 import engine as E
-from engine import generate as G
+import models
 import rollout as R
 import tree as T
+from engine import generate as G
 
 
 def _cfg(**overrides):
@@ -125,7 +126,7 @@ def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         cached = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
-                       past_key_values=cache).logits[:, -1]
+                       **{models.cache_arg(model): cache}).logits[:, -1]
         for j, (p, t) in enumerate(zip(prefixes, nxt)):
             fresh = model(torch.tensor([p + [t]])).logits[0, -1]
             assert (fresh - cached[j]).abs().max().item() < 1e-4
