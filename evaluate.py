@@ -941,6 +941,7 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
     out, where = output_folder(cfg, label, "out_dir" in given)
     problems = {b: faults.load_data(b, "--bench", limit) for b in benches}
     faults.check_model(cfg.model)
+    models.check_loadable(cfg.model, None, cfg.trust_remote_code)   # its own code, a tokenizer: refused here
     faults.check_writable(out, "--out_dir")
     settings = {**{key: getattr(cfg, key) for key in SETTING_KEYS}, "max_new_tokens": max_new_tokens,
                 "runs": args.runs}
@@ -1082,11 +1083,13 @@ def output_folder(cfg, label: str, out_dir_given: bool) -> tuple[Path, str]:
 
 
 def load_finite_policy(cfg, device):
-    """(model, tokenizer) of --model, refused in one line when it cannot load or holds a non-finite weight
-    (sampling would stop on inf/NaN probabilities: say so before any benchmark runs)."""
+    """(model, tokenizer) of --model (its own Python code only with --trust_remote_code true), refused in one
+    line when it cannot load, its tokenizer has no chat template under --prompt_style chat, or it holds a
+    non-finite weight (sampling would stop on inf/NaN probabilities: say so before any benchmark runs)."""
     try:
         model, tokenizer = models.load_policy(cfg.model, device, models.policy_dtype(cfg.precision),
-                                              seed=cfg.seed)
+                                              seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+        models.check_chat_template(tokenizer, cfg.prompt_style, cfg.model)
     except faults.UserError:
         raise
     except (OSError, ValueError) as err:   # transformers: a missing file (OSError) or tokenizer (ValueError)

@@ -585,13 +585,31 @@ def test_a_state_file_holding_code_is_refused_unloaded(evaluated, tmp_path, caps
 
 
 def test_a_model_folder_without_tokenizer_files_is_one_line(run_and_model, tmp_path, capsys):
-    """b940752: transformers' ValueError traceback ("Couldn't instantiate the backend tokenizer ...")."""
+    """b940752: transformers' ValueError traceback ("Couldn't instantiate the backend tokenizer ..."). Now
+    models.check_loadable's pre-flight line, before the output folder is made."""
     _, model = run_and_model
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (model / name).unlink(missing_ok=True)
     before = folder_hash(model)
     line = refused(capsys, args_with(model=str(model)) + ["--out_dir", str(tmp_path / "ev")])
-    assert line == (f"evaluate.py: error: --model {model}: cannot load it (Couldn't instantiate the backend "
-                    f"tokenizer from one of:); expected a model folder with its weights and tokenizer files, "
-                    f"or a run folder with a checkpoint")
-    assert folder_hash(model) == before and not (tmp_path / "ev" / "run.lock").exists()
+    assert line.startswith(f"evaluate.py: error: --model {model}: no tokenizer files beside the weights; "
+                           f"expected one of tokenizer.json, "), line
+    assert folder_hash(model) == before and not (tmp_path / "ev").exists()
+
+
+def test_a_model_that_ships_its_own_code_is_refused_without_the_flag(run_and_model, tmp_path, capsys):
+    """b940752: evaluated it (transformers ignored the auto_map and loaded a plain Llama). Now evaluate.py
+    runs models.check_loadable's pre-flight like train.py: a model declaring its own code needs
+    --trust_remote_code true, and nothing of it runs or is written before."""
+    _, model = run_and_model
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "modeling_evil.py").write_text(f"open({str(tmp_path / 'PWNED')!r}, 'w').close()\n")
+    before = folder_hash(model)
+    line = refused(capsys, args_with(model=str(model)) + ["--out_dir", str(tmp_path / "ev")])
+    assert line == (f"evaluate.py: error: --model {model}: loading it runs Python code shipped with the "
+                    f"model (config.json's auto_map (modeling_evil.py)); pass --trust_remote_code true only "
+                    f"for a model you trust, or choose a model transformers supports itself")
+    assert folder_hash(model) == before and not (tmp_path / "PWNED").exists()
+    assert not (tmp_path / "ev").exists()
