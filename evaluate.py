@@ -33,16 +33,11 @@ from pathlib import Path
 
 import config as C
 import data
-from harness import distributed as D
-from harness import faults
-from harness import guards
-from harness import inject
-from harness.journal import Journal, Stopped
-from harness import oom
-from harness import signals
 import mcq
 import models
-from harness import tracking
+from harness import cli, faults, guards, inject, oom, signals, tracking
+from harness import distributed as D
+from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
 
 # App. E.1: k = 8 for MATH500 (App. E: avg@8 out of domain) ...
@@ -459,7 +454,7 @@ def load_results(folder) -> dict[str, dict]:
 # Command line
 # --------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = C.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
+    parser = cli.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
                             "config field is a flag; --max_new_tokens sets the evaluation length "
                             "(else --eval_max_new_tokens, paper 2048).")
     group = parser.add_argument_group("evaluation")

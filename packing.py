@@ -34,8 +34,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import attention
-from harness import distributed as D
 import rollout as R
+from harness import distributed as D
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import advantage as A
-import config as C
 import tree as T
-from harness import faults, runs
+from harness import checks, faults, runs
 
 if TYPE_CHECKING:   # types only
     from harness.loop import RunState
@@ -85,7 +84,7 @@ class Log:
         self._tb = None
         self._wandb = None
         if enabled:
-            why = C.missing_tracker(self.report_to)
+            why = checks.missing_tracker(self.report_to)
             if why:
                 raise RuntimeError(why)
 

@@ -15,8 +15,17 @@ from pathlib import Path
 
 import evaluate
 from harness import faults, tracking
-from studies.common import (DEMO_CONFIG, TINY_CONFIG, Study, legend_if_any, load_policy, load_study_problems,
-                            markdown_table, pyplot, write_outputs)
+from studies.common import (
+    DEMO_CONFIG,
+    TINY_CONFIG,
+    Study,
+    legend_if_any,
+    load_policy,
+    load_study_problems,
+    markdown_table,
+    pyplot,
+    write_outputs,
+)
 
 DYNAMICS_SCALES = {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH level, pass@64 on AIME26
     "paper": dict(config=dict(max_new_tokens=2048), bench="aime26", k=64, limit=0, checkpoints=True),

@@ -33,9 +33,24 @@ import models
 import rollout as R
 import tree as T
 from studies import growth
-from studies.common import (DEMO_CONFIG, PAPER_MODEL, STRATEGY_COLORS, TINY_CONFIG, Sampling, Study,
-                            base_rewards, markdown_table, mean_of, pass_rate, pm, pyplot, sampling_setup,
-                            t_interval, verdict, write_outputs)
+from studies.common import (
+    DEMO_CONFIG,
+    PAPER_MODEL,
+    STRATEGY_COLORS,
+    TINY_CONFIG,
+    Sampling,
+    Study,
+    base_rewards,
+    markdown_table,
+    mean_of,
+    pass_rate,
+    pm,
+    pyplot,
+    sampling_setup,
+    t_interval,
+    verdict,
+    write_outputs,
+)
 
 FORKS_SCALES = {   # App. D.5: AIME26, one base rollout, K = 4 forks, B = 4 branches (17 leaves), 5 repeats
     "paper": dict(config=dict(model=PAPER_MODEL), data="aime26", limit=0, levels=[], k=4, b=4, repeats=5),

@@ -14,6 +14,7 @@ import evaluate
 import rollout as R
 import train
 import tree as T
+from harness import cli as flags
 from harness import faults
 from studies import __main__ as cli
 from studies import common, difficulty, dynamics, forks, growth, main_table, tree_vs_parallel
@@ -140,7 +141,7 @@ def test_train_command_rebuilds_the_config():
     command = common.train_command("grpo-g8", "demo", cfg)
     assert "--steps 3" in command and "--few_shot false" in command and "'runs/x y'" in command
     assert "--report_to tensorboard" in command                 # a list field: its items, not "['tensorboard']"
-    assert C.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
+    assert flags.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
 
 
 def test_config_has_the_g_sweep_rows():
