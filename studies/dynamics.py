@@ -36,7 +36,7 @@ DYNAMICS_SCALES = {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH
 
 def level_summary(step_records: list[dict]) -> dict[str, dict]:
     """Per level, over a run's logged steps: leaves per prompt and PassRate weighted by the prompts logged
-    (train.py writes tree.level_stats into each step record)."""
+    (each step record holds tracking.level_stats)."""
     totals: dict[str, list[float]] = {}
     for rec in step_records:
         for level, s in rec.get("levels", {}).items():
