@@ -45,8 +45,8 @@ import config as C
 import data
 import mcq
 import models
+from harness import cli, faults, guards, inject, oom, runs, signals, tracking
 from harness import distributed as D
-from harness import faults, guards, inject, oom, runs, signals, tracking
 from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
 
@@ -821,14 +821,14 @@ RUN_PROMPT_KEYS = ("prompt_style", "few_shot", "answer_fallback")   # taken from
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = C.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
-                            "config field is a flag; --max_new_tokens sets the evaluation length "
-                            "(else --eval_max_new_tokens, paper 2048). Output: runs/eval/<model label> (or "
-                            "--out_dir): one evaluation per folder, locked while it runs; more benchmarks "
-                            "with the same settings accumulate in its results.json, other settings need "
-                            "--overwrite true. A training run, a checkpoint or a model folder is never an "
-                            "output folder: evaluate a run with --model RUN (into runs/eval/RUN), so that "
-                            "train.py's folder holds only what train.py wrote.")
+    parser = cli.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
+                              "config field is a flag; --max_new_tokens sets the evaluation length "
+                              "(else --eval_max_new_tokens, paper 2048). Output: runs/eval/<model label> (or "
+                              "--out_dir): one evaluation per folder, locked while it runs; more benchmarks "
+                              "with the same settings accumulate in its results.json, other settings need "
+                              "--overwrite true. A training run, a checkpoint or a model folder is never an "
+                              "output folder: evaluate a run with --model RUN (into runs/eval/RUN), so that "
+                              "train.py's folder holds only what train.py wrote.")
     group = parser.add_argument_group("evaluation")
     group.add_argument("--bench", nargs="+", default=None,
                        help=f"benchmarks ({', '.join(data.NAMED_SOURCES)}, or a file); default: the preset's "

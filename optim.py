@@ -19,7 +19,7 @@ from itertools import chain
 
 import torch
 
-from config import OPTIMIZER_DTYPES
+OPTIMIZER_DTYPES = ("param", "fp32")   # AdamW states in the weights' dtype (the release) | fp32 (AdamWFP32)
 
 
 class AdamWFP32(torch.optim.Optimizer):

@@ -34,8 +34,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import attention
+from engine.generate import left_pad
 from harness import distributed as D
-import rollout as R
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -505,7 +505,7 @@ def row_logprobs(model, rows: list[Row], pad_id: int, device) -> list[torch.Tens
     Rows end at the same column, so only the last max(targets) positions need logits (logits_to_keep), and
     position ids follow the attention mask so padding does not shift the rotary phases.
     """
-    ids, mask = R.left_pad([r.ids for r in rows], pad_id, device)
+    ids, mask = left_pad([r.ids for r in rows], pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     keep = max(r.n_targets for r in rows)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,

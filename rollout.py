@@ -32,7 +32,7 @@ import engine as E
 import methods as M
 import tree as T
 from engine import generate as G
-from engine.generate import BaseBatch, left_pad  # noqa: F401  (left_pad: packing.py's rows layout)
+from engine.generate import BaseBatch
 from reward import compute_reward
 
 # --------------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ import offpolicy
 import packing as P
 import rollout as R
 import tree as T
+from harness import checks, cli, faults, guards, loop, oom, tracking
 from harness import distributed as D
-from harness import faults, guards, loop, oom, tracking
 from harness.loop import RunState, Setup
 
 
@@ -165,7 +165,7 @@ def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
         flags=f" (--max_new_tokens {cfg.max_new_tokens}, --branch_budget {cfg.branch_budget})",
         fix="problems that fit: skip long prompts with --max_prompt_tokens N, or lower --max_new_tokens / use "
             "--branch_budget remaining")
-    short = C.kv_pool_shortfall(cfg, n_prompt, where)
+    short = checks.kv_pool_shortfall(cfg, n_prompt, where)
     if short:
         raise faults.UserError(short)
 
@@ -377,7 +377,7 @@ def train(cfg: C.Config) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    cfg = C.parse_args(argv, description=__doc__.splitlines()[0])
+    cfg = cli.parse_args(argv, description=__doc__.splitlines()[0])
     return train(cfg)
 
 

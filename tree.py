@@ -15,8 +15,6 @@ Paper map:
   split_at_forks, Block, Tree
                        Sec. 4.2 and App. C.2: contiguous blocks bounded by forking points or the end of a
                        trajectory; every generated token is in exactly one block
-  sib_div              App. D.3: the tree-level SibDiv metric (Section 3 analysis)
-  level_stats          Sec. 5.2 Fig. "leaf count": leaves per prompt and PassRate per difficulty level
 
 Conventions (used by rollout.py and advantage.py):
   * A response is a list of generated token ids (EOS included when the model stopped).
@@ -412,38 +410,3 @@ def path_to(blocks: list[Block], leaf: int) -> list[int]:
 def path_token_ids(blocks: list[Block], leaf: int) -> list[int]:
     """The generated ids of the root-to-leaf response that ends in block `leaf`."""
     return [t for i in path_to(blocks, leaf) for t in blocks[i].token_ids]
-
-
-def sib_div(parents: list[int | None], embeddings) -> float | None:
-    """Tree-level SibDiv (App. D.3): 1 − mean over forking points of the mean pairwise cosine similarity of
-    the blocks branching from that point. Only forking points count: states with ≥ 2 children other than
-    the prompt itself (the N base responses are parallel samples, not a fork). None when there is none."""
-    emb = np.asarray(embeddings, dtype=float)
-    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-    groups: dict = {}
-    for i, p in enumerate(parents):
-        groups.setdefault(p, []).append(i)
-    sims = []
-    for parent, members in groups.items():
-        if parent is None or len(members) < 2:
-            continue
-        g = emb[members] @ emb[members].T
-        upper = g[np.triu_indices(len(members), k=1)]
-        sims.append(float(upper.mean()))
-    return 1.0 - float(np.mean(sims)) if sims else None
-
-
-def level_stats(trees: list[Tree]) -> dict:
-    """Per difficulty level (MATH levels 1–5, arithmetic levels in the demo): prompts, mean leaves per prompt and
-    mean PassRate of the step's trees (Sec. 5.2, Fig. "leaf count"). {} when no tree has a level, else
-    {"levels": {"3": {"prompts": 2, "leaves": 20.0, "pass_rate": 0.5}, ...}} (string keys: a JSON log line)."""
-    by_level: dict = {}
-    for tr in trees:
-        if tr.level is not None:
-            by_level.setdefault(tr.level, []).append(tr)
-    if not by_level:
-        return {}
-    return {"levels": {str(lv): {"prompts": len(group),
-                                 "leaves": float(np.mean([tr.leaves for tr in group])),
-                                 "pass_rate": float(np.mean([tr.pass_rate for tr in group]))}
-                       for lv, group in sorted(by_level.items())}}

@@ -16,6 +16,11 @@ token counts differ a little; tokens/s is the fair comparison. Last, the peak KV
 (Qwen2.5-3B, 16 prompts, (N, K, B) = (4, 3, 4), 1,024 new tokens, 256-token prompts), computed.
 With --compile_decode: the engine eager vs the engine with --compile_decode (torch.compile of the decode step),
 same prompts and seed; the compile (a one-prompt warm-up run) is timed apart, then tokens/s and the ratio.
+
+The floor: after each shape, the model's own bare forward at the engine's mean batch (rows per decode step) and
+mean context (KV tokens a row reads), timed alone — one decode token per row through HF's forward with a
+DynamicCache, logits of the last position, no sampling, no scheduling, no grading — and the engine's tokens/s
+as a share of it: how far the engine is from the limit its model sets on this machine.
 """
 import argparse
 import os
@@ -24,6 +29,7 @@ import sys
 import time
 
 import torch
+from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
@@ -54,7 +60,41 @@ def run(model, tokenizer, prompts, answers, cfg, engine, seed, kwargs):
     tokens = stats.base_tokens + stats.branch_tokens
     return dict(wall=wall, tokens=tokens, tok_s=tokens / wall, ended=stats.ended_row_steps,
                 row_steps=stats.row_steps, kv=stats.peak_kv_bytes, recomputed=stats.recomputed_prefix_tokens,
-                branches=sum(1 for t in trees for b in t.blocks if b.branch))
+                branches=sum(1 for t in trees for b in t.blocks if b.branch), shape=engine_shape(trees, stats))
+
+
+def engine_shape(trees, stats) -> tuple[float, float, int]:
+    """(mean rows per decode step, mean context a row reads, row-steps counted) of an engine run. A row of L tokens is in L − 1
+    decode steps (its first token comes with its prefill), reading prompt + fork + t KV slots at its t-th;
+    a base response is one row, a branch at fork f another."""
+    total = steps = 0
+    for tr in trees:
+        rows = [(0, sum(len(b.token_ids) for b in tr.blocks if b.base == j and not b.branch))
+                for j in sorted({b.base for b in tr.blocks})]
+        rows += [(b.start, len(b.token_ids)) for b in tr.blocks if b.branch]
+        for start, length in rows:
+            base = len(tr.prompt_ids) + start
+            total += (length - 1) * base + (length - 1) * length // 2
+            steps += max(length - 1, 0)
+    return stats.row_steps / max(stats.decode_steps, 1), total / max(steps, 1), steps
+
+
+@torch.no_grad()
+def bare_forward_tokens_per_s(model, rows: int, context: int, repeats: int = 8) -> float:
+    """Decode tokens per second of the model's own forward for `rows` rows reading `context` cached tokens
+    each: one prefill fills a DynamicCache, then `repeats` timed one-token forwards (each cropped back)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(100, model.config.vocab_size - 1, (rows, context + 1), device=device)
+    cache = DynamicCache(config=model.config)
+    name = models.cache_arg(model)
+    model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1, **{name: cache})
+    model(input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **{name: cache})   # warm-up
+    cache.crop(-1)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        model(input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **{name: cache})
+        cache.crop(-1)
+    return rows * repeats / (time.perf_counter() - start)
 
 
 def paper_shape_kv(prompt: int = 256, new: int = 1024, prompts: int = 16, n: int = 4, k: int = 3, b: int = 4,
@@ -117,6 +157,12 @@ def main():
             ratio = f"{a / b:.2f}" if b else "-"
             print(f"{label:34s}{fmt.format(a):>14s}{fmt.format(b):>14s}{ratio:>17s}")
         seconds_per_token[shape] = {e: r["wall"] / r["tokens"] for e, r in result.items()}
+        rows, context, counted = ours["shape"]
+        floor = bare_forward_tokens_per_s(model, max(1, round(rows)), round(context))
+        print(f"({shape}) floor: the bare forward at the engine's mean batch {rows:.1f} rows × context {context:.0f}"
+              f" tokens: {floor:.1f} tokens/s; {engines[0]} {ours['tok_s']:.1f} tokens/s = "
+              f"{ours['tok_s'] / floor:.2f} of it (row-steps counted from the trees {counted}, the engine's "
+              f"{ours['row_steps']}); load average {os.getloadavg()[0]:.2f}", flush=True)
     if "a" in seconds_per_token and "b" in seconds_per_token and not args.compile_decode:
         for e in engines:
             print(f"DATPO (b) / GRPO-like (a) rollout seconds per generated token, {e}: "

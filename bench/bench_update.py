@@ -41,7 +41,6 @@ import train  # noqa: E402
 import tree as T  # noqa: E402
 
 
-
 def advantages(tr: T.Tree, cfg) -> list[float]:
     """The method's advantage of every block at α = 0 (advantage.score_tree)."""
     return [b.advantage for b in A.score_tree(tr, M.METHODS[cfg.method], 0.0, None, cfg.alpha_scope)]

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import tracking  # noqa: E402
 import train  # noqa: E402
+from harness import tracking  # noqa: E402
 
 
 def main():

@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import advantage as A
-import config as C
 import tree as T
-from harness import faults, runs
+from harness import checks, faults, runs
 
 if TYPE_CHECKING:   # types only
     from harness.loop import RunState
@@ -85,7 +84,7 @@ class Log:
         self._tb = None
         self._wandb = None
         if enabled:
-            why = C.missing_tracker(self.report_to)
+            why = checks.missing_tracker(self.report_to)
             if why:
                 raise RuntimeError(why)
 
@@ -213,7 +212,7 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree]
         "blocks": sum(len(t.trained) for t in train_trees),
         "alpha": alpha,
         "policy_entropy": float(np.mean([h for tr in trees for b in tr.blocks for h in b.entropies])),
-        **T.level_stats(trees),     # leaves and PassRate per difficulty level (Fig. "leaf count")
+        **level_stats(trees),       # leaves and PassRate per difficulty level (Fig. "leaf count")
         **update,
         "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in rank_stats),
         # one-step off-policy (offpolicy.py): updates between the weights that sampled a token and θ; the stale
@@ -233,6 +232,22 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree]
     }
     record["seconds_other"] = record["seconds_step"] - sum(seconds.values())
     return record
+
+
+def level_stats(trees: list[T.Tree]) -> dict:
+    """Per difficulty level (MATH levels 1–5, arithmetic levels in the demo): prompts, mean leaves per prompt and
+    mean PassRate of the step's trees (Sec. 5.2, Fig. "leaf count"). {} when no tree has a level, else
+    {"levels": {"3": {"prompts": 2, "leaves": 20.0, "pass_rate": 0.5}, ...}} (string keys: a JSON log line)."""
+    by_level: dict = {}
+    for tr in trees:
+        if tr.level is not None:
+            by_level.setdefault(tr.level, []).append(tr)
+    if not by_level:
+        return {}
+    return {"levels": {str(lv): {"prompts": len(group),
+                                 "leaves": float(np.mean([tr.leaves for tr in group])),
+                                 "pass_rate": float(np.mean([tr.pass_rate for tr in group]))}
+                       for lv, group in sorted(by_level.items())}}
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import config as C
-from harness import faults
+from harness import cli, faults
 from studies import difficulty, dynamics, forks, main_table, tree_vs_parallel
 from studies.common import Study
 
@@ -53,7 +53,7 @@ STUDY_FLAGS = {
     "subset": (int, None, "problems kept per bucket (paper 1,400)"),
     "samples_per_step": (int, None, "G sweep: responses per step, G · prompts (paper 256)"),
     "epochs": (float, None, "G sweep: passes over the subset (paper 5)"),
-    "train": (C.parse_bool, None, "G sweep: run the 9 trainings now (else write commands.sh)"),
+    "train": (cli.parse_bool, None, "G sweep: run the 9 trainings now (else write commands.sh)"),
     "g": (int, "+", "G sweep: group sizes to run, of 4 8 16 (presets grpo-g4/8/16)"),
     "bench": (str, "+", "benchmarks to evaluate on"),
     "k": (int, None, "samples per problem (report/dynamics) or forks per response (trees)"),
@@ -64,13 +64,13 @@ STUDY_FLAGS = {
     "repeats": (int, None, "independent repeats (paper 5 for forks)"),
     "strategies": (str, "+", "strategies to draw (show-forks) or to run (forks: labels of FORK_STRATEGIES)"),
     "candidates": (int, None, "samples per problem to pick the longest response from"),
-    "checkpoints": (C.parse_bool, None, "evaluate saved checkpoints (pass@k across checkpoints)"),
+    "checkpoints": (cli.parse_bool, None, "evaluate saved checkpoints (pass@k across checkpoints)"),
     "runs": (str, "+", "train.py run folders"),
     "from_dir": (str, None, "folder of the difficulty study (its runs/)"),
     "seeds": (int, "+", "main-table: training seeds per method (intervals are over seeds)"),
-    "equal_tokens": (C.parse_bool, None,
+    "equal_tokens": (cli.parse_bool, None,
                      "main-table: set GRPO/Dr.GRPO's G to DATPO's measured tokens per problem"),
-    "from_result": (C.parse_bool, None,
+    "from_result": (cli.parse_bool, None,
                     "rebuild the table, intervals and figures from OUT/result.json (no sampling)"),
 }
 
@@ -78,7 +78,7 @@ STUDY_FLAGS = {
 def build_parser(study: str) -> argparse.ArgumentParser:
     """train.py's parser (every Config field) plus the study's own flags: those its scales set, and the few
     that have no per-scale default."""
-    parser = C.build_parser(f"{PROG} {study}: {STUDIES[study][1]}. Every config field is a flag.")
+    parser = cli.build_parser(f"{PROG} {study}: {STUDIES[study][1]}. Every config field is a flag.")
     parser.prog = f"{PROG} {study}"
     group = parser.add_argument_group(study)
     names = set(STUDY_SCALES[study]["demo"]) - {"config"} | ({"runs"} if study == "dynamics" else set()) \

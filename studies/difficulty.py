@@ -23,9 +23,22 @@ from pathlib import Path
 import config as C
 import evaluate
 import train
-from studies.common import (DEMO_CONFIG, PAPER_MODEL, TINY_CONFIG, Study, correct_counts, load_policy,
-                            load_study_problems, markdown_table, mean_of, pm, pyplot, t_interval,
-                            train_command, write_outputs)
+from studies.common import (
+    DEMO_CONFIG,
+    PAPER_MODEL,
+    TINY_CONFIG,
+    Study,
+    correct_counts,
+    load_policy,
+    load_study_problems,
+    markdown_table,
+    mean_of,
+    pm,
+    pyplot,
+    t_interval,
+    train_command,
+    write_outputs,
+)
 
 G_SWEEP = (4, 8, 16)    # App. B's group sizes: the presets grpo-g4, grpo-g8, grpo-g16
 

@@ -15,8 +15,17 @@ from pathlib import Path
 
 import evaluate
 from harness import faults, tracking
-from studies.common import (DEMO_CONFIG, TINY_CONFIG, Study, legend_if_any, load_policy, load_study_problems,
-                            markdown_table, pyplot, write_outputs)
+from studies.common import (
+    DEMO_CONFIG,
+    TINY_CONFIG,
+    Study,
+    legend_if_any,
+    load_policy,
+    load_study_problems,
+    markdown_table,
+    pyplot,
+    write_outputs,
+)
 
 DYNAMICS_SCALES = {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH level, pass@64 on AIME26
     "paper": dict(config=dict(max_new_tokens=2048), bench="aime26", k=64, limit=0, checkpoints=True),
@@ -27,7 +36,7 @@ DYNAMICS_SCALES = {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH
 
 def level_summary(step_records: list[dict]) -> dict[str, dict]:
     """Per level, over a run's logged steps: leaves per prompt and PassRate weighted by the prompts logged
-    (train.py writes tree.level_stats into each step record)."""
+    (each step record holds tracking.level_stats)."""
     totals: dict[str, list[float]] = {}
     for rec in step_records:
         for level, s in rec.get("levels", {}).items():

@@ -6,7 +6,7 @@ base rollouts: PassRate and SibDiv of the trees it grows, and how its fork point
     python -m studies show-forks --scale demo   # App. D.2 figures "localization" / "case study"
 
 forks: per problem and repeat ONE base rollout; every strategy of FORK_STRATEGIES picks K forks on it and
-grows B branches per fork (growth.grow_from_forks); PassRate and SibDiv (tree.sib_div) per tree, and the
+grows B branches per fork (growth.grow_from_forks); PassRate and SibDiv (sib_div) per tree, and the
 localization metrics of the fork positions, paired against sent-entropy on the same rollouts.
 show-forks: one response shaded by token entropy with each strategy's forks outlined (forks.png, forks.html).
 
@@ -31,11 +31,25 @@ from tqdm import tqdm
 import config as C
 import models
 import rollout as R
-import tree as T
 from studies import growth
-from studies.common import (DEMO_CONFIG, PAPER_MODEL, STRATEGY_COLORS, TINY_CONFIG, Sampling, Study,
-                            base_rewards, markdown_table, mean_of, pass_rate, pm, pyplot, sampling_setup,
-                            t_interval, verdict, write_outputs)
+from studies.common import (
+    DEMO_CONFIG,
+    PAPER_MODEL,
+    STRATEGY_COLORS,
+    TINY_CONFIG,
+    Sampling,
+    Study,
+    base_rewards,
+    markdown_table,
+    mean_of,
+    pass_rate,
+    pm,
+    pyplot,
+    sampling_setup,
+    t_interval,
+    verdict,
+    write_outputs,
+)
 
 FORKS_SCALES = {   # App. D.5: AIME26, one base rollout, K = 4 forks, B = 4 branches (17 leaves), 5 repeats
     "paper": dict(config=dict(model=PAPER_MODEL), data="aime26", limit=0, levels=[], k=4, b=4, repeats=5),
@@ -62,6 +76,25 @@ LOCALIZATION_STRATEGIES = ("random", "sent-entropy", "tok-entropy")        # App
 # --------------------------------------------------------------------------------------------------------
 # Localization metrics (App. D.2): pure functions
 # --------------------------------------------------------------------------------------------------------
+
+def sib_div(parents: list[int | None], embeddings) -> float | None:
+    """Tree-level SibDiv (App. D.3): 1 − mean over forking points of the mean pairwise cosine similarity of
+    the blocks branching from that point. Only forking points count: states with ≥ 2 children other than
+    the prompt itself (the N base responses are parallel samples, not a fork). None when there is none."""
+    emb = np.asarray(embeddings, dtype=float)
+    emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    groups: dict = {}
+    for i, p in enumerate(parents):
+        groups.setdefault(p, []).append(i)
+    sims = []
+    for parent, members in groups.items():
+        if parent is None or len(members) < 2:
+            continue
+        g = emb[members] @ emb[members].T
+        upper = g[np.triu_indices(len(members), k=1)]
+        sims.append(float(upper.mean()))
+    return 1.0 - float(np.mean(sims)) if sims else None
+
 def nearest_neighbor_distance(positions, length: int) -> float | None:
     """NND (App. D.2): mean over forks of the distance to the nearest other fork, as a fraction of `length`.
     Fewer than two forks → None. Lower = stronger localization."""
@@ -174,7 +207,7 @@ def strategy_records(study: Study, setup: Sampling, embedder, strategy: tuple, b
             "repeat": repeat, "problem": index, "strategy": label, "forks": forks[r], "length": length,
             "leaves": sum(b.terminal for b in blocks),
             "pass_rate": pass_rate([b.reward for b in blocks if b.terminal]),
-            "sib_div": T.sib_div([b.parent for b in blocks], emb),
+            "sib_div": sib_div([b.parent for b in blocks], emb),
             "branch_tokens": sum(len(b.token_ids) for b in blocks if b.branch),
             "base": [t for b in blocks if not b.branch for t in b.token_ids],
             **localization(forks[r], length)})

@@ -21,8 +21,20 @@ import evaluate
 import models
 import train
 from harness import faults, tracking
-from studies.common import (Study, correct_counts, legend_if_any, load_policy, load_study_problems,
-                            markdown_table, pm, pyplot, t_interval, train_command, verdict, write_outputs)
+from studies.common import (
+    Study,
+    correct_counts,
+    legend_if_any,
+    load_policy,
+    load_study_problems,
+    markdown_table,
+    pm,
+    pyplot,
+    t_interval,
+    train_command,
+    verdict,
+    write_outputs,
+)
 
 MAIN_TABLE_SCALES = {   # Sec. 5.2 main table (MATH500 k = 8), App. E.3 token and wall-clock tables
     "paper": dict(config={}, methods=["paper", "grpo", "drgrpo", "treerl", "attnrl"], seeds=[0, 1, 2],

@@ -22,9 +22,23 @@ from tqdm import tqdm
 import models
 import rollout as R
 from studies import growth
-from studies.common import (DEMO_CONFIG, PAPER_MODEL, STRATEGY_COLORS, TINY_CONFIG, Sampling, Study,
-                            base_rewards, markdown_table, pass_rate, pm, pyplot, sampling_setup, t_interval,
-                            verdict, write_outputs)
+from studies.common import (
+    DEMO_CONFIG,
+    PAPER_MODEL,
+    STRATEGY_COLORS,
+    TINY_CONFIG,
+    Sampling,
+    Study,
+    base_rewards,
+    markdown_table,
+    pass_rate,
+    pm,
+    pyplot,
+    sampling_setup,
+    t_interval,
+    verdict,
+    write_outputs,
+)
 
 TREE_VS_PARALLEL_SCALES = {   # App. C.2: AIME25, parallel M ∈ {4,8,16,32}, trees (N, 2, 2), N ∈ {2,4,8}
     "paper": dict(config=dict(model=PAPER_MODEL), data="aime25", limit=0, levels=[],

@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import config as C  # noqa: E402
-from harness import distributed as D  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
 import tree as T  # noqa: E402
+from harness import distributed as D  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------------

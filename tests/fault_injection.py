@@ -58,9 +58,9 @@ def stand_in_reward(text, answer, fallback=False):
 def child(argv: list[str]) -> None:
     """The process that is killed: train.py's command line, optionally with the stand-in grader."""
     sys.path.insert(0, str(ROOT))
-    from harness import faults
     import rollout
     import train
+    from harness import faults
 
     if argv and argv[0] == "--stand-in-reward":
         rollout.compute_reward = stand_in_reward

@@ -6,11 +6,11 @@ import random
 
 import pytest
 import torch
+from test_packing import EOS, _update, datpo_tree, deep_tree, grpo_group, tiny
 
 import attention
 import config as C
 import packing as P
-from test_packing import EOS, _update, datpo_tree, deep_tree, grpo_group, tiny
 
 
 def test_transformers_takes_a_4d_mask_as_is():

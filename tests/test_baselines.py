@@ -5,14 +5,14 @@ import random
 
 import pytest
 import torch
+from test_train import stand_in_reward
 
 import config as C
+import methods as M
 import packing as P
 import rollout as R
 import train
 import tree as T
-from test_train import stand_in_reward
-import methods as M
 
 
 # ---- AttnRL's adaptive sampling and batch size ----------------------------------------------------------

@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 
 import config as C
+from harness import checks, cli
 
 
 def test_paper_preset_matches_the_paper():
@@ -54,13 +55,13 @@ def test_demo_and_tiny_presets_are_offline_and_small():
 
 
 def test_cli_sets_fields_and_types():
-    cfg = C.parse_args(["--preset", "demo", "--steps", "10", "--fork", "tok-entropy", "--out_dir", "runs/x",
+    cfg = cli.parse_args(["--preset", "demo", "--steps", "10", "--fork", "tok-entropy", "--out_dir", "runs/x",
                         "--adaptive", "false", "--lr", "2e-5", "--fork_min_dist", "0.05"])
     assert (cfg.steps, cfg.fork, cfg.out_dir) == (10, "tok-entropy", "runs/x")
     assert cfg.adaptive is False and cfg.lr == 2e-5 and cfg.fork_min_dist == 0.05
-    assert cfg.compile_decode is False and C.parse_args(["--compile_decode", "true"]).compile_decode is True
+    assert cfg.compile_decode is False and cli.parse_args(["--compile_decode", "true"]).compile_decode is True
     assert cfg.model == "smollm2-135m"                       # untouched fields keep the preset's value
-    assert C.parse_args([]).model == "Qwen/Qwen2.5-3B"      # default preset is the paper's
+    assert cli.parse_args([]).model == "Qwen/Qwen2.5-3B"      # default preset is the paper's
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -77,13 +78,13 @@ def test_cli_sets_fields_and_types():
 ])
 def test_cli_errors_name_the_flag_and_valid_values(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        C.parse_args(argv)
+        cli.parse_args(argv)
     assert exit_info.value.code == 2
     assert expected in capsys.readouterr().err
 
 
 def test_scales_and_rows_compose():
-    cfg = C.parse_args(["--preset", "treerl", "--scale", "tiny"])
+    cfg = cli.parse_args(["--preset", "treerl", "--scale", "tiny"])
     assert (cfg.method, cfg.n_base, cfg.k_max, cfg.b_max, cfg.adaptive, cfg.fork) == \
         ("treerl", 6, 2, 2, False, "tok-entropy")                    # the row: TreeRL's (6, 2, 2)
     assert cfg.model == "tiny-random" and cfg.max_new_tokens == 12   # the scale
@@ -95,7 +96,7 @@ def test_scales_and_rows_compose():
     assert C.make_config("datpo-alpha-0.2-neg0.2").alpha_end == -0.2
     assert C.make_config("datpo-nonadaptive").adaptive is False
     with pytest.raises(SystemExit):
-        C.parse_args(["--scale", "huge"])
+        cli.parse_args(["--scale", "huge"])
 
 
 def test_make_config_rejects_unknown_fields():
@@ -106,17 +107,17 @@ def test_make_config_rejects_unknown_fields():
 
 
 def test_every_field_has_a_flag():
-    parser = C.build_parser()
+    parser = cli.build_parser()
     flags = {a.dest for a in parser._actions}
     assert {f.name for f in dataclasses.fields(C.Config)} <= flags
 
 
 def test_negative_numbers_in_any_notation_are_values():
     """argparse's own pattern reads -1e-3 as an unknown flag ("expected one argument")."""
-    assert C.parse_args(["--alpha_end", "-1e-3"]).alpha_end == -1e-3
-    assert C.parse_args(["--alpha_end", "-.5E+1", "--alpha_start", "-2"]).alpha_end == -5.0
+    assert cli.parse_args(["--alpha_end", "-1e-3"]).alpha_end == -1e-3
+    assert cli.parse_args(["--alpha_end", "-.5E+1", "--alpha_start", "-2"]).alpha_end == -5.0
     with pytest.raises(SystemExit):
-        C.parse_args(["--alpha_start", "-inf"])                      # a value, refused as not finite
+        cli.parse_args(["--alpha_start", "-inf"])                      # a value, refused as not finite
 
 
 def test_every_numeric_field_has_a_bounded_range():
@@ -131,20 +132,20 @@ def test_every_numeric_field_has_a_bounded_range():
                 continue
             with pytest.raises(ValueError, match=f"^--{f.name}: got"):
                 C.make_config("tiny", **{f.name: value})
-    assert set(C.INT_RANGES) | {"threads", "off_policy_steps"} == \
+    assert set(checks.INT_RANGES) | {"threads", "off_policy_steps"} == \
         {f.name for f in numeric if f.type in ("int", int)}
 
 
 def test_kv_pool_needs_one_prompts_responses():
     tree = C.make_config("tiny", max_kv_tokens=36)                   # (N + 1) × max_new_tokens = 3 × 12
-    assert C.kv_pool_shortfall(tree) is None
-    assert C.kv_pool_shortfall(tree, 5, "p") == (
+    assert checks.kv_pool_shortfall(tree) is None
+    assert checks.kv_pool_shortfall(tree, 5, "p") == (
         "--max_kv_tokens: got 36, expected 0 (sized automatically) or at least 41 tokens: p's 5 prompt "
         "tokens + --n_base 2 base responses kept for their forks plus one branch, each up to "
         "--max_new_tokens 12")
     grpo = C.make_config("tiny", method="grpo", max_kv_tokens=48)    # G rows at once: 4 × 12
-    assert C.kv_pool_shortfall(grpo) is None and "4 responses" in C.kv_pool_shortfall(grpo, 1, "p")
+    assert checks.kv_pool_shortfall(grpo) is None and "4 responses" in checks.kv_pool_shortfall(grpo, 1, "p")
     # evaluation: k samples at once, at most --max_batch_rows (tiny: 8) of them
     with pytest.raises(ValueError, match="least 96 tokens: 8 evaluation samples of --eval_max_new_tokens 12"):
         C.make_config("tiny", max_kv_tokens=50, eval_every=1, eval_k=20)
-    assert C.kv_pool_shortfall(dataclasses.replace(tree, rollout_engine="generate"), 10**6, "p") is None
+    assert checks.kv_pool_shortfall(dataclasses.replace(tree, rollout_engine="generate"), 10**6, "p") is None

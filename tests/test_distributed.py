@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness import distributed as D
 import models
 import rollout as R
 import train
+from harness import distributed as D
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_worker as W  # noqa: E402

@@ -7,12 +7,12 @@ import torch
 
 import config
 import engine as E
+import methods as M
+import rollout as R
+import tree as T
 from engine import generate as G
 from engine import kv
-import rollout as R
-import methods as M
 from studies import growth
-import tree as T
 
 PROMPTS = ["What is 3 + 4?", "Add 10 and 25, then explain.", "Compute 12 * 3 step by step, please."]
 ANSWERS = ["7", "35", "36"]
@@ -29,8 +29,9 @@ def tiny_model(arch: str, vocab_size: int):
     """A 2-layer random model of that architecture built from a config (no download). Untied embeddings and
     a larger init: with tied ones a random model's greedy output repeats its last token forever, which
     would make "same tokens as generate" nearly vacuous."""
-    import models
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    import models
 
     if arch == "llama":
         return models.tiny_random_model(vocab_size, seed=0, tie_word_embeddings=False,
@@ -89,8 +90,8 @@ def test_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, budget):
 
 @pytest.mark.slow
 def test_greedy_trees_equal_generate_trees_on_smollm2(smollm_tokenizer):
-    import models
     import data
+    import models
 
     model, tok = models.load_policy("smollm2-135m")
     model.eval()

@@ -18,9 +18,9 @@ import torch
 import config
 import data
 import evaluate as E
-from harness import faults
 import models
 import rollout
+from harness import faults
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,20 +13,16 @@ import torch
 import config as C
 import data
 import evaluate as E
-from harness import faults
-from harness import guards
-from harness import inject
-from harness import oom
-from harness import signals
 import models
 import packing as P
 import rollout as R
 import train
+from harness import faults, guards, inject, oom, signals
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_injection as FI  # noqa: E402
-from harness import loop
-from harness import tracking
+
+from harness import loop, tracking
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ def test_gpu_smoke_without_cuda_says_so_and_exits_0():
 @pytest.mark.slow
 def test_gpu_smoke_harness_runs_train_loop_on_cpu(capsys):
     import gpu_smoke
+
     import models
     import rollout as R
     import train
@@ -43,6 +44,7 @@ def test_checkpointing_default_follows_the_memory_estimate():
     80 GB GPU free (the release's pure bf16, 8 B per parameter) or does not fit (fp32 states, 16 B); with it both
     fit with room: so it is on by default there, and off at the CPU scales."""
     import bench_update
+
     import config as C
 
     without = bench_update.update_memory_gb(8, 8192, False)

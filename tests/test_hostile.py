@@ -27,10 +27,10 @@ import torch
 import evaluate
 import models
 import offpolicy
-from engine import Sample
 import optim as O
 import rollout as R
 import train
+from engine import Sample
 from harness import faults, journal, loop, runs, viz
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

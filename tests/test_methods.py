@@ -10,7 +10,7 @@ import config as C
 import methods as M
 import train
 import tree as T
-from harness import loop
+from harness import checks, loop
 
 
 def _tree():
@@ -25,8 +25,8 @@ def _tree():
 
 
 def test_every_method_is_one_row_and_config_accepts_exactly_those():
-    assert C.METHODS == tuple(M.METHODS) == ("datpo", "grpo", "drgrpo", "treerl", "attnrl")
-    assert C.FORKS is T.FORK_METHODS and C.BRANCH_BUDGETS is T.BRANCH_BUDGETS
+    assert checks.METHODS == tuple(M.METHODS) == ("datpo", "grpo", "drgrpo", "treerl", "attnrl")
+    assert checks.FORKS is T.FORK_METHODS and checks.BRANCH_BUDGETS is T.BRANCH_BUDGETS
     with pytest.raises(ValueError, match="--method"):
         M.method_of(C.Config(method="ppo"))
 

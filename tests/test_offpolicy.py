@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import config as C
-from engine import Sample
 import models
 import offpolicy
 import packing as P
 import train
 import tree as T
+from engine import Sample
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -129,8 +129,9 @@ def _read(path):
 def _run(tmp_path, monkeypatch, name, *flags):
     """A 3-step tiny run, one-step off-policy, a checkpoint every step; returns its folder and, per step, the
     trees it trained (captured from train.tree_rollouts)."""
-    import rollout as R
     from test_train import stand_in_reward
+
+    import rollout as R
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     grown, real = [], train.tree_rollouts

@@ -6,18 +6,16 @@ import random
 
 import pytest
 import torch
+from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
 
 import config
 import data
 import engine
 import evaluate as E
-from harness import faults
-from harness import inject
-from harness import oom
 import packing as P
 import rollout as R
 import train
-from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
+from harness import faults, inject, oom
 
 
 @pytest.fixture

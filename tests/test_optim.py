@@ -108,11 +108,12 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     and master copies for bf16 weights, and a resume loads them as fp32."""
     import json
 
+    from test_train import stand_in_reward
+
     import attention
-    from harness import inject
     import rollout as R
     import train
-    from test_train import stand_in_reward
+    from harness import inject
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     monkeypatch.setattr(attention, "_kernel_choice", {})

@@ -18,12 +18,9 @@ import pytest
 import torch
 
 import data
-from harness import faults
-from harness import guards
-from harness import signals
 import rollout as R
-from harness import runs
 import train
+from harness import faults, guards, runs, signals
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_injection as FI  # noqa: E402

@@ -1,4 +1,4 @@
-"""studies/: the Section 3 metrics against hand computations, the difficulty buckets, tree.level_stats,
+"""studies/: the Section 3 metrics against hand computations, the difficulty buckets, tracking.level_stats,
 studies/growth.grow_from_forks, and every study end to end at --scale tiny."""
 import json
 import re
@@ -14,7 +14,8 @@ import evaluate
 import rollout as R
 import train
 import tree as T
-from harness import faults
+from harness import cli as flags
+from harness import faults, tracking
 from studies import __main__ as cli
 from studies import common, difficulty, dynamics, forks, growth, main_table, tree_vs_parallel
 
@@ -70,7 +71,7 @@ def test_difficulty_split_subsamples_with_a_seed():
     assert small == difficulty.difficulty_split(counts, 12, size=2, seed=3)
 
 
-# ---- tree.level_stats (train.py logs it) -----------------------------------------------------------------
+# ---- tracking.level_stats (each step record holds it) -----------------------------------------------------------------
 def _leaf(reward):
     return T.Block(None, [1], [0.0], reward=reward)
 
@@ -79,9 +80,9 @@ def test_level_stats_by_hand():
     trees = [T.Tree("a", [], "1", [_leaf(0.0), _leaf(1.0)], 0.5, 1, 1, level=2),
              T.Tree("b", [], "1", [_leaf(0.0)] * 4, 0.0, 1, 1, level=2),
              T.Tree("c", [], "1", [_leaf(1.0)], 1.0, 0, 0, level=5)]
-    assert T.level_stats(trees) == {"levels": {"2": {"prompts": 2, "leaves": 3.0, "pass_rate": 0.5},
+    assert tracking.level_stats(trees) == {"levels": {"2": {"prompts": 2, "leaves": 3.0, "pass_rate": 0.5},
                                                "5": {"prompts": 1, "leaves": 1.0, "pass_rate": 1.0}}}
-    assert T.level_stats([T.Tree("a", [], "1", [_leaf(1.0)], 1.0, 0, 0)]) == {}
+    assert tracking.level_stats([T.Tree("a", [], "1", [_leaf(1.0)], 1.0, 0, 0)]) == {}
 
 
 def test_level_summary_weights_by_prompts():
@@ -140,7 +141,7 @@ def test_train_command_rebuilds_the_config():
     command = common.train_command("grpo-g8", "demo", cfg)
     assert "--steps 3" in command and "--few_shot false" in command and "'runs/x y'" in command
     assert "--report_to tensorboard" in command                 # a list field: its items, not "['tensorboard']"
-    assert C.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
+    assert flags.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
 
 
 def test_config_has_the_g_sweep_rows():

@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train import stand_in_reward
 
 import advantage as A
 import rollout as R
 import tree as T
-from test_train import stand_in_reward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
 import tour  # noqa: E402

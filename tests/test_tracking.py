@@ -17,9 +17,9 @@ import advantage as A
 import config as C
 import methods as M
 import models
-from harness import tracking
 import train
 import tree as T
+from harness import cli, tracking
 
 
 def _records(path):
@@ -29,11 +29,11 @@ def _records(path):
 # ---- --report_to on the command line --------------------------------------------------------------------
 def test_report_to_takes_several_trackers_and_rejects_bad_ones(monkeypatch):
     assert C.make_config("tiny").report_to == ["none"]
-    cfg = C.parse_args(["--preset", "tiny", "--report_to", "tensorboard", "wandb"] if importlib.util.find_spec("wandb")
+    cfg = cli.parse_args(["--preset", "tiny", "--report_to", "tensorboard", "wandb"] if importlib.util.find_spec("wandb")
                        else ["--preset", "tiny", "--report_to", "tensorboard"])
     assert cfg.report_to[0] == "tensorboard"
     with pytest.raises(SystemExit):
-        C.parse_args(["--preset", "tiny", "--report_to", "mlflow"])
+        cli.parse_args(["--preset", "tiny", "--report_to", "mlflow"])
     with pytest.raises(ValueError, match="'none' cannot be combined"):
         C.make_config("tiny", report_to=["none", "tensorboard"])
     real = importlib.util.find_spec

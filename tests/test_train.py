@@ -10,12 +10,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import config as C
+import methods as M
 import models
 import packing as P
 import rollout as R
 import train
 import tree as T
-import methods as M
 
 
 def _tree():

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import tree as T
+from studies import forks
 
 
 # ---- adaptive budget (Sec. 4.1, Eq. 1-2) --------------------------------------------------------------
@@ -252,5 +253,5 @@ def test_sib_div_metric_by_hand():
     emb = [[1, 0], [1, 0], [0, 1], [1, 1]]
     # pairwise cos among children: (1,2)=0, (1,3)=1/√2, (2,3)=1/√2
     expected = 1 - (0 + 2 / np.sqrt(2)) / 3
-    assert T.sib_div(parents, emb) == pytest.approx(expected)
-    assert T.sib_div([None, None], [[1, 0], [0, 1]]) is None     # the prompt is not a forking point
+    assert forks.sib_div(parents, emb) == pytest.approx(expected)
+    assert forks.sib_div([None, None], [[1, 0], [0, 1]]) is None     # the prompt is not a forking point

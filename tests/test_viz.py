@@ -6,12 +6,11 @@ import re
 
 import numpy as np
 import pytest
-
-from harness import tracking
-import tree as T
-from harness import viz
 from browser import Chromium, find_chromium
 from test_tracking import scores_of
+
+import tree as T
+from harness import tracking, viz
 
 
 def _trees(tokenizer):
