@@ -33,19 +33,17 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import shlex
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import config as C
 import data
 import mcq
 import models
-from harness import cli, faults, guards, inject, oom, runs, signals, tracking
+from harness import cli, eval_files, faults, guards, inject, oom, signals, tracking
 from harness import distributed as D
 from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
@@ -347,7 +345,7 @@ def plot_pass_curves(results_by_model: dict[str, dict[str, dict]], path) -> None
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path)
+    eval_files.save_figure(fig, path)
 
 
 def plot_maj_vs_avg(results_by_model: dict[str, dict[str, dict]], path) -> None:
@@ -375,166 +373,21 @@ def plot_maj_vs_avg(results_by_model: dict[str, dict[str, dict]], path) -> None:
     ax.set_title("avg@k vs maj@k, mean over " + ", ".join(benches), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path)
-
-
-def save_figure(fig, path) -> None:
-    """The figure as a PNG, written atomically (replace_file): a full disk is one WriteError line."""
-    import matplotlib.pyplot as plt
-
-    try:
-        with write_errors(path, "the figure there before, if any, is intact (results.json and samples too)"):
-            replace_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    finally:
-        plt.close(fig)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Files: every write atomic (a full disk is one line, exit 4), every read checked (one line naming the file)
-# --------------------------------------------------------------------------------------------------------
-@contextmanager
-def write_errors(path, kept: str):
-    """A write error inside (runs.write_failure: disk full, quota, read-only, I/O, torch.save cut short)
-    becomes a WriteError (exit 4): one line naming `path`, the cause and what is kept (`kept`); any other
-    exception goes on as it is."""
-    try:
-        yield
-    except faults.UserError:
-        raise
-    except Exception as err:
-        cause = runs.write_failure(err)
-        if cause is None:
-            raise
-        raise faults.WriteError(f"writing {path}: {cause}; {kept}; free space and rerun the same command") \
-            from None
-
-
-def replace_file(path, write) -> None:
-    """write(tmp), then rename tmp over `path`: a kill or a full disk leaves the old file or the new one,
-    never half of one (the partial temporary file is removed before the error goes on)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_jsonl(path, records: list[dict]) -> None:
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    replace_file(path, write)
-
-
-def write_results(out: Path, summary: dict) -> None:
-    """results.json, replaced atomically (a full disk: one WriteError line, the previous one intact)."""
-    path = out / "results.json"
-    with write_errors(path, "the samples are saved and the previous results.json is intact"):
-        replace_file(path, lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
-
-
-def read_jsonl(path, numbered: bool = False) -> list:
-    """The records of a jsonl file; a line that is not UTF-8 text or not a JSON object is a ValueError naming
-    its line. `numbered`: (line number, record) pairs."""
-    out = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"line {n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
-                                 f"{err.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"line {n}: not JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"line {n}: expected a JSON object, got {type(record).__name__}")
-            out.append((n, record) if numbered else record)
-    return out
-
-
-SAMPLE_FIELDS = ("index", "run", "response", "gold")   # what rescoring needs of each saved sample
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-# What each field of a saved sample must be when present (the first four always are): a wrong type would be
-# scored silently (a number as a response is never correct) or fail deep inside the metrics.
-SAMPLE_TYPES = {
-    "index": (_count, "a problem number (an integer >= 0)"),
-    "run": (_count, "a run number (an integer >= 0)"),
-    "response": (lambda v: isinstance(v, str), "the response text (a string)"),
-    "gold": (lambda v: isinstance(v, str), "the gold answer (a string)"),
-    "sample": (_count, "a sample number (an integer >= 0)"),
-    "answer": (lambda v: v is None or isinstance(v, str), "the extracted answer (a string or null)"),
-    "correct": (lambda v: isinstance(v, bool), "true or false"),
-    "level": (lambda v: v is None or isinstance(v, (int, str)) and not isinstance(v, bool),
-              "a level (an integer, a string or null)"),
-    "tokens": (_count, "a token count (an integer >= 0)"),
-    "stopped": (lambda v: isinstance(v, bool), "true or false"),
-    "bench": (lambda v: isinstance(v, str), "a benchmark name (a string)"),
-}
-
-
-def sample_problem(record: dict) -> str | None:
-    """Why one saved sample cannot be scored (a missing field, or one of the wrong type), else None."""
-    missing = [key for key in SAMPLE_FIELDS if key not in record]
-    if missing:
-        return (f"missing {', '.join(missing)}; expected the fields {', '.join(SAMPLE_FIELDS)} of a sample "
-                f"written by evaluate.py")
-    for key, (ok, expected) in SAMPLE_TYPES.items():
-        if key in record and not ok(record[key]):
-            return f"field {key!r} is {json.dumps(record[key])[:40]}; expected {expected}"
-    if ("tokens" in record) != ("stopped" in record):
-        return "has one of the fields 'tokens' and 'stopped' without the other; expected both or neither"
-    return None
-
-
-def samples_conflict(numbered: list[tuple[int, dict]]) -> str | None:
-    """Why the samples of one file do not belong together (two benchmarks, a sample twice, levels of two
-    types), naming the line; else None."""
-    seen, first, level_line = {}, numbered[0][1], None
-    for n, record in numbered:
-        if record.get("bench") != first.get("bench"):
-            return (f"line {n}: bench {record.get('bench')!r}, but line {numbered[0][0]} has "
-                    f"{first.get('bench')!r}; expected the samples of one benchmark per file")
-        level = record.get("level")
-        if level is not None and level_line is None:
-            level_line = (n, level)
-        elif level is not None and type(level) is not type(level_line[1]):
-            return (f"line {n}: level {level!r}, but line {level_line[0]} has {level_line[1]!r}; expected "
-                    f"levels of one type in a file")
-        if "sample" in record:
-            key = (record["index"], record["run"], record["sample"])
-            if key in seen:
-                return (f"line {n}: repeats line {seen[key]} (index {key[0]}, run {key[1]}, sample "
-                        f"{key[2]}); expected each sample once")
-            seen[key] = n
-    return None
+    eval_files.save_figure(fig, path)
 
 
 def rescore_file(path, answer_fallback: bool = False) -> tuple[str, dict]:
     """(benchmark name, metrics) from a samples jsonl. Records without "answer"/"correct" (e.g. written by
     hand or by another tool) are graded here with reward.py; k = the samples per (problem, run). A bad
     line (not JSON, a missing field, a field of the wrong type, a sample twice) is a ValueError naming it."""
-    numbered = read_jsonl(path, numbered=True)
+    numbered = eval_files.read_jsonl(path, numbered=True)
     if not numbered:
         raise ValueError("no records")
     for n, record in numbered:
-        why = sample_problem(record)
+        why = eval_files.sample_problem(record)
         if why:
             raise ValueError(f"line {n}: {why}")
-    why = samples_conflict(numbered)
+    why = eval_files.samples_conflict(numbered)
     if why:
         raise ValueError(why)
     records = [record for _, record in numbered]
@@ -561,255 +414,6 @@ def model_label(model: str) -> str:
     return path.name or model
 
 
-def read_json_object(path: Path) -> dict:
-    """The JSON object in `path`; a ValueError naming the file, the line and what is wrong (not UTF-8 text,
-    torn or not JSON, not an object). OSError goes on."""
-    raw = Path(path).read_bytes()
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        line = raw[:err.start].count(b"\n") + 1
-        raise ValueError(f"{path} line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} line {err.lineno}: torn or not JSON ({err.msg})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: a JSON {type(value).__name__}, expected an object")
-    return value
-
-
-def run_folder_config(model: str) -> dict | None:
-    """The training Config (train.py's config.json) when --model is a run folder (it has
-    checkpoints/latest); a torn or foreign one is a UserError naming it."""
-    folder = Path(model)
-    if not ((folder / "checkpoints" / "latest").exists() and (folder / "config.json").exists()):
-        return None
-    try:
-        return read_json_object(folder / "config.json")
-    except (OSError, ValueError) as err:
-        why = f"{folder / 'config.json'}: unreadable ({err.strerror})" if isinstance(err, OSError) else err
-        raise faults.UserError(f"--model {model}: {why}; expected the run's settings as train.py wrote them "
-                               f"(evaluate.py reads its {', '.join(RUN_PROMPT_KEYS)}): restore it, or give "
-                               f"those flags on the command line") from None
-
-
-RESULT_FIELDS = ("k", "avg@k", "pass@k", "maj@k", "pass_curve")   # what the table and the figures read
-
-
-def _fraction(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
-
-
-def results_problem(value: dict) -> str | None:
-    """Why a results.json object is not one evaluate.py wrote (what the table and figures need), or None."""
-    benchmarks = value.get("benchmarks")
-    if not isinstance(benchmarks, dict):
-        return 'no "benchmarks" object; expected {"model", "settings", "benchmarks": {bench: metrics}}'
-    for bench, metrics in benchmarks.items():
-        if not isinstance(metrics, dict):
-            return f"benchmark {bench!r} is a {type(metrics).__name__}; expected an object of metrics"
-        missing = [key for key in RESULT_FIELDS if key not in metrics]
-        if missing:
-            return f"benchmark {bench!r} lacks {', '.join(missing)}; expected {', '.join(RESULT_FIELDS)}"
-        curve = metrics["pass_curve"]
-        if not (_count(metrics["k"]) and metrics["k"] >= 1):
-            return f"benchmark {bench!r}: k is {metrics['k']!r}; expected an integer >= 1"
-        if not isinstance(curve, dict) or not curve or not all(str(j).isdigit() for j in curve):
-            return f"benchmark {bench!r}: pass_curve is {json.dumps(curve)[:40]}; expected {{j: pass@j}}"
-        values = {**{key: metrics[key] for key in RESULT_FIELDS[1:4]},
-                  **{f"pass_curve[{j}]": v for j, v in curve.items()}}
-        for name, v in values.items():
-            if not _fraction(v):
-                return f"benchmark {bench!r}: {name} is {v!r}; expected a number in [0, 1]"
-    if not isinstance(value.get("settings", {}), dict):
-        return '"settings" is not an object'
-    return None
-
-
-def read_results(folder) -> dict:
-    """A folder's results.json, checked (results_problem); a ValueError naming the file otherwise."""
-    path = Path(folder) / "results.json"
-    value = read_json_object(path)
-    why = results_problem(value)
-    if why:
-        raise ValueError(f"{path}: {why}")
-    return value
-
-
-def load_results(folder) -> dict[str, dict]:
-    """{bench: metrics} from a folder's results.json, checked (read_results)."""
-    return read_results(folder)["benchmarks"]
-
-
-# --------------------------------------------------------------------------------------------------------
-# The output folder: one evaluation per folder, locked while it runs, never someone else's folder
-# --------------------------------------------------------------------------------------------------------
-FIGURES = ("pass_curves.png", "maj_vs_avg.png")
-WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.gguf")
-
-
-def samples_path(out: Path, bench: str) -> Path:
-    """out/samples_<bench>.jsonl; a --bench file path counts by its file name (its folders are not ours)."""
-    return Path(out) / f"samples_{Path(bench).name}.jsonl"
-
-
-def state_path(samples: Path) -> Path:
-    """The journal's state file beside a samples file (harness/journal.py)."""
-    return samples.with_name(samples.name + ".state")
-
-
-def folder_owner(folder: Path) -> str | None:
-    """What `folder` is or is inside of when it belongs to something else: a training run (metrics.jsonl, or
-    checkpoints/ with a step_* or latest), a checkpoint (trainer_state.pt, checkpoints/step_*), a model
-    (config.json + weights). None for a new folder or one of evaluate.py's."""
-    path = Path(folder).expanduser().resolve()
-    for above in (path, *path.parents):
-        where = "is" if above == path else "is inside"
-        if (above / "trainer_state.pt").is_file() or (above.parent.name == "checkpoints"
-                                                      and above.name.startswith("step_")):
-            return f"{where} the checkpoint {above}"
-        checkpoints = above / "checkpoints"
-        if (above / "metrics.jsonl").is_file() or (checkpoints / "latest").exists() or \
-                any(checkpoints.glob("step_*")):
-            return f"{where} the training run {above}"
-        weights = [w for pattern in WEIGHT_FILES for w in sorted(above.glob(pattern))]
-        if (above / "config.json").is_file() and weights:
-            return f"{where} the model folder {above} (config.json + {weights[0].name})"
-    return None
-
-
-def sample_settings(samples: Path) -> dict | None:
-    """The settings the journal saved beside samples_<bench>.jsonl (its .state file), read with torch's
-    weights_only loader (runs.load_plain); None when there is none or it is unreadable (the journal starts
-    that benchmark over, as after a torn write). A state holding a Python object is refused: nothing in it
-    runs."""
-    path = state_path(samples)
-    if not path.is_file():
-        return None
-    try:
-        state = runs.load_plain(path)
-    except runs.UnsafeFile as err:
-        raise faults.UserError(f"{runs.unsafe_line(path, err)}; delete it and {samples.name} to start that "
-                               f"benchmark over, or use another --out_dir") from None
-    except Exception:  # torn: the journal starts it over
-        return None
-    settings = state.get("settings") if isinstance(state, dict) else None
-    return settings if isinstance(settings, dict) else None
-
-
-def setting_changes(saved: dict, wanted: dict) -> str:
-    """The settings that differ, as "k 2 -> 4, temperature 1.0 -> 0.5" ("" when none)."""
-    changes = [("problems: another --limit or --bench file" if key == "problems" else
-                f"{key} {saved.get(key)!r} -> {wanted[key]!r}")
-               for key in wanted if saved.get(key) != wanted[key]]
-    return ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
-
-
-def earlier_evaluation(out: Path, settings: dict) -> tuple[dict, str | None]:
-    """({bench: metrics} of results.json, None) when the folder's earlier evaluation (results.json, the
-    samples' states) has these settings (or there is none); ({}, why not) otherwise."""
-    earlier = {}
-    if (out / "results.json").exists():
-        try:
-            saved = read_results(out)
-        except (OSError, ValueError) as err:
-            return {}, f"{err if isinstance(err, ValueError) else err.strerror}"
-        if not isinstance(saved.get("settings"), dict):
-            return {}, f"{out / 'results.json'} records no settings"
-        changes = setting_changes(saved["settings"], settings)
-        if changes:
-            return {}, f"{out / 'results.json'} holds results made with other settings ({changes})"
-        earlier = saved["benchmarks"]
-    for samples in sorted(out.glob("samples_*.jsonl")):
-        saved = sample_settings(samples)
-        changes = setting_changes(saved, settings) if saved is not None else ""
-        if changes:
-            return {}, f"{samples} holds samples made with other settings ({changes})"
-    return earlier, None
-
-
-def check_output_folder(out: Path, where: str, settings: dict, planned: dict[str, dict],
-                        overwrite: bool) -> tuple[dict, list[str] | None]:
-    """What an evaluation into `out` keeps of the folder's earlier one: (its results to accumulate, the
-    benchmarks to start over; None = replace everything). Other settings (the model, sampling, k, the
-    problems) would replace saved samples: a UserError without --overwrite true, the folder unchanged."""
-    earlier, why = earlier_evaluation(out, settings)
-    if why and not overwrite:
-        raise faults.UserError(f"{where}: {why}; a folder holds one evaluation (one model and its settings, "
-                               f"benchmarks added with the same ones); use another --out_dir, or --overwrite "
-                               f"true to replace that evaluation (results.json, samples, figures)")
-    if why:
-        return {}, None
-    redo = []
-    for bench, wanted in planned.items():
-        samples = samples_path(out, bench)
-        saved = sample_settings(samples) if samples.exists() else None
-        if saved is None and bench in earlier:   # no state (torchrun writes none): results.json's k
-            saved = {**wanted, "k": earlier[bench]["k"]}
-        changes = setting_changes(saved, wanted) if saved is not None else ""
-        if changes and not overwrite:
-            held = sum(1 for line in open(samples, "rb") if line.strip()) if samples.exists() else 0
-            raise faults.UserError(f"{where}: {samples.name} holds {held} samples of {bench} made with other "
-                                   f"settings ({changes}); rerun with those to reuse them, use another "
-                                   f"--out_dir, or --overwrite true to replace them")
-        if changes:
-            redo.append(bench)
-    return {b: m for b, m in earlier.items() if b not in redo}, redo
-
-
-def replace_earlier(out: Path, settings: dict, benches: list[str] | None, earlier: dict) -> None:
-    """--overwrite true: delete the earlier evaluation's files (benches None: all of them; else those
-    benchmarks' samples, and results.json rewritten without them) before sampling starts."""
-    doomed = [out / "results.json", *(out / f for f in FIGURES), *out.glob("samples_*.jsonl"),
-              *out.glob("samples_*.jsonl.state")] if benches is None else \
-        [p for b in benches for p in (samples_path(out, b), state_path(samples_path(out, b)))]
-    doomed = [p for p in doomed if p.exists()]
-    with write_errors(out, "the earlier evaluation is partly deleted"):
-        for path in doomed:
-            path.unlink()
-        if benches and (out / "results.json").exists():
-            write_results(out, {"model": settings["model"], "settings": settings, "benchmarks": earlier})
-    if doomed:
-        faults.say(f"--overwrite true: replaced the earlier evaluation's {', '.join(p.name for p in doomed)} "
-                   f"in {out}")
-
-
-def process_command(pid: int) -> str | None:
-    """The command line of a live process (Linux /proc), for naming a lock's holder; None elsewhere."""
-    try:
-        return shlex.join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1])
-    except OSError:
-        return None
-
-
-@contextmanager
-def folder_lock(out: Path, where: str, command: str):
-    """The run lock train.py takes (runs.RunLock), on the output folder (rank 0 under torchrun): a second
-    evaluation or training into a locked folder is one line naming the holder (pid, command, since), and
-    nothing of the folder changes."""
-    if not D.is_main():
-        yield
-        return
-    lock = runs.RunLock(out)
-    lock.mine["command"] = command
-    try:
-        with write_errors(out / runs.RunLock.NAME, "nothing was written"):
-            lock.acquire()
-    except faults.UserError as err:
-        holder = lock.holder() or {}
-        pid = holder.get("pid")
-        ours = isinstance(pid, int) and holder.get("host") == lock.mine["host"]
-        if not ours or isinstance(err, faults.WriteError):   # another host's or a full disk: said already
-            raise
-        command = holder.get("command") or process_command(pid) or "command unknown"
-        raise faults.UserError(f"{where}: another process is writing there (pid {pid}: {command}; since "
-                               f"{holder.get('started', '?')}; {lock.path}); wait for it or stop it, or use "
-                               f"another --out_dir") from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 # --------------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------------
@@ -817,7 +421,6 @@ MAX_K = 1 << 16       # samples per problem (the paper's largest is 64)
 MAX_RUNS = 1000       # independent runs (the paper's is 3)
 SETTING_KEYS = ("model", "prompt_style", "few_shot", "answer_fallback", "temperature", "top_p", "top_k",
                 "precision", "seed")   # with max_new_tokens and runs: results.json's "settings"
-RUN_PROMPT_KEYS = ("prompt_style", "few_shot", "answer_fallback")   # taken from a run folder's config.json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -901,7 +504,7 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
     by_model = {}
     for folder, label in zip(folders, folder_labels(folders)):
         try:
-            results = load_results(folder)
+            results = eval_files.load_results(folder)
         except (OSError, ValueError) as err:
             why = f"{Path(folder) / 'results.json'}: {err.strerror}" if isinstance(err, OSError) else err
             raise faults.UserError(f"--plot_models {folder}: {why}; finish that evaluation (rerun its "
@@ -912,7 +515,7 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
                                    f"leave it out")
         by_model[label] = results
     out = Path("runs/eval/compare" if out_dir is None else out_dir)
-    owner = folder_owner(out) or ("holds an evaluation (results.json): the comparison would replace its "
+    owner = eval_files.folder_owner(out) or ("holds an evaluation (results.json): the comparison would replace its "
                                   "figures" if (out / "results.json").exists() else None)
     if owner:
         raise faults.UserError(f"--out_dir {out}: {owner}; expected a folder for the comparison's figures, "
@@ -952,8 +555,8 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     D.init(cfg.device)   # torchrun: problems are sharded over ranks and gathered (evaluate_problems)
-    with folder_lock(out, where, command):
-        earlier, redo = check_output_folder(out, where, settings, planned, cfg.overwrite) if D.is_main() \
+    with eval_files.folder_lock(out, where, command):
+        earlier, redo = eval_files.check_output_folder(out, where, settings, planned, cfg.overwrite) if D.is_main() \
             else ({}, [])
         device = models.pick_device(cfg.device)
         t0 = time.perf_counter()
@@ -963,7 +566,7 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
               f"answer_fallback={cfg.answer_fallback} T={cfg.temperature} "
               f"max_new_tokens={max_new_tokens} runs={args.runs}", flush=True)
         if redo is None or redo:   # --overwrite true over other settings
-            replace_earlier(out, settings, redo, earlier)
+            eval_files.replace_earlier(out, settings, redo, earlier)
         summary = {"model": cfg.model, "settings": settings, "benchmarks": dict(earlier)}
         new = run_benchmarks(model, tokenizer, problems, cfg, planned, out, summary)
         if new is None:   # stopped by a signal; its samples so far are saved
@@ -997,7 +600,7 @@ def run_benchmarks(model, tokenizer, problems: dict[str, list[dict]], cfg, plann
         if not D.is_main():   # every rank holds the gathered result; rank 0 writes it
             continue
         new[bench] = summary["benchmarks"][bench] = result
-        write_results(out, summary)
+        eval_files.write_results(out, summary)
         tokens = result["mean_tokens"] * result["n_samples"]
         print(f"{bench}: {result['n_problems']} problems x {journal_settings['k']} samples x "
               f"{journal_settings['runs']} run(s) in {result['seconds']:.0f}s "
@@ -1015,8 +618,8 @@ def evaluation_config(parser, args, given: dict) -> C.Config:
         plain = C.make_config(args.preset, args.scale, **given)
     except ValueError as err:
         parser.error(str(err))
-    needed = [key for key in RUN_PROMPT_KEYS if key not in given]
-    trained = (run_folder_config(plain.model) if needed else None) or {}
+    needed = [key for key in eval_files.RUN_PROMPT_KEYS if key not in given]
+    trained = (eval_files.run_folder_config(plain.model) if needed else None) or {}
     taken = {key: trained[key] for key in needed if key in trained}
     sets = ", ".join(f"{key} {value!r}" for key, value in taken.items())
     kinds = [key for key, value in taken.items() if type(value) is not type(getattr(plain, key))]
@@ -1047,7 +650,7 @@ def benchmarks_and_ks(parser, args, cfg) -> tuple[list[str], list[int]]:
         parser.error(f"--runs: got {args.runs}, expected at most {MAX_RUNS} (the paper uses 3)")
     if args.limit is not None and args.limit < 0:
         parser.error(f"--limit: got {args.limit}, expected a number of problems >= 0 (0 = all)")
-    names = [samples_path(Path(), b).name for b in benches]
+    names = [eval_files.samples_path(Path(), b).name for b in benches]
     twice = next((b for i, b in enumerate(benches) if names[i] in names[:i]), None)
     if twice:
         parser.error(f"--bench: {twice} is given twice (or two files share its name: both would be saved in "
@@ -1058,14 +661,14 @@ def benchmarks_and_ks(parser, args, cfg) -> tuple[list[str], list[int]]:
 def output_folder(cfg, label: str, out_dir_given: bool) -> tuple[Path, str]:
     """(folder, how a message names it): runs/eval/<model label>, or --out_dir; --resume names the folder of
     an earlier evaluation, and rerunning into it is the same as rerunning the command that wrote it (what
-    is saved is skipped). A training run, a checkpoint or a model folder is refused (folder_owner)."""
+    is saved is skipped). A training run, a checkpoint or a model folder is refused (eval_files.folder_owner)."""
     out = Path(cfg.out_dir) if out_dir_given else Path("runs") / "eval" / label
     where = f"--out_dir {out}" if out_dir_given else f"{out} (the default --out_dir)"
     if cfg.resume:
         if not Path(cfg.resume).is_dir():
             raise faults.UserError(f"--resume {cfg.resume}: no such folder; expected the output folder of an "
                                    f"earlier evaluation (it holds samples_<bench>.jsonl)")
-        owner = folder_owner(Path(cfg.resume))
+        owner = eval_files.folder_owner(Path(cfg.resume))
         if owner:
             raise faults.UserError(f"--resume {cfg.resume}: {owner}; --resume names the output folder of "
                                    f"an earlier evaluation: to evaluate a run or a checkpoint give it as "
@@ -1074,7 +677,7 @@ def output_folder(cfg, label: str, out_dir_given: bool) -> tuple[Path, str]:
             raise faults.UserError(f"--resume {cfg.resume} --out_dir {cfg.out_dir}: two output folders; "
                                    f"--resume continues the evaluation in its own folder: give one of them")
         out, where = Path(cfg.resume), f"--resume {cfg.resume}"
-    owner = folder_owner(out)
+    owner = eval_files.folder_owner(out)
     if owner:
         raise faults.UserError(f"{where}: {owner}; an evaluation never writes into a training run, a "
                                f"checkpoint or a model folder (--overwrite true does not change that); "
@@ -1110,16 +713,16 @@ def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, out: Path, p
     skips what is saved); under torchrun every rank samples its shard and rank 0 writes them all at the
     end. The metrics (records left out on rank 0), or None when a signal stopped it after saving the
     current batch of samples. A full disk is one WriteError line: the samples saved before are kept."""
-    bench, samples = planned["bench"], samples_path(out, planned["bench"])
+    bench, samples = planned["bench"], eval_files.samples_path(out, planned["bench"])
     journal = None if D.active() else Journal(samples, extra={"bench": bench}, settings=planned)
     kept = f"the samples saved before in {samples.name} are kept; a rerun continues from them"
     try:
-        with write_errors(samples, kept), signals.GracefulStop("after the current batch of samples") as stop:
+        with eval_files.write_errors(samples, kept), signals.GracefulStop("after the current batch of samples") as stop:
             result = evaluate_problems(model, tokenizer, problems, cfg, planned["k"],
                                        planned["max_new_tokens"], planned["runs"], desc=bench,
                                        journal=journal, stop=stop if journal else None)
             if D.is_main() and journal is None:
-                write_jsonl(samples, [{"bench": bench, **r} for r in result["records"]])
+                eval_files.write_jsonl(samples, [{"bench": bench, **r} for r in result["records"]])
     except Stopped as saved:
         print(f"stopped by {stop.requested} in {bench}: {saved}; rerun the same command to continue",
               flush=True)

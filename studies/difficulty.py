@@ -23,6 +23,7 @@ from pathlib import Path
 import config as C
 import evaluate
 import train
+from harness import eval_files
 from studies.common import (
     DEMO_CONFIG,
     PAPER_MODEL,
@@ -200,7 +201,7 @@ def score_model(study: Study, run_dir: Path, label: str) -> dict[str, dict]:
         path = study.out / "eval" / label / f"{bench}.json"
         if not path.exists():
             if policy is None:
-                run_cfg = evaluate.run_folder_config(str(run_dir)) or {}
+                run_cfg = eval_files.run_folder_config(str(run_dir)) or {}
                 eval_cfg = dataclasses.replace(cfg, model=str(run_dir), **{
                     key: run_cfg[key] for key in ("prompt_style", "few_shot", "answer_fallback")
                     if key in run_cfg})

@@ -20,7 +20,7 @@ import data
 import evaluate as E
 import models
 import rollout
-from harness import faults
+from harness import eval_files, faults
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,7 +147,7 @@ def test_rescore_grades_handwritten_boxed_responses(tmp_path, capsys):
     ]
     path = tmp_path / "hand" / "samples_toy.jsonl"
     path.parent.mkdir()
-    E.write_jsonl(path, [{"index": i, "run": 0, "sample": s % 3, "gold": g, "response": t}
+    eval_files.write_jsonl(path, [{"index": i, "run": 0, "sample": s % 3, "gold": g, "response": t}
                          for s, (i, g, t) in enumerate(rows)])
     out = E.main(["--rescore", str(path)])
     res = out["hand"]["toy"]
@@ -335,7 +335,7 @@ def test_rescore_names_the_bad_line(tmp_path, capsys):
                              "line 6: missing gold; expected the fields "
                              "index, run, response, gold of a sample written by evaluate.py"),
                             ('{"index": 5, "ru', "line 6: not JSON (")]:
-        E.write_jsonl(path, good)
+        eval_files.write_jsonl(path, good)
         with open(path, "a") as f:
             f.write((json.dumps(line6) if isinstance(line6, dict) else line6) + "\n")
         before = _folder_hash(tmp_path)
