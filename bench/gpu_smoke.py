@@ -104,7 +104,7 @@ def smoke(preset: str, args) -> list[str]:
     real = {"load": models.load_policy, "reward": R.compute_reward, "rollout": R.rollout_trees,
             "update": train.ppo_update, "eval": evaluate.evaluate_problems}
 
-    def load_policy(name, device, dtype, seed=0):
+    def load_policy(name, device, dtype, seed=0, trust_remote_code=False):
         model = random_qwen25_3b(dtype, device, seed, TINY if args.cpu_check else QWEN25_3B)
         tokenizer = models.load_tokenizer("smollm2-135m")
         model.generation_config.pad_token_id = tokenizer.pad_token_id
