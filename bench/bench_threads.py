@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(measure(args.child, args.eval_problems, args.prompts)))
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # a stopped bench still stops its neighbours
     results = {}
     for threads in ("default", "policy"):
         for loaded in (False, True):
