@@ -143,35 +143,7 @@ def test_two_rank_update_equals_one_process_update_with_fsdp2_hsdp_and_ddp(tmp_p
             continue
         assert weights["lm_head.weight"].dtype == models.policy_dtype(precision), name
         if precision == "bf16":
-            # bf16 weights: FSDP2 reduces gradients in fp32 where one process accumulates them in bf16, so
-            # ~1 % of the weights land one bf16 ulp apart (or < 1e-5 apart near zero). Since the log-softmax
-            # is taken over fp32 logits (packing.fp32_logits, both paths) the bf16-rounded gradients differ in
-            # a few near-zero elements, which Adam's first steps turn into steps of ~lr: measured at most 8
-            # elements of a tensor, ≤ 0.1 % of it; allowed 0.5 %. The gradients themselves agree (norm
-            # below).
-            for n in reference:
-                outside = ((weights[n].float() - reference[n].float()).abs()
-                           > 2 ** -7 * reference[n].float().abs() + 1e-5)
-                assert outside.float().mean() <= 5e-3, (name, n, int(outside.sum()))
-            # The gradient norm of the FIRST optimizer step, taken before any weight can differ: both sides
-            # compute it from the same bf16 weights, and their gradients differ only in how micro-batches are
-            # summed (fp32 reduce-scatter against bf16 accumulation), which moves the unrounded norm by far
-            # less than a bf16 ulp (measured: equal). The norm itself is bf16, rounded in stages
-            # (clip_grad_norm_: each tensor's norm, then the norm of those; FSDP2 also combines the shards'),
-            # so that noise shows only where a rounding tips to the neighbouring value: the total's moves it
-            # 1 ulp, a tensor's (or shard's) at most ~1 ulp of the total. Bound: 2 ulps, 0.8-1.6 % of the
-            # norm. (The mean over all 3 steps, once compared at rel 1e-5, failed on a loaded machine: after
-            # step 1 one weight of ~768 can land one ulp apart, a later step's norm with it: 0.97135 against
-            # 0.97266, one ulp of one step / 3.) A real bug moves the norm far more: gradients averaged
-            # instead of summed over the 2 ranks (D.grad_scale() = 1, tried once) halve it, 0.354 against
-            # 0.707 (the weights above caught it too: 32 % of the embedding outside); a rank's micro-batches
-            # lost or counted twice change it by tens of %.
-            first, ref_first = stats["step_grad_norms"][0], ref_stats["step_grad_norms"][0]
-            assert len(stats["step_grad_norms"]) == stats["optimizer_steps"], name   # recorded every step
-            assert abs(first - ref_first) <= 2 * bf16_ulp(ref_first), (name, first, ref_first)
-            # later steps inherit the weights' ulp differences: the mean only to bf16-autocast's 2 %
-            assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=2e-2), name
-            assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-5), name   # terms of |A| ~ 0.5
+            check_bf16_update(name, weights, reference, stats, ref_stats)
             continue
         if precision == "fp32":
             # SGD: |w_2rank − w_1proc| ≤ lr × steps × the largest gradient difference. The gradients agree
@@ -182,6 +154,40 @@ def test_two_rank_update_equals_one_process_update_with_fsdp2_hsdp_and_ddp(tmp_p
         # the loss is a near-cancelling sum of ±A terms (|A| ~ 0.5, |loss| ~ 1e-4): compare absolutely
         assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7), name
         assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5), name
+
+
+def check_bf16_update(name: str, weights: dict, reference: dict, stats: dict, ref_stats: dict) -> None:
+    """The bf16-weights case (FSDP2 on 2 ranks against one process): weights to a bf16 ulp, mostly, and the
+    first optimizer step's gradient norm to 2 bf16 ulps (why each bound, below)."""
+    # bf16 weights: FSDP2 reduces gradients in fp32 where one process accumulates them in bf16, so
+    # ~1 % of the weights land one bf16 ulp apart (or < 1e-5 apart near zero). Since the log-softmax
+    # is taken over fp32 logits (packing.fp32_logits, both paths) the bf16-rounded gradients differ in
+    # a few near-zero elements, which Adam's first steps turn into steps of ~lr: measured at most 8
+    # elements of a tensor, ≤ 0.1 % of it; allowed 0.5 %. The gradients themselves agree (norm
+    # below).
+    for n in reference:
+        outside = ((weights[n].float() - reference[n].float()).abs()
+                   > 2 ** -7 * reference[n].float().abs() + 1e-5)
+        assert outside.float().mean() <= 5e-3, (name, n, int(outside.sum()))
+    # The gradient norm of the FIRST optimizer step, taken before any weight can differ: both sides
+    # compute it from the same bf16 weights, and their gradients differ only in how micro-batches are
+    # summed (fp32 reduce-scatter against bf16 accumulation), which moves the unrounded norm by far
+    # less than a bf16 ulp (measured: equal). The norm itself is bf16, rounded in stages
+    # (clip_grad_norm_: each tensor's norm, then the norm of those; FSDP2 also combines the shards'),
+    # so that noise shows only where a rounding tips to the neighbouring value: the total's moves it
+    # 1 ulp, a tensor's (or shard's) at most ~1 ulp of the total. Bound: 2 ulps, 0.8-1.6 % of the
+    # norm. (The mean over all 3 steps, once compared at rel 1e-5, failed on a loaded machine: after
+    # step 1 one weight of ~768 can land one ulp apart, a later step's norm with it: 0.97135 against
+    # 0.97266, one ulp of one step / 3.) A real bug moves the norm far more: gradients averaged
+    # instead of summed over the 2 ranks (D.grad_scale() = 1, tried once) halve it, 0.354 against
+    # 0.707 (the weights above caught it too: 32 % of the embedding outside); a rank's micro-batches
+    # lost or counted twice change it by tens of %.
+    first, ref_first = stats["step_grad_norms"][0], ref_stats["step_grad_norms"][0]
+    assert len(stats["step_grad_norms"]) == stats["optimizer_steps"], name   # recorded every step
+    assert abs(first - ref_first) <= 2 * bf16_ulp(ref_first), (name, first, ref_first)
+    # later steps inherit the weights' ulp differences: the mean only to bf16-autocast's 2 %
+    assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=2e-2), name
+    assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-5), name   # terms of |A| ~ 0.5
 
 
 @pytest.mark.slow
