@@ -7,6 +7,7 @@ CASE eval OUT: sharded evaluation on fixed samples; rank 0 saves the gathered re
 CASE train OUT RUN_A RUN_B: a tiny 2-step run, then a resume from its step-1 checkpoint (stand-in grader).
 The fixed inputs are built by functions the test also calls in one process, so both sides see the same data.
 """
+import contextlib
 import hashlib
 import os
 import random
@@ -40,7 +41,8 @@ def fixed_trees(n_trees: int = 3) -> list[T.Tree]:
             T.Block(0, tok(5), [0.0] * 5, reward=0.0, base=0, start=3 + t, branch=True),
             T.Block(None, tok(6 - t), [0.0] * (6 - t), reward=float(t != 1), base=1, start=0),
         ]
-        trees.append(T.Tree(f"p{t}", [1, 2 + t, 3], "a", blocks, v_root=0.5, k_hat=1, b_hat=2, forks=[[3 + t], []]))
+        trees.append(T.Tree(f"p{t}", [1, 2 + t, 3], "a", blocks, v_root=0.5, k_hat=1, b_hat=2,
+                            forks=[[3 + t], []]))
     return trees
 
 
@@ -55,12 +57,13 @@ def update_trees(trees: list[T.Tree]) -> list:
 
 
 def update_config(precision: str = "fp32", layout: str = "packed") -> C.Config:
-    # Mini-batches of ~10 blocks (two trees, then one), micro-batches of at most 16 packed tokens or 1 row: a tree
-    # splits into micro-batches that deal unevenly over 2 ranks (idle passes), and 2 epochs exercise the old
-    # log-probs of every block.
+    # Mini-batches of ~10 blocks (two trees, then one), micro-batches of at most 16 packed tokens or 1 row: a
+    # tree splits into micro-batches that deal unevenly over 2 ranks (idle passes), and 2 epochs exercise the
+    # old log-probs of every block.
     # lr: SGD's for fp32, AdamW's for the bf16 precisions (run_update)
-    return C.make_config("tiny", lr=0.05 if precision == "fp32" else 5e-4, mini_batch_size=10, micro_batch_size=1, max_tokens_per_micro_batch=16,
-                         ppo_epochs=2, precision=precision, train_layout=layout)
+    return C.make_config("tiny", lr=0.05 if precision == "fp32" else 5e-4, mini_batch_size=10,
+                         micro_batch_size=1, max_tokens_per_micro_batch=16, ppo_epochs=2, precision=precision,
+                         train_layout=layout)
 
 
 def run_update(model, tokenizer, parallel: str = "fsdp", precision: str = "fp32",
@@ -77,9 +80,29 @@ def run_update(model, tokenizer, parallel: str = "fsdp", precision: str = "fp32"
     optim = torch.optim.SGD if precision == "fp32" else torch.optim.AdamW
     optimizer = optim(model.parameters(), lr=cfg.lr)
     policy.train()
-    stats = train.ppo_update(policy, optimizer, update_trees(fixed_trees()), cfg, tokenizer.pad_token_id, "cpu",
-                             random.Random(3))
-    return D.model_state_dict(model), stats
+    with recording_grad_norms() as step_grad_norms:
+        stats = train.ppo_update(policy, optimizer, update_trees(fixed_trees()), cfg, tokenizer.pad_token_id,
+                                 "cpu", random.Random(3))
+    return D.model_state_dict(model), {**stats, "step_grad_norms": step_grad_norms}
+
+
+@contextlib.contextmanager
+def recording_grad_norms():
+    """The gradient norm of each optimizer step, in order, as ppo_update's torch.nn.utils.clip_grad_norm_
+    returned it (before clipping): stats["grad_norm"] is only their mean, and after the first step the two
+    sides' weights may differ by float noise (bf16: one ulp), which the later steps' gradients inherit."""
+    norms, clip = [], torch.nn.utils.clip_grad_norm_
+
+    def clip_and_record(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        norms.append(float(norm))
+        return norm
+
+    torch.nn.utils.clip_grad_norm_ = clip_and_record
+    try:
+        yield norms
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
 
 
 UPDATE_CASES = [  # name, --parallel, --precision, --train_layout
@@ -136,6 +159,11 @@ def run_eval(model, tokenizer, k: int = 3) -> dict:
     return result
 
 
+def step_1(run: str) -> str:
+    """The step-1 checkpoint of a run folder (what the resumes start from)."""
+    return os.path.join(run, "checkpoints", "step_000001")
+
+
 def stand_in_reward(text, answer, fallback=False):
     """The deterministic grader of tests/test_train.py (half of all texts score 1, by hash)."""
     return float(hashlib.sha256(text.encode()).digest()[0] % 2)
@@ -167,7 +195,7 @@ def main(case: str, out: str, *args: str) -> None:
         run_a, run_b = args
         common = ["--preset", "tiny", "--eval_every", "2", "--eval_limit", "3", "--alpha_start", "0"]
         train.main(common + ["--out_dir", run_a, "--save_every", "1"])
-        train.main(common + ["--out_dir", run_b, "--resume", os.path.join(run_a, "checkpoints", "step_000001")])
+        train.main(common + ["--out_dir", run_b, "--resume", step_1(run_a)])
     elif case == "offpolicy":   # one-step off-policy: the in-flight batch is gathered, saved and resumed
         import rollout as R
 
@@ -176,7 +204,7 @@ def main(case: str, out: str, *args: str) -> None:
         common = ["--preset", "tiny", "--steps", "3", "--eval_every", "0", "--alpha_start", "0",
                   "--off_policy_steps", "1", "--lr", "3e-2"]
         train.main(common + ["--out_dir", run_a, "--save_every", "1"])
-        train.main(common + ["--out_dir", run_b, "--resume", os.path.join(run_a, "checkpoints", "step_000001")])
+        train.main(common + ["--out_dir", run_b, "--resume", step_1(run_a)])
     else:
         raise SystemExit(f"unknown case {case!r}")
     torch.distributed.barrier()

@@ -1,7 +1,8 @@
-"""distributed.py: sharding arithmetic in one process, and 2-process CPU runs under torchrun (gloo) compared with
-one process: a PPO update with FSDP2 and with DDP, sharded evaluation, and a tiny run that checkpoints and
-resumes on 2 ranks and on 1 (tests/dist_worker.py is the rank side)."""
+"""harness/distributed.py: sharding arithmetic in one process, and 2-process CPU runs under torchrun (gloo)
+compared with one process: a PPO update with FSDP2 and with DDP, sharded evaluation, and a tiny run that
+checkpoints and resumes on 2 ranks and on 1 (tests/dist_worker.py is the rank side)."""
 import json
+import math
 import os
 import random
 import subprocess
@@ -29,12 +30,17 @@ def torchrun(*args: str, timeout: int = 240) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           "2", str(WORKER), *args], capture_output=True, text=True, timeout=timeout, env=env)
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, f"torchrun {args[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     print(f"2-process {args[0]}: {seconds:.1f} s wall")
     return seconds
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x| (8 significant bits): 2^(floor(log2 |x|) - 7)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -65,8 +71,16 @@ def test_single_process_helpers_change_nothing():
     model = torch.nn.Linear(2, 2)
     assert D.wrap(model, "fsdp", "fp32") is model
     assert D.my_share([[0], [1]]) == [[0], [1]]
-    assert list(D.deal(model, [[0], [1]], pad_id=0, device="cpu")) == [[0], [1]]   # no idle passes, no sync flag
+    # no idle passes, no sync flag
+    assert list(D.deal(model, [[0], [1]], pad_id=0, device="cpu")) == [[0], [1]]
     assert D.mine([[0], [1]]) == [[0], [1]]
+
+
+def test_bf16_ulp_is_the_gap_to_the_next_bfloat16():
+    for x in (0.70703125, 0.97265625, 1.4765625, 3.0, 1e-3):
+        b = torch.tensor(x, dtype=torch.bfloat16)
+        up = torch.nextafter(b, torch.tensor(float("inf"), dtype=torch.bfloat16))
+        assert (up - b).item() == bf16_ulp(b.item()), x
 
 
 def test_rank_streams_differ_and_do_not_depend_on_the_world_size():
@@ -86,10 +100,11 @@ def test_optimizer_state_is_keyed_by_parameter_names_and_reloads(tiny_policy):
     assert "model.layers.0.mlp.up_proj.weight" in state["state"]
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
     D.load_optimizer_state(model, fresh, state)
-    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    saved = optimizer.state_dict()["state"]
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], saved[0]["exp_avg"])
     legacy = torch.optim.AdamW(model.parameters(), lr=1e-3)       # checkpoints written before this format
     D.load_optimizer_state(model, legacy, optimizer.state_dict())
-    assert torch.equal(legacy.state_dict()["state"][1]["exp_avg_sq"], optimizer.state_dict()["state"][1]["exp_avg_sq"])
+    assert torch.equal(legacy.state_dict()["state"][1]["exp_avg_sq"], saved[1]["exp_avg_sq"])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -113,7 +128,8 @@ def test_two_rank_update_equals_one_process_update_with_fsdp2_hsdp_and_ddp(tmp_p
         moved = max((reference[n].float() - start[n]).abs().max().item() for n in reference)
         worst = max((weights[n].float() - reference[n].float()).abs().max().item() for n in reference)
         print(f"{name}: max |w_2rank - w_1proc| = {worst:.2e} (weights moved up to {moved:.2e}); grad norm "
-              f"{stats['grad_norm']:.6f} vs {ref_stats['grad_norm']:.6f}, loss {stats['loss']:.3e} vs {ref_stats['loss']:.3e}")
+              f"{stats['grad_norm']:.6f} vs {ref_stats['grad_norm']:.6f}, loss {stats['loss']:.3e} vs "
+              f"{ref_stats['loss']:.3e}")
         assert moved > 1e-3, name                                   # the update did move the weights
         assert stats["optimizer_steps"] == ref_stats["optimizer_steps"], name
         assert stats["trained_blocks"] == ref_stats["trained_blocks"], name
@@ -127,27 +143,51 @@ def test_two_rank_update_equals_one_process_update_with_fsdp2_hsdp_and_ddp(tmp_p
             continue
         assert weights["lm_head.weight"].dtype == models.policy_dtype(precision), name
         if precision == "bf16":
-            # bf16 weights: FSDP2 reduces gradients in fp32 where one process accumulates them in bf16, so ~1 %
-            # of the weights land one bf16 ulp apart (or < 1e-5 apart near zero). Since the log-softmax is
-            # taken over fp32 logits (packing.fp32_logits, both paths) the bf16-rounded gradients differ in a
-            # few near-zero elements, which Adam's first steps turn into steps of ~lr: measured at most 8
-            # elements of a tensor, ≤ 0.1 % of it; allowed 0.5 %. The gradients themselves agree (norm below).
-            for n in reference:
-                outside = ((weights[n].float() - reference[n].float()).abs()
-                           > 2 ** -7 * reference[n].float().abs() + 1e-5)
-                assert outside.float().mean() <= 5e-3, (name, n, int(outside.sum()))
-            assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5), name
-            assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-5), name   # terms of |A| ~ 0.5
+            check_bf16_update(name, weights, reference, stats, ref_stats)
             continue
         if precision == "fp32":
-            # SGD: |w_2rank − w_1proc| ≤ lr × steps × the largest gradient difference. The gradients agree to
-            # float32 summation order (their norm to 1e-5 below); allowing each element 1e-5 at every step
+            # SGD: |w_2rank − w_1proc| ≤ lr × steps × the largest gradient difference. The gradients agree
+            # to float32 summation order (their norm to 1e-5 below); allowing each element 1e-5 at every step
             # bounds the weights at lr × 3 × 1e-5 = 1.5e-6, against weights that move by ~6e-3
             assert worst < W.update_config().lr * ref_stats["optimizer_steps"] * 1e-5, name
         assert stats["clip_frac"] == pytest.approx(ref_stats["clip_frac"], abs=1e-9), name
         # the loss is a near-cancelling sum of ±A terms (|A| ~ 0.5, |loss| ~ 1e-4): compare absolutely
         assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7), name
         assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5), name
+
+
+def check_bf16_update(name: str, weights: dict, reference: dict, stats: dict, ref_stats: dict) -> None:
+    """The bf16-weights case (FSDP2 on 2 ranks against one process): weights to a bf16 ulp, mostly, and the
+    first optimizer step's gradient norm to 2 bf16 ulps (why each bound, below)."""
+    # bf16 weights: FSDP2 reduces gradients in fp32 where one process accumulates them in bf16, so
+    # ~1 % of the weights land one bf16 ulp apart (or < 1e-5 apart near zero). Since the log-softmax
+    # is taken over fp32 logits (packing.fp32_logits, both paths) the bf16-rounded gradients differ in
+    # a few near-zero elements, which Adam's first steps turn into steps of ~lr: measured at most 8
+    # elements of a tensor, ≤ 0.1 % of it; allowed 0.5 %. The gradients themselves agree (norm
+    # below).
+    for n in reference:
+        outside = ((weights[n].float() - reference[n].float()).abs()
+                   > 2 ** -7 * reference[n].float().abs() + 1e-5)
+        assert outside.float().mean() <= 5e-3, (name, n, int(outside.sum()))
+    # The gradient norm of the FIRST optimizer step, taken before any weight can differ: both sides
+    # compute it from the same bf16 weights, and their gradients differ only in how micro-batches are
+    # summed (fp32 reduce-scatter against bf16 accumulation), which moves the unrounded norm by far
+    # less than a bf16 ulp (measured: equal). The norm itself is bf16, rounded in stages
+    # (clip_grad_norm_: each tensor's norm, then the norm of those; FSDP2 also combines the shards'),
+    # so that noise shows only where a rounding tips to the neighbouring value: the total's moves it
+    # 1 ulp, a tensor's (or shard's) at most ~1 ulp of the total. Bound: 2 ulps, 0.8-1.6 % of the
+    # norm. (The mean over all 3 steps, once compared at rel 1e-5, failed on a loaded machine: after
+    # step 1 one weight of ~768 can land one ulp apart, a later step's norm with it: 0.97135 against
+    # 0.97266, one ulp of one step / 3.) A real bug moves the norm far more: gradients averaged
+    # instead of summed over the 2 ranks (D.grad_scale() = 1, tried once) halve it, 0.354 against
+    # 0.707 (the weights above caught it too: 32 % of the embedding outside); a rank's micro-batches
+    # lost or counted twice change it by tens of %.
+    first, ref_first = stats["step_grad_norms"][0], ref_stats["step_grad_norms"][0]
+    assert len(stats["step_grad_norms"]) == stats["optimizer_steps"], name   # recorded every step
+    assert abs(first - ref_first) <= 2 * bf16_ulp(ref_first), (name, first, ref_first)
+    # later steps inherit the weights' ulp differences: the mean only to bf16-autocast's 2 %
+    assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=2e-2), name
+    assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-5), name   # terms of |A| ~ 0.5
 
 
 @pytest.mark.slow
@@ -158,7 +198,8 @@ def test_sharded_evaluation_equals_one_process_on_fixed_samples(tmp_path, tiny_p
     single = W.run_eval(models.tiny_random_model(len(tok), seed=1), tok)
     assert 0 < single["avg@k"] < 1 and single["n_problems"] == 5 and single["n_samples"] == 5 * 3 * 2
     assert sharded["records"] == single["records"]                  # same samples, same order, same grades
-    for key in ("avg@k", "pass@k", "maj@k", "pass@k_unbiased", "pass_curve", "per_run", "n_problems", "n_samples"):
+    for key in ("avg@k", "pass@k", "maj@k", "pass@k_unbiased", "pass_curve", "per_run", "n_problems",
+                "n_samples"):
         assert sharded[key] == single[key], key
 
 
@@ -167,15 +208,18 @@ def _read(path):
 
 
 @pytest.mark.slow
-def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_ranks_and_one(tmp_path, monkeypatch):
+def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_ranks_and_one(tmp_path,
+                                                                                          monkeypatch):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     torchrun("train", str(tmp_path), str(run_a), str(run_b))
     records = _read(run_a / "metrics.jsonl")                        # rank 0 alone wrote it: no duplicates
-    assert [(r["step"], r.get("eval")) for r in records] == [(0, "before"), (1, None), (2, None), (2, "after")]
+    assert [(r["step"], r.get("eval")) for r in records] == [(0, "before"), (1, None), (2, None),
+                                                             (2, "after")]
     steps = [r for r in records if "eval" not in r]
     assert all(r["prompts"] == 2 for r in steps)                    # global: both ranks' prompts
     assert records[0]["n_problems"] == 3 and records[0]["n_samples"] == 6   # eval shards 2 + 1, gathered
-    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+    saved = sorted(p.name for p in (run_a / "checkpoints").iterdir())
+    assert saved == ["latest", "step_000001", "step_000002"]
     assert not list(tmp_path.rglob("metrics.jsonl.*")) and len(list(tmp_path.rglob("metrics.jsonl"))) == 2
     reloaded = AutoModelForCausalLM.from_pretrained(run_a / "checkpoints" / "step_000002")
     assert torch.equal(reloaded.lm_head.weight, reloaded.model.embed_tokens.weight)   # tied, full size
@@ -186,8 +230,9 @@ def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_rank
         assert again[key] == steps[1][key], key
 
     monkeypatch.setattr(R, "compute_reward", W.stand_in_reward)     # the same checkpoint, 1 process
-    run_c = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "c"), "--eval_limit", "3", "--alpha_start",
-                        "0", "--eval_every", "0",    # the run's own settings (a resume refuses others); no eval
+    run_c = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "c"), "--eval_limit", "3",
+                        "--alpha_start", "0",   # the run's own settings (a resume refuses others)
+                        "--eval_every", "0",    # no eval
                         "--resume", str(run_a / "checkpoints" / "step_000001")])
     (one,) = _read(run_c / "metrics.jsonl")
     assert one["step"] == 2 and one["optimizer_steps"] >= 1
@@ -200,7 +245,8 @@ def test_two_rank_off_policy_run_resumes_on_two_ranks_and_one_with_the_batch_in_
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     torchrun("offpolicy", str(tmp_path), str(run_a), str(run_b))
     steps = _read(run_a / "metrics.jsonl")
-    assert [(r["step"], r["policy_lag"], r["ahead_prompts"]) for r in steps] == [(1, 0, 2), (2, 1, 2), (3, 1, 0)]
+    lags = [(r["step"], r["policy_lag"], r["ahead_prompts"]) for r in steps]
+    assert lags == [(1, 0, 2), (2, 1, 2), (3, 1, 0)]
     state = torch.load(run_a / "checkpoints" / "step_000001" / "trainer_state.pt", weights_only=False)
     assert len(state["ahead"]["prompts"]) == 2 and len(state["ahead"]["bases"]) == 2   # both ranks' shares
     again = _read(run_b / "metrics.jsonl")
