@@ -184,15 +184,16 @@ def release_sibling_diversity(parents: list[int | None], rewards: list[float | N
                               base: list[int], embeddings, response_embeddings,
                               valid: list[bool] | None = None, response_valid: list[bool] | None = None
                               ) -> list[float]:
-    """Div_sib as the authors' release groups siblings (an option, --sibling_groups release; the paper's Eq. 10
-    is sibling_diversity). The release (tree_search._compute_sibling_divergence, per fork node) compares:
+    """Div_sib as the authors' release groups siblings (an option, --sibling_groups release; the paper's
+    Eq. 10 is sibling_diversity). The release (tree_search._compute_sibling_divergence, per fork node)
+    compares:
       * at the root, the first blocks of the base responses that were forked, among themselves only;
       * an unforked base response (one terminal block at the root) as its whole text against the whole texts
         of all N base responses (forked ones included): response_embeddings[k] embeds base response k;
       * at a fork, its branches among themselves: the base response's own continuation is not their sibling;
       * every other block (a base response's blocks after its first fork, the base tail) gets 0.
-    `valid[i]` / `response_valid[k]` False drop block i / base response k from every group, as the release drops
-    empty texts; base[i] = the base response block i grows from (tree.Block.base)."""
+    `valid[i]` / `response_valid[k]` False drop block i / base response k from every group, as the release
+    drops empty texts; base[i] = the base response block i grows from (tree.Block.base)."""
     n = len(parents)
     if not len(rewards) == len(branch) == len(base) == n:
         raise ValueError(f"parents ({n}), rewards ({len(rewards)}), branch ({len(branch)}) and base "
@@ -226,8 +227,9 @@ def release_sibling_diversity(parents: list[int | None], rewards: list[float | N
     return div
 
 
-def block_diversity(parents: list[int | None], rewards: list[float | None], branch: list[bool], base: list[int],
-                    embeddings, sibling_groups: str = "paper", valid: list[bool] | None = None) -> list[float]:
+def block_diversity(parents: list[int | None], rewards: list[float | None], branch: list[bool],
+                    base: list[int], embeddings, sibling_groups: str = "paper",
+                    valid: list[bool] | None = None) -> list[float]:
     """Div_sib of every block by --sibling_groups: "paper" = Eq. 10 (sibling_diversity) over the block rows of
     `embeddings`; "release" = release_sibling_diversity, which also needs the N whole base responses: then
     `embeddings` holds len(parents) block rows followed by one row per base response (train.embed_blocks)."""
@@ -271,7 +273,8 @@ def datpo_advantages(parents: list[int | None], rewards: list[float | None], emb
 
 
 def alpha_at(step: int, total_steps: int, start: float, end: float) -> float:
-    """α at `step` (0-based) of a run of `total_steps`: start at step 0, end at the last step, linear between."""
+    """α at `step` (0-based) of a run of `total_steps`: start at step 0, end at the last step, linear
+    between."""
     progress = min(max(step / max(total_steps - 1, 1), 0.0), 1.0)
     return start + (end - start) * progress
 
@@ -319,9 +322,10 @@ def treerl_advantages(parents: list[int | None], rewards: list[float | None]) ->
 @dataclass
 class BlockScore:
     """Phase 3's numbers for one block (App. F.1): what the update trains and what the tree log shows."""
-    v_start: float              # V(s_start): the value of the state the block starts from (V(root) at the prompt)
+    v_start: float              # V(s_start): the value of the state the block starts from
+                                # (V(root) at the prompt)
     v_end: float                # V(s_end): 0 after a terminal block
-    base_advantage: float       # Â_base(b) = r(b) + V(s_end) − V(s_start)                              (Eq. 3)
+    base_advantage: float       # Â_base(b) = r(b) + V(s_end) − V(s_start)                         (Eq. 3)
     div_sib: float | None       # Div_sib(b) (Eq. 10); None when this step embedded no blocks
     advantage: float | None     # Â(b) by the method's formula; None when the tree is not trained
 

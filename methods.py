@@ -1,16 +1,18 @@
-"""methods.py — the table of methods: DATPO and the paper's baselines (Sec. 5.1 "Baselines", App. E.2), one row each.
+"""methods.py — the table of methods: DATPO and the paper's baselines (Sec. 5.1 "Baselines", App. E.2),
+one row each.
 
 A row says everything that differs between methods; train.py, rollout.py and config.py read the row and never
 test a method's name. A new method or ablation is one more row (and `--method NAME` then accepts it):
 
   rollout     "tree": N base responses, then forks and branches (Algorithm "Tree Rollout");
               "parallel": G independent responses per prompt (cfg.group_size), no forks (GRPO)
-  budget      (K, B) per prompt from V(root): "adaptive" = K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉ (Sec. 4.1), or fixed
-              (K_max, B_max) when cfg.adaptive is False; "fixed" = always (K_max, B_max)
+  budget      (K, B) per prompt from V(root): "adaptive" = K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉ (Sec. 4.1), or
+              fixed (K_max, B_max) when cfg.adaptive is False; "fixed" = always (K_max, B_max)
   expand      which base responses get forks: None = all; AttnRL picks them (tree.attnrl_expansion)
   advantages  one advantage per block (advantage.py)
-  paths       how the loss weighs tokens: None = every tree token once (Eq. DATPO); a function giving the trained
-              root-to-leaf paths = TreeRL/AttnRL's flattening (App. F.4): a token counts once per path through it
+  paths       how the loss weighs tokens: None = every tree token once (Eq. DATPO); a function giving the
+              trained root-to-leaf paths = TreeRL/AttnRL's flattening (App. F.4): a token counts once per path
+              through it
   embeds      DATPO's sibling-diversity bonus α·Div_sib: α is annealed and blocks are embedded (Sec. 4.2)
   filters     drop trees whose leaves all share one reward before the update (AttnRL)
   dynamic_batch  AttnRL's dynamic prompt batch size (train.attnrl_batch_size)
@@ -92,17 +94,18 @@ class Method:
         return T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
 
     def max_row_targets(self, cfg) -> int:
-        """The most target tokens one trained sequence can hold: a block (≤ max_new_tokens, tree.branch_limit),
-        or for path-trained methods a whole root-to-leaf path. Dr.GRPO's constant normaliser is this per
-        sequence."""
+        """The most target tokens one trained sequence can hold: a block (≤ max_new_tokens,
+        tree.branch_limit), or for path-trained methods a whole root-to-leaf path. Dr.GRPO's constant
+        normaliser is this per sequence."""
         if self.paths is not None:
             return T.max_path_tokens(cfg.max_new_tokens, cfg.branch_budget)
         return cfg.max_new_tokens
 
     def trainable(self, tr: T.Tree) -> bool:
         """AttnRL drops trees whose leaves all have the same reward (no signal: all-correct or all-wrong
-        prompts) before the update, so they do not count in the loss normaliser or the batch. The other methods
-        keep every tree: a zero-advantage row costs no compute but counts in Eq. DATPO's normaliser."""
+        prompts) before the update, so they do not count in the loss normaliser or the batch. The other
+        methods keep every tree: a zero-advantage row costs no compute but counts in Eq. DATPO's
+        normaliser."""
         return not self.filters or len({b.reward for b in tr.blocks if b.terminal}) > 1
 
 

@@ -72,7 +72,8 @@ def autocast(device: torch.device | str, precision: str):
 
 def resolve_checkpoint(path: str) -> str:
     """The latest checkpoint of a run folder (RUN/checkpoints/latest, written by train.py), else the path as
-    given (a model folder or an HF name). A run folder's own config.json is the run's Config, not a model's."""
+    given (a model folder or an HF name). A run folder's own config.json is the run's Config, not a
+    model's."""
     folder = Path(path) / "checkpoints"
     # Complete checkpoints only (a step_* folder appears by an atomic rename once everything is written); the
     # newest wins even if a crash came between that rename and the update of the `latest` pointer.
@@ -344,20 +345,22 @@ def cache_arg(module) -> str:
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
-    """Recompute each decoder layer's activations in the backward pass instead of storing them (--gradient_checkpointing).
+    """Recompute each decoder layer's activations in the backward pass instead of storing them
+    (--gradient_checkpointing).
 
     Keyed on autograd, not on train/eval mode: train.ppo_update runs the model in eval mode (old and new
     log-probs from the same function), where HF's own gradient_checkpointing_enable() would do nothing. Under
-    torch.no_grad (generation, old log-probs) layers run as usual with their KV cache; with gradients on, each
-    layer runs inside torch.utils.checkpoint (non-reentrant, RNG state preserved) without a cache, whose update
-    the recomputation would otherwise repeat. Returns the number of layers wrapped.
+    torch.no_grad (generation, old log-probs) layers run as usual with their KV cache; with gradients on,
+    each layer runs inside torch.utils.checkpoint (non-reentrant, RNG state preserved) without a cache, whose
+    update the recomputation would otherwise repeat. Returns the number of layers wrapped.
     """
     from torch.utils.checkpoint import checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
-        raise ValueError(f"--gradient_checkpointing: {type(model).__name__} has no decoder layers to checkpoint")
+        raise ValueError(f"--gradient_checkpointing: {type(model).__name__} has no decoder layers "
+                         f"to checkpoint")
     for layer in layers:
         forward = type(layer).forward.__get__(layer)
 

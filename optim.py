@@ -2,14 +2,14 @@
 
 App. E.2 trains with AdamW at a constant lr 5e-6. The authors' release keeps pure bf16 weights and runs
 torch's AdamW on them, so its moments are bf16 too (`--optimizer_dtype param`, what the paper's presets run).
-bench/bench_optimizer.py measures what that does (README "Decisions"): in bf16, v·β₂ = v·0.999 rounds back to v
-(bf16 keeps 8 significant bits, 0.999 is within half a unit of 1), so the second moment never decays and only
-grows; an update smaller than half a unit in the last place of a weight (|w|·2⁻⁹) rounds away, so at lr 5e-6
-weights near 1 (RMSNorm gains) never move and weight decay does nothing.
+bench/bench_optimizer.py measures what that does (README "Decisions"): in bf16, v·β₂ = v·0.999 rounds back to
+v (bf16 keeps 8 significant bits, 0.999 is within half a unit of 1), so the second moment never decays and
+only grows; an update smaller than half a unit in the last place of a weight (|w|·2⁻⁹) rounds away, so at
+lr 5e-6 weights near 1 (RMSNorm gains) never move and weight decay does nothing.
 
-`--optimizer_dtype fp32` keeps, for every low-precision weight, fp32 moments and an fp32 master copy the update
-is applied to (the bf16 weight is the master rounded once per step, so small updates accumulate instead of
-rounding away): 14 bytes per parameter instead of 6 (bf16 weight + two bf16 moments). fp32 weights need no
+`--optimizer_dtype fp32` keeps, for every low-precision weight, fp32 moments and an fp32 master copy the
+update is applied to (the bf16 weight is the master rounded once per step, so small updates accumulate instead
+of rounding away): 14 bytes per parameter instead of 6 (bf16 weight + two bf16 moments). fp32 weights need no
 master copy and then both options are torch's AdamW, to rounding.
 """
 from __future__ import annotations
@@ -56,7 +56,8 @@ class AdamWFP32(torch.optim.Optimizer):
                         state["master"] = p.detach().to(torch.float32, copy=True)
                 weight = state.get("master", p)
                 grad = p.grad.to(torch.float32)
-                state["step"] = state["step"] + 1      # not in place: a loaded state_dict may share the tensor
+                # not in place: a loaded state_dict may share the tensor
+                state["step"] = state["step"] + 1
                 step = float(state["step"])
                 weight.mul_(1 - lr * wd)
                 state["exp_avg"].lerp_(grad, 1 - beta1)
@@ -89,7 +90,8 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
     AdamW, states in the weights' dtype (the release: bf16 states for bf16 weights); fp32 = AdamWFP32 with
     fp32 states and fp32 master copies of low-precision weights."""
     if cfg.optimizer_dtype == "param":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                 weight_decay=cfg.weight_decay)
     if cfg.optimizer_dtype != "fp32":
         raise ValueError(f"--optimizer_dtype: got {cfg.optimizer_dtype!r}, expected one of "
                          f"{', '.join(OPTIMIZER_DTYPES)}")
@@ -98,4 +100,5 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 def state_dtypes(optimizer: torch.optim.Optimizer) -> set[torch.dtype]:
     """The dtypes of the optimizer's moment tensors (exp_avg, exp_avg_sq)."""
-    return {v.dtype for st in optimizer.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
+    return {v.dtype for st in optimizer.state.values() for k, v in st.items()
+            if k in ("exp_avg", "exp_avg_sq")}

@@ -128,7 +128,8 @@ _SEPARATOR_RE = re.compile(r"[,;]|\b(?:and|or)\b|\\q?quad(?![A-Za-z])")
 
 
 def _joins_boxes(between: str) -> bool:
-    """True if `between` (the text from the end of one box to the next \\boxed) only links two parts of one answer."""
+    """True if `between` (the text from the end of one box to the next \\boxed) only links two parts of one
+    answer."""
     if len(between) > MAX_CONNECTOR_CHARS:
         return False
     between = _TEXT_WRAPPER_RE.sub(r" \1 ", between)
@@ -157,7 +158,8 @@ def _boxes_last_first(text: str):
 
 
 def extract_answer(text: str, fallback_last_number: bool = False, join_boxes: bool = True) -> str | None:
-    """The final answer of a response: the content of its last usable \\boxed{...} / \\fbox{...} (or \\boxed TOKEN).
+    """The final answer of a response: the content of its last usable \\boxed{...} / \\fbox{...}
+    (or \\boxed TOKEN).
 
     An answer split over several boxes of one final phrase ("x = \\boxed{1} or x = \\boxed{-2}",
     "\\boxed{(1,2)}, \\boxed{(2,1)}") is returned joined, "1, -2": the boxes chained to the last one by
@@ -340,7 +342,8 @@ def _load_math_verify():
         math_verify.grader.TIMEOUT_WARNING_SHOWN = True
         math_verify.parser.TIMEOUT_WARNING_SHOWN = True
         math_verify.verify(math_verify.parse("\\boxed{1}", parsing_timeout=None),
-                           math_verify.parse("\\boxed{\\frac{2}{2}}", parsing_timeout=None), timeout_seconds=None)
+                           math_verify.parse("\\boxed{\\frac{2}{2}}", parsing_timeout=None),
+                           timeout_seconds=None)
         _mv = (math_verify.parse, math_verify.verify)
     return _mv
 
@@ -361,7 +364,8 @@ def _parse(answer: str):
     first = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     retries = ["$" + answer + "$"]
     if "," in answer:
-        retries.append("\\boxed{" + _THOUSANDS_GROUPED_RE.sub(lambda m: m.group().replace(",", ""), answer) + "}")
+        retries.append("\\boxed{" + _THOUSANDS_GROUPED_RE.sub(lambda m: m.group().replace(",", ""), answer)
+                       + "}")
     parsed = first
     for wrapped in retries:
         if any(not isinstance(p, str) for p in parsed):
@@ -451,7 +455,8 @@ class _Helper:
         return self.proc.stdout.readline().strip()  # b"" if the helper died (POLLHUP)
 
     def ask(self, pred: str, gold: str, timeout: float) -> bool | str | None:
-        """The helper's verdict, "timeout" if its own alarm fired, None if it did not answer in time (or died)."""
+        """The helper's verdict, "timeout" if its own alarm fired, None if it did not answer in time
+        (or died)."""
         try:
             # The helper's own alarm fires a little earlier, so that usually it answers and survives.
             self.proc.stdin.write((json.dumps([pred, gold, 0.85 * timeout]) + "\n").encode())

@@ -10,17 +10,19 @@ One step (`train_step`, Algorithm DATPO):
   Phase 3    block advantages Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b)            (advantage.py)
   Phase 4    old log-probs (no grad) → PPO epochs over mini-batches of blocks (whole trees, re-shuffled every
              epoch), micro-batches sized in tokens with gradient accumulation → clipped token-level objective
-             (Eq. DATPO, separate clip low/high, no KL) → grad-norm clip → AdamW; then anneal α. (`ppo_update`)
-What differs between DATPO and the baselines is one row of methods.py (rollout shape, advantages, path weighting,
-embeddings). The update forwards each tree once as a packed sequence under a tree attention mask (packing.py): the
-prompt once, every block once, each token attending to its own root-to-leaf path, so every token of the tree is
-trained exactly once. TreeRL/AttnRL's root-to-leaf flattening (App. F.4) is reproduced by weighting each token
-by the number of trained paths through it. `--train_layout rows` forwards each leaf's new tokens as a row with
-its whole prefix as context instead (the simple path, and the tests' oracle).
+             (Eq. DATPO, separate clip low/high, no KL) → grad-norm clip → AdamW; then anneal α.
+                                                                                       (`ppo_update`)
+What differs between DATPO and the baselines is one row of methods.py (rollout shape, advantages, path
+weighting, embeddings). The update forwards each tree once as a packed sequence under a tree attention mask
+(packing.py): the prompt once, every block once, each token attending to its own root-to-leaf path, so every
+token of the tree is trained exactly once. TreeRL/AttnRL's root-to-leaf flattening (App. F.4) is reproduced by
+weighting each token by the number of trained paths through it. `--train_layout rows` forwards each leaf's new
+tokens as a row with its whole prefix as context instead (the simple path, and the tests' oracle).
 
 The harness around the step — set-up, evaluation, checkpoints, stop signals, the non-finite guards — is
 harness/loop.py (`train` below hands it the step). Where the algorithm meets the harness, one line says so:
-torchrun (`D.`, harness/distributed.py), out of memory (harness/oom.py), non-finite numbers (harness/guards.py).
+torchrun (`D.`, harness/distributed.py), out of memory (harness/oom.py), non-finite numbers
+(harness/guards.py).
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ from harness.loop import RunState, Setup
 def train_step(s: Setup, run: RunState) -> dict:
     """One step of Algorithm DATPO (App. F), or of the method's baseline; returns its metrics record."""
     cfg, method, step, t_step = s.cfg, s.method, run.step, time.perf_counter()
-    batch = run.ahead or offpolicy.Batch(*sample_prompts(s, run))    # q ~ Q (off-policy: drawn, bases sampled, last step)
+    # q ~ Q (off-policy: drawn, bases sampled, last step)
+    batch = run.ahead or offpolicy.Batch(*sample_prompts(s, run))
     upcoming = offpolicy.Batch(*sample_prompts(s, run)) \
         if offpolicy.wants_next_batch(cfg.off_policy_steps, step, cfg.steps) else None   # step t+1's prompts
 
@@ -72,7 +75,8 @@ def train_step(s: Setup, run: RunState) -> dict:
     trees, embeddings, rank_stats = D.gather_lists(trees, embeddings, [rollout_stats])
     scores = [A.score_tree(tr, method, alpha, emb, cfg.alpha_scope, cfg.value_estimate, cfg.sibling_groups)
               for tr, emb in zip(trees, embeddings)]            # one BlockScore per block
-    train_trees = [train_tree(tr, [b.advantage for b in sc], method.name)   # AttnRL drops trees with no signal
+    # AttnRL drops trees with no signal
+    train_trees = [train_tree(tr, [b.advantage for b in sc], method.name)
                    for tr, sc in zip(trees, scores) if method.trainable(tr)]
     loop.log_trees(s, step + 1, trees, scores, alpha)           # RUN/trees/: the scores as they are
 
@@ -98,16 +102,17 @@ def train_step(s: Setup, run: RunState) -> dict:
 
 def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: offpolicy.Batch | None):
     """Phase 1+2 on this rank's share of the prompts (torchrun), with its own RNG stream: the batch's trees —
-    growing given base responses when the batch was sampled last step — and, when `upcoming` is given, its
-    N base responses per prompt sampled in the same engine run with the current weights (offpolicy.py),
-    returned whole on every rank (the next step's batch). Running out of memory shrinks the engine's row budget
-    and prefill chunk for the rest of the run (s.backoff)."""
+    growing given base responses when the batch was sampled last step — and, when `upcoming` is given, its N
+    base responses per prompt sampled in the same engine run with the current weights (offpolicy.py), returned
+    whole on every rank (the next step's batch). Running out of memory shrinks the engine's row budget and
+    prefill chunk for the rest of the run (s.backoff)."""
     cfg, step = s.cfg, run.step
     s.model.eval()
     mine, theirs = batch.shard(*D.shard_range(len(batch.prompts))), None
     if upcoming:
         theirs = upcoming.shard(*D.shard_range(len(upcoming.prompts)))
-    with models.autocast(s.device, cfg.precision), D.full_params(s.policy), guards.sampling_guard(step + 1, s.run_dir):
+    with (models.autocast(s.device, cfg.precision), D.full_params(s.policy),
+          guards.sampling_guard(step + 1, s.run_dir)):
         trees, stats, *ahead = R.rollout_trees(s.model, s.tokenizer, mine.prompts, mine.answers, cfg,
                                                D.rollout_rng(run.rng, cfg.seed, step), method=s.method,
                                                levels=mine.levels, progress=D.is_main(), bases=mine.bases,
@@ -132,7 +137,8 @@ def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]
         index = data.problem_index(len(s.problems), run.cursor, cfg.seed)
         problem = s.problems[index]
         run.cursor += 1
-        n_prompt = at_least = data.surely_too_long(problem["problem"], cfg.max_prompt_tokens or context, tokenizer)
+        n_prompt = at_least = data.surely_too_long(problem["problem"], cfg.max_prompt_tokens or context,
+                                                   tokenizer)
         if not n_prompt:
             prompt = data.format_prompt(problem["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
             n_prompt = len(tokenizer(prompt, add_special_tokens=False).input_ids)
@@ -163,8 +169,8 @@ def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
     faults.check_prompt_fits(
         n_prompt, M.method_of(cfg).longest_response(cfg), context, where,
         flags=f" (--max_new_tokens {cfg.max_new_tokens}, --branch_budget {cfg.branch_budget})",
-        fix="problems that fit: skip long prompts with --max_prompt_tokens N, or lower --max_new_tokens / use "
-            "--branch_budget remaining")
+        fix="problems that fit: skip long prompts with --max_prompt_tokens N, or lower --max_new_tokens / "
+            "use --branch_budget remaining")
     short = checks.kv_pool_shortfall(cfg, n_prompt, where)
     if short:
         raise faults.UserError(short)
@@ -179,7 +185,8 @@ def train_tree(tr: T.Tree, adv: list[float], method: str) -> P.TrainTree:
     through it — AttnRL's paths are the branched ones only; unbranched responses still count in V(root)."""
     paths_of = M.METHODS[method].paths
     paths = paths_of(tr) if paths_of else None
-    weights = [float(m) for m in P.path_multiplicity(tr.parents, paths)] if paths_of else [1.0] * len(tr.blocks)
+    weights = ([float(m) for m in P.path_multiplicity(tr.parents, paths)] if paths_of
+               else [1.0] * len(tr.blocks))
     behaviour = offpolicy.stale_logprobs([not b.branch for b in tr.blocks], [b.logprobs for b in tr.blocks],
                                          tr.policy_lag) if tr.policy_lag else None
     return P.TrainTree(tr.prompt_ids, tr.parents, [b.token_ids for b in tr.blocks], list(adv), weights, paths,
@@ -213,9 +220,9 @@ def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, de
     """Phase 4 (Alg. DATPO; App. E.2): PPO epochs over mini-batches of blocks, each mini-batch's gradient
     accumulated over micro-batches, its loss −Σ w·min(ρA, clip(ρ)A) / normaliser (Eq. DATPO) with the
     normaliser from its own units, then grad-norm clip and one AdamW step. Each epoch re-shuffles the
-    mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping). Blocks whose advantage is zero count
-    in the normaliser but cost no forward or backward. `guard` (harness/guards.WeightGuard): a non-finite
-    weight after a step ends the update (the caller restores the snapshot it took)."""
+    mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping). Blocks whose advantage is zero
+    count in the normaliser but cost no forward or backward. `guard` (harness/guards.WeightGuard): a
+    non-finite weight after a step ends the update (the caller restores the snapshot it took)."""
     kernel = attention.update_kernel(cfg, device, D.unwrap(policy))
     packed = cfg.train_layout == "packed"
     budget = cfg.max_tokens_per_micro_batch if packed else cfg.micro_batch_size   # halved on out-of-memory
@@ -228,7 +235,8 @@ def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, de
     # recomputes the forward there); the rows layout runs the model as it is
     with attention.kernel_backend(D.unwrap(policy), kernel if packed else "dense"):
         minibatches = P.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
-        old = old_logprobs(policy, trees, minibatches, offsets, budget, cfg, pad_id, device, kernel, stats.oom)
+        old = old_logprobs(policy, trees, minibatches, offsets, budget, cfg, pad_id, device, kernel,
+                           stats.oom)
         bar = tqdm(total=cfg.ppo_epochs * len(minibatches), desc="update", unit="mini-batch", leave=False,
                    dynamic_ncols=True, disable=not D.is_main() or cfg.ppo_epochs * len(minibatches) < 2)
         for epoch in range(cfg.ppo_epochs):
@@ -245,7 +253,8 @@ def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, de
                         sums = torch.zeros(2, dtype=torch.float64, device=device)   # loss, clipped tokens
                         tokens = forwarded = 0
                         for micro in D.deal(policy, micros, pad_id, device):   # torchrun: this rank's share
-                            loss, active = micro_loss(policy, micro, old, adv, norm, cfg, pad_id, device, kernel)
+                            loss, active = micro_loss(policy, micro, old, adv, norm, cfg, pad_id, device,
+                                                      kernel)
                             D.backward(loss)                                    # torchrun: × world size
                             sums += torch.stack([loss.detach().double(), active.sum().double()])
                             tokens, forwarded = tokens + active.numel(), forwarded + micro.forwarded
@@ -253,7 +262,8 @@ def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, de
                     continue
                 mb_loss = stats.add_minibatch(sums, tokens, forwarded)   # one sync per mini-batch
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-                if guards.skip_nonfinite(mb_loss, grad_norm, optimizer):   # a NaN/inf loss or gradient: not applied
+                # a NaN/inf loss or gradient: not applied
+                if guards.skip_nonfinite(mb_loss, grad_norm, optimizer):
                     stats.nonfinite_minibatches += 1
                     continue
                 optimizer.step()
@@ -292,8 +302,8 @@ def micro_batches(trees: list[P.TrainTree], units, offsets, size: int, cfg) -> l
                                   cfg.micro_batch_size if packed else size)
 
 
-def old_logprobs(policy, trees: list[P.TrainTree], minibatches, offsets, budget: int, cfg, pad_id: int, device,
-                 kernel: str, oom_counts: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def old_logprobs(policy, trees: list[P.TrainTree], minibatches, offsets, budget: int, cfg, pad_id: int,
+                 device, kernel: str, oom_counts: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """θ_old's log-prob of every token (no grad) and a mask of the ones computed. θ_old = θ until the first
     optimizer step, so the first mini-batch of a one-epoch update needs none: it uses its own detached
     log-probs; every other block gets a no-grad forward with the same packing first. Stale tokens (one-step
@@ -306,14 +316,16 @@ def old_logprobs(policy, trees: list[P.TrainTree], minibatches, offsets, budget:
         for k, units in enumerate(minibatches):
             if k == 0 and cfg.ppo_epochs == 1:
                 continue
-            for attempt in oom.Halving(budget, "the update's old log-probs", oom_counts, retry=not D.active()):
+            for attempt in oom.Halving(budget, "the update's old log-probs", oom_counts,
+                                       retry=not D.active()):
                 with attempt:   # out of memory: the same entries again, in micro-batches half the size
                     for micro in D.mine(micro_batches(trees, units, offsets, attempt.size, cfg)):   # torchrun
                         gidx = torch.tensor(micro.gidx, device=device)
                         old[gidx] = P.micro_logprobs(policy, micro, pad_id, device, kernel,
                                                      bucket_tokens=cfg.max_tokens_per_micro_batch).float()
                         have_old[gidx] = True
-    old, have_old = D.merge_shares(old, have_old)   # torchrun: epochs re-shuffle, so every rank needs them all
+    # torchrun: epochs re-shuffle, so every rank needs them all
+    old, have_old = D.merge_shares(old, have_old)
     behaviour_logprobs(trees, offsets, old, have_old)   # one-step off-policy: stale tokens' π_θold
     return old, have_old
 
@@ -329,9 +341,9 @@ def behaviour_logprobs(trees: list[P.TrainTree], offsets, old: torch.Tensor, hav
 
 
 class UpdateStats:
-    """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of tokens,
-    tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained, and the
-    out-of-memory retries (`oom`: oom.Halving's counters)."""
+    """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of
+    tokens, tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained, and
+    the out-of-memory retries (`oom`: oom.Halving's counters)."""
 
     def __init__(self, trees: list[P.TrainTree]):
         self.loss = self.grad_norm = 0.0

@@ -100,7 +100,8 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
     if "".join(pieces) == text:
         ends = np.cumsum([len(p) for p in pieces]).tolist()
     else:
-        ends = [len(tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
+        ends = [len(tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True))
+                for i in range(len(token_ids))]
         ends = np.maximum.accumulate(np.minimum(ends, len(text))).tolist() if ends else []
     starts = [0] + ends[:-1]
     return text, list(zip(starts, ends))
@@ -119,7 +120,8 @@ def _segmenter():
     return _SEGMENTER
 
 
-def _char_spans_to_token_spans(starts: list[int], offsets: list[tuple[int, int]], text: str) -> list[tuple[int, int]]:
+def _char_spans_to_token_spans(starts: list[int], offsets: list[tuple[int, int]],
+                               text: str) -> list[tuple[int, int]]:
     """Map sentence start characters to token spans covering every token once, in order.
 
     A token belongs to the sentence holding its first non-space character (a leading space belongs to
@@ -154,7 +156,8 @@ def sentence_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int,
     if not offsets:
         return []
     masked = _MATH.sub(lambda m: "x" * len(m.group()), text)
-    char_starts = sorted({span.start for span in _segmenter().segment(masked)} | {0}) if masked.strip() else [0]
+    char_starts = (sorted({span.start for span in _segmenter().segment(masked)} | {0}) if masked.strip()
+                   else [0])
     return _char_spans_to_token_spans(char_starts, offsets, text)
 
 
@@ -321,7 +324,8 @@ class Block:
     reward: float | None = None     # terminal blocks only (0/1 verifiable reward of the whole path)
     base: int = 0                   # which base response (0..N−1) the block grows from
     start: int = 0                  # position of its first token within its root-to-leaf response
-    branch: bool = False            # a branch rollout (one terminal block) rather than a piece of a base response
+    branch: bool = False            # a branch rollout (one terminal block)
+                                    # rather than a piece of a base response
     logprobs: list[float] | None = None  # log p of each token under the distribution it was sampled from, at
                                          # generation time (the behaviour policy's; None when not recorded)
 
@@ -343,7 +347,8 @@ class Tree:
     forks: list[list[int]] = field(default_factory=list)   # fork positions per base response
     level: int | None = None
     policy_lag: int = 0             # updates between the weights that sampled the base responses and the
-                                    # weights being updated (1: one-step off-policy, offpolicy.py); branches: 0
+                                    # weights being updated (1: one-step off-policy, offpolicy.py);
+                                    # branches: 0
 
     @property
     def leaves(self) -> int:

@@ -1,4 +1,5 @@
-"""docs/tour.py — a guided tour of one real DATPO step: docs/tour.md, written from what each function returned.
+"""\
+docs/tour.py — a guided tour of one real DATPO step: docs/tour.md, written from what each function returned.
 
     python docs/tour.py                          # docs/tour.md: the embedded SmolLM2-135M, 2 prompts (~1 min)
     python docs/tour.py --scale tiny --out X.md  # the same at test size (a tiny random model)
@@ -110,7 +111,8 @@ def intro(cfg: C.Config, commit: str) -> str:
     return f"""# A guided tour of one DATPO step
 
 Algorithm DATPO (paper App. F) with real numbers: one training step of `{cfg.model}` on `{cfg.train_data}`,
-{cfg.prompts_per_step} prompts, N = {cfg.n_base} base responses each, K_max = {cfg.k_max}, B_max = {cfg.b_max},
+{cfg.prompts_per_step} prompts, N = {cfg.n_base} base responses each, K_max = {cfg.k_max}, \
+B_max = {cfg.b_max},
 {cfg.fork} forks, α from {cfg.alpha_start} to {cfg.alpha_end} over {cfg.steps} steps, seed {cfg.seed}.
 Written by `python docs/tour.py` (commit {commit}): it runs `train.train_step` once and records what each
 function below was given and returned; nothing on this page is computed by the page itself.
@@ -182,7 +184,8 @@ def section_bases(plans: list[Planned], tok) -> str:
            "token the engine records H_t, the entropy of the distribution it was sampled from (App. D.1); "
            "`reward.compute_reward` grades each response 0/1 against the gold answer (math-verify).\n"]
     for item in plans:
-        rows = [[j, num(r, 0), len(t), num(sum(h) / max(len(h), 1), 3), cell(tok.decode(t, skip_special_tokens=True))]
+        rows = [[j, num(r, 0), len(t), num(sum(h) / max(len(h), 1), 3),
+                 cell(tok.decode(t, skip_special_tokens=True))]
                 for j, (t, h, r) in enumerate(zip(item.tokens, item.entropies, item.rewards))]
         out.append(f"\n**Prompt {item.prompt}**\n\n"
                    + table(["response j", "reward r", "tokens", "mean H_t", "text"], rows))
@@ -194,8 +197,8 @@ def section_bases(plans: list[Planned], tok) -> str:
 
 
 def section_budget(plans: list[Planned], cfg: C.Config) -> str:
-    rows = [[item.prompt, " ".join(num(r, 0) for r in item.rewards), num(item.plan.v_root, 4), item.plan.k_hat,
-             item.plan.b_hat] for item in plans]
+    rows = [[item.prompt, " ".join(num(r, 0) for r in item.rewards), num(item.plan.v_root, 4),
+             item.plan.k_hat, item.plan.b_hat] for item in plans]
     return ("\n## 3. Difficulty: V(root), K̂ and B̂ — `rollout.plan_prompt`, `tree.adaptive_budget` "
             "(Sec. 4.1, Eq. 1–2)\n\n"
             "V(root) is the mean reward of the N base responses; the budget grows with difficulty: "
@@ -209,14 +212,16 @@ def section_forks(plans: list[Planned], tok, cfg: C.Config) -> str:
            "(App. D, sent-entropy)\n\n",
            "Each response is split into sentences (`tree.sentence_spans`: PySBD, maths masked); a sentence's "
            "entropy H^S is the mean H_t of its tokens; the K̂ sentences with the highest H^S give the forks. "
-           "A fork f is a prefix length: a branch keeps the response's first f tokens — the chosen sentence's "
-           "first token included (Alg. \"Tree Rollout\": x_f = [q; τ_1:f]) — and samples token f on.\n"]
+           "A fork f is a prefix length: a branch keeps the response's first f tokens — the chosen "
+           "sentence's first token included (Alg. \"Tree Rollout\": x_f = [q; τ_1:f]) — and samples "
+           "token f on.\n"]
     for item in plans:
         for j, (text, spans) in sorted(item.sentences.items()):
             h = item.entropies[j]
             forks = set(item.forks.get(j, []))
-            rows = [[m, f"[{a}, {b})", num(sum(h[a:b]) / (b - a), 3), "fork f = " + str(a + 1) if a + 1 in forks
-                     else "", cell(tok.decode(item.tokens[j][a:b], skip_special_tokens=True), 60)]
+            rows = [[m, f"[{a}, {b})", num(sum(h[a:b]) / (b - a), 3),
+                     "fork f = " + str(a + 1) if a + 1 in forks else "",
+                     cell(tok.decode(item.tokens[j][a:b], skip_special_tokens=True), 60)]
                     for m, (a, b) in enumerate(spans) if b > a]
             out.append(f"\n**Prompt {item.prompt}, response {j}** (K̂ = {item.plan.k_hat}): forks "
                        f"{sorted(forks)}\n\n" + table(["sentence", "tokens", "H^S", "chosen", "text"], rows))
@@ -231,11 +236,13 @@ def section_blocks(trees: list[T.Tree]) -> str:
            "generated token is in exactly one block. A terminal block carries the 0/1 reward of its whole "
            "root-to-leaf response.\n"]
     for p, tr in enumerate(trees):
-        rows = [[i, "prompt" if b.parent is None else b.parent, b.base, b.start, "branch" if b.branch else "base",
-                 len(b.token_ids), num(b.reward, 0), cell(b.text, 60)] for i, b in enumerate(tr.blocks)]
+        rows = [[i, "prompt" if b.parent is None else b.parent, b.base, b.start,
+                 "branch" if b.branch else "base", len(b.token_ids), num(b.reward, 0), cell(b.text, 60)]
+                for i, b in enumerate(tr.blocks)]
         out.append(f"\n**Prompt {p}**: {len(tr.blocks)} blocks, {tr.leaves} leaves, {tr.generated_tokens} "
                    "generated tokens\n\n"
-                   + table(["block", "parent", "response", "start", "kind", "tokens", "reward", "text"], rows))
+                   + table(["block", "parent", "response", "start", "kind", "tokens", "reward", "text"],
+                           rows))
     return "".join(out)
 
 
@@ -275,8 +282,8 @@ def section_update(trace: Trace, record: dict, cfg: C.Config) -> str:
             "Every block's tokens carry its Â. The update forwards each tree once under a tree attention "
             "mask (`packing.py`), takes ρ = π_θ/π_θold per token and minimises "
             "−Σ min(ρÂ, clip(ρ, 1−ε_low, 1+ε_high)Â) / (tokens of the mini-batch), then clips the gradient "
-            f"norm to {cfg.max_grad_norm} and takes one AdamW step per mini-batch. In the first mini-batch of "
-            "a one-epoch update θ_old = θ, so ρ = 1 and no token is clipped. First micro-batch "
+            f"norm to {cfg.max_grad_norm} and takes one AdamW step per mini-batch. In the first mini-batch "
+            "of a one-epoch update θ_old = θ, so ρ = 1 and no token is clipped. First micro-batch "
             f"(`train.clipped_objective`, its first {min(12, len(adv))} of {len(adv)} tokens; normaliser "
             f"`packing.loss_normaliser` = {norm}):\n\n"
             + table(["token", "Â", "ρ", "min(ρÂ, clip(ρ)Â)", "clipped"], rows)

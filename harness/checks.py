@@ -226,7 +226,8 @@ def kv_pool_shortfall(cfg, n_prompt: int = 0, where: str = "") -> str | None:
 
 
 def missing_tracker(report_to) -> str | None:
-    """A one-line reason when a tracker named in --report_to has no installed package (tracking.py), else None."""
+    """A one-line reason when a tracker named in --report_to has no installed package (tracking.py), else
+    None."""
     for name in report_to:
         if name in ("tensorboard", "wandb") and importlib.util.find_spec(name) is None:
             optional = " (an optional dependency)" if name == "wandb" else ""

@@ -1,4 +1,5 @@
-"""harness/cli.py — the command line: --preset NAME, --scale SIZE, then --<field> VALUE for every Config field.
+"""harness/cli.py — the command line: --preset NAME, --scale SIZE, then --<field> VALUE for every Config
+field.
 
     python train.py --preset demo --steps 10 --fork tok-entropy --out_dir runs/x
 
@@ -48,9 +49,11 @@ def build_parser(description: str = "DATPO training") -> argparse.ArgumentParser
     parser = OneLineParser(description=description, allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--debug", action="store_true", default=None,
-                        help="show the Python traceback of an error (faults.main_guard removes this flag first)")
+                        help="show the Python traceback of an error "
+                             "(faults.main_guard removes this flag first)")
     parser.add_argument("--preset", default="paper", choices=list(PRESETS),
-                        help="a row of the paper's tables (method and its settings); demo/tiny = DATPO at that scale")
+                        help="a row of the paper's tables (method and its settings); "
+                             "demo/tiny = DATPO at that scale")
     parser.add_argument("--scale", default=None, choices=list(SCALES),
                         help="run size (model, data, lengths, batches, steps); default: the preset's own")
     hints = typing.get_type_hints(Config)
@@ -73,7 +76,8 @@ def parse_args(argv: list[str] | None = None, description: str = "DATPO training
     """Parse the command line into a validated Config; argparse exits with a message on bad input."""
     parser = build_parser(description)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("preset", "scale", "debug") and v is not None}
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("preset", "scale", "debug") and v is not None}
     try:
         return make_config(args.preset, args.scale, **overrides)
     except ValueError as err:

@@ -5,7 +5,8 @@
              --rdzv_endpoint HOST:29500 train.py --model Qwen/Qwen2.5-3B               # two nodes (R = 0, 1)
 
 `python train.py` never starts a process group: every helper here is then a no-op that returns its input
-(rank 0 of 1), so the single-process loop reads as before. Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set):
+(rank 0 of 1), so the single-process loop reads as before. Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK
+set):
 
   prompts     every rank draws the step's prompts the same way (same data cursor, same skips) and rolls out
               its contiguous share (`shard_range`) with its own RNG stream (`rollout_rng`);
@@ -13,16 +14,17 @@
               whole step in prompt order: metrics, AttnRL's dynamic batch size and the skipped-prompt count
               are global, and every rank forms the same PPO mini-batches as one process would;
   update      each global mini-batch's micro-batches are dealt to ranks (`deal`, over `my_share`); a rank with
-              fewer runs a zero-gradient pass (`idle_pass`) so every rank joins every collective and takes the same
-              optimizer steps; the loss normaliser is the global mini-batch's token count (every rank knows all
-              its rows), and the loss is scaled by the world size because DDP and FSDP average gradients
-              (`backward`);
+              fewer runs a zero-gradient pass (`idle_pass`) so every rank joins every collective and takes
+              the same optimizer steps; the loss normaliser is the global mini-batch's token count (every
+              rank knows all its rows), and the loss is scaled by the world size because DDP and FSDP average
+              gradients (`backward`);
   model       FSDP2 `fully_shard` (parameters, gradients and AdamW states sharded; per-decoder-layer units;
               MixedPrecisionPolicy from --precision) or DDP (`--parallel ddp`): `wrap`;
   generation  rollouts, old log-probs and evaluation run on gathered parameters (`full_params`), so ranks may
               run different numbers of forward passes without deadlocking FSDP's all-gathers;
   files       only rank 0 writes logs, plots and checkpoints; a checkpoint holds the full (unsharded) weights
-              for `from_pretrained` and an FQN-keyed full optimizer state, so it resumes on any number of ranks.
+              for `from_pretrained` and an FQN-keyed full optimizer state, so it resumes on any number of
+              ranks.
 """
 from __future__ import annotations
 
@@ -145,7 +147,8 @@ def merge_shares(values: torch.Tensor, present: torch.Tensor) -> tuple[torch.Ten
 
 
 def any_rank(flag) -> bool:
-    """True on every rank when it is true on any: a stop signal one rank received stops all at the same step."""
+    """True on every rank when it is true on any: a stop signal one rank received stops all at the same
+    step."""
     return bool(all_reduce([float(bool(flag))], "max")[0])
 
 
@@ -162,7 +165,8 @@ def stream_seed(seed: int, step: int, rank_: int) -> int:
 def rollout_rng(rng: random.Random, seed: int, step: int) -> random.Random:
     """The RNG a rank's rollouts draw from (fork choice, AttnRL's expansion) and a reseeded torch generator
     (token sampling). One process: the run's own stream, untouched. Several ranks: a fresh stream per
-    (seed, step, rank), while `rng` stays shared and identical on every rank (it orders the PPO mini-batches)."""
+    (seed, step, rank), while `rng` stays shared and identical on every rank (it orders the PPO
+    mini-batches)."""
     if not active():
         return rng
     s = stream_seed(seed, step, rank())
@@ -208,7 +212,8 @@ def wrap(model: torch.nn.Module, parallel: str, precision: str) -> torch.nn.Modu
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
         if world_size() % local:
             raise ValueError(f"--parallel hsdp: {world_size()} ranks do not split into nodes of {local}")
-        mesh = init_device_mesh(device.type, (world_size() // local, local), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (world_size() // local, local),
+                                mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world_size(),))
     policy = mixed_precision(precision)
@@ -344,6 +349,7 @@ def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    optimizer.zero_grad(set_to_none=True)   # it creates empty states with a zero step, only where no grads exist
+    # it creates empty states with a zero step, only where no grads exist
+    optimizer.zero_grad(set_to_none=True)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))

@@ -137,8 +137,8 @@ def check_model(name: str, flag: str = "--model", embedded: tuple[str, ...] = EM
     checkpoint, or an HF hub id that is cached or reachable; otherwise one UserError line."""
     import models
 
-    expected = (f"expected {' or '.join(embedded)}, a local model folder (config.json + weights), a run folder "
-                f"with a checkpoint, or an HF hub name")
+    expected = (f"expected {' or '.join(embedded)}, a local model folder (config.json + weights), "
+                f"a run folder with a checkpoint, or an HF hub name")
     if name in embedded:
         return
     path = Path(name).expanduser()
@@ -158,8 +158,8 @@ def check_model(name: str, flag: str = "--model", embedded: tuple[str, ...] = EM
         return
     blocked = hub_blocked()
     if blocked:
-        raise UserError(f"{flag} {name}: not a local folder, not in the HF cache, and the HF hub is unreachable "
-                        f"({blocked}); {expected} reachable online")
+        raise UserError(f"{flag} {name}: not a local folder, not in the HF cache, and the HF hub is "
+                        f"unreachable ({blocked}); {expected} reachable online")
 
 
 # What train.py writes into a run folder (--overwrite removes exactly these).
@@ -187,8 +187,8 @@ def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> None:
         return
     held = [f"metrics.jsonl with {records} record{'s' * (records != 1)}"] if records else []
     held += [f"checkpoints up to {steps[-1]}"] if steps else []
-    raise UserError(f"--out_dir {run_dir}: already holds a run ({', '.join(held)}); --resume {run_dir} continues "
-                    f"it, another --out_dir starts a new one, --overwrite true replaces it")
+    raise UserError(f"--out_dir {run_dir}: already holds a run ({', '.join(held)}); --resume {run_dir} "
+                    f"continues it, another --out_dir starts a new one, --overwrite true replaces it")
 
 
 def resume_source(resume: str) -> str | None:
@@ -207,7 +207,8 @@ def resume_source(resume: str) -> str | None:
         return source
     if (path / "config.json").exists() and not (path / "metrics.jsonl").exists() and \
             not (path / "checkpoints").exists() and (path / "model.safetensors").exists():
-        raise UserError(f"--resume {resume}: a model folder, not a run or checkpoint folder; use --model for it")
+        raise UserError(f"--resume {resume}: a model folder, not a run or checkpoint folder; "
+                        f"use --model for it")
     return None
 
 

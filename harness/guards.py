@@ -56,7 +56,8 @@ class WeightGuard:
     costs no accelerator memory: one device-to-host copy of ~3x the weights per step (Qwen2.5-3B in bf16
     with AdamW: ~18 GB, about a second over PCIe, against minutes of generation per step; the 135M demo:
     ~1.6 GB of RAM; measured 0.12 s a snapshot, 0.14 s a restore on one core). The check after each
-    optimizer step is one sum per parameter and one sync (all_finite: 0.025 s for the 135M model). Under FSDP each rank snapshots and checks its own shards (callers combine the verdict over ranks).
+    optimizer step is one sum per parameter and one sync (all_finite: 0.025 s for the 135M model). Under
+    FSDP each rank snapshots and checks its own shards (callers combine the verdict over ranks).
     """
 
     def __init__(self, model, optimizer, enabled: bool = True):
@@ -168,6 +169,6 @@ def sampling_guard(step: int, run_dir):
 
         last = models.resolve_checkpoint(str(run_dir))
         raise NonFiniteStop(f"step {step}: sampling met non-finite probabilities (the policy's logits); the "
-                            f"latest checkpoint {last if last != str(run_dir) else '(none)'} holds the weights "
-                            f"that produced them; expected a resume from an earlier checkpoint with a lower "
-                            f"--lr") from err
+                            f"latest checkpoint {last if last != str(run_dir) else '(none)'} holds the "
+                            f"weights that produced them; expected a resume from an earlier checkpoint with "
+                            f"a lower --lr") from err

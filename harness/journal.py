@@ -68,7 +68,8 @@ class Journal:
             try:
                 records.append(json.loads(line))
             except ValueError:   # corrupted after it was written (a disk, an editor): never trusted
-                say(f"{self.path} line {n}: corrupted (not JSON); its samples are not reused, starting it over")
+                say(f"{self.path} line {n}: corrupted (not JSON); its samples are not reused, "
+                    f"starting it over")
                 return self._start_over()
         self._rewrite(lines)   # drop anything after the last vouched-for unit
         self.units, self.n_records = state["units"], state["n_records"]

@@ -53,7 +53,8 @@ class RunState:
     batch_size: int = 0             # prompts per step: cfg.prompts_per_step, or AttnRL's dynamic batch size
     bad_steps_in_a_row: int = 0     # steps with a non-finite loss or gradient (nonfinite_guard)
     rng: random.Random = field(default_factory=random.Random)   # fork choice, mini-batch order
-    too_long: set = field(default_factory=set)   # problems skipped as longer than --max_prompt_tokens (named once)
+    # problems skipped as longer than --max_prompt_tokens (named once)
+    too_long: set = field(default_factory=set)
     ahead: offpolicy.Batch | None = None   # one-step off-policy: the next step's prompts, their bases sampled
     pending_eval: str | None = None   # "during"/"after": that evaluation a stop skipped; a resume runs it
 
@@ -94,7 +95,8 @@ class Setup:
     embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
     problems: list[dict]
     eval_problems: list[dict]
-    backoff: E.Backoff = field(default_factory=E.Backoff)   # the rollout engine's sizes after running out of memory
+    # the rollout engine's sizes after running out of memory
+    backoff: E.Backoff = field(default_factory=E.Backoff)
 
     @property
     def pad_id(self) -> int:
@@ -133,8 +135,9 @@ def _train(cfg: C.Config, step: Callable, stop: signals.GracefulStop, held: cont
             return s.run_dir
         inject.crash_point("step")
         record = step(s, run)
-        run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = \
-            run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"] else 0
+        run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = (
+            run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"]
+            else 0)
         log.write(record)
         nonfinite_guard(s, run, record)
         bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
@@ -145,8 +148,8 @@ def _train(cfg: C.Config, step: Callable, stop: signals.GracefulStop, held: cont
         saved, stopping = evaluate_and_save(s, run, stop, stopping)
         if stopping and run.step < cfg.steps:
             bar.close()
-            log.say(f"stopped by {stop.requested} after step {run.step}: checkpoint {saved}; continue with the "
-                    f"same command plus --resume {s.run_dir}")
+            log.say(f"stopped by {stop.requested} after step {run.step}: checkpoint {saved}; continue with "
+                    f"the same command plus --resume {s.run_dir}")
             return s.run_dir
     bar.close()
     finish(s, start_step < cfg.steps or bool(pending), t_run)
@@ -172,7 +175,8 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     and — with --resume — the checkpoint's weights and trainer state. (None, run) when a resume finds
     nothing left to run: said before loading the model."""
     D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
-    inject.install()           # tests: DATPO_OOM_AT=site,... makes those stage functions run out of memory once
+    # tests: DATPO_OOM_AT=site,... makes those stage functions run out of memory once
+    inject.install()
     device = models.pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -192,7 +196,8 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     if wants_embedder:
         faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
     problems = faults.load_data(cfg.train_data, "--train_data")
-    eval_problems = faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None) if cfg.eval_every else []
+    eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None)
+                     if cfg.eval_every else [])
     torch.manual_seed(cfg.seed)
 
     source = checkpoint or cfg.model
@@ -202,13 +207,16 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
     models.check_chat_template(tokenizer, cfg.prompt_style, source)   # --prompt_style chat: before any prompt
-    if not guards.all_finite(model.parameters()):   # an old checkpoint (before the weight guard) or a broken model
-        raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold non-finite "
-                               f"values; expected an earlier checkpoint of the run or a healthy model")
+    # an old checkpoint (before the weight guard) or a broken model
+    if not guards.all_finite(model.parameters()):
+        raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold "
+                               f"non-finite values; expected an earlier checkpoint of the run "
+                               f"or a healthy model")
     if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
         models.enable_gradient_checkpointing(model)
     policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
-    if cfg.train_layout == "packed":   # flex: the start-up probe, not after a whole rollout (one line if it falls back)
+    # flex: the start-up probe, not after a whole rollout (one line if it falls back)
+    if cfg.train_layout == "packed":
         attention.update_kernel(cfg, device, model)
     optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
     if checkpoint:
@@ -260,7 +268,8 @@ def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str 
     if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
         faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
         D.barrier()
-    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())   # torchrun: rank 0 writes
+    # torchrun: rank 0 writes
+    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())
     source = faults.resume_source(cfg.resume) if cfg.resume else None
     if source:
         runs.check_run_config(run_dir)   # read (history kept) once the checkpoint loads
@@ -328,8 +337,8 @@ def nonfinite_guard(s: Setup, run: RunState, record: dict) -> None:
     (guards.skip_nonfinite) or was undone by the weight guard (undo_broken_update): say so, and stop the run
     after --max_bad_steps such steps in a row."""
     if record["nonfinite_minibatches"]:
-        s.log.say(f"step {run.step}: {record['nonfinite_minibatches']} mini-batch(es) with a non-finite loss or "
-                  f"gradient norm not applied ({run.bad_steps_in_a_row} step(s) in a row)")
+        s.log.say(f"step {run.step}: {record['nonfinite_minibatches']} mini-batch(es) with a non-finite loss "
+                  f"or gradient norm not applied ({run.bad_steps_in_a_row} step(s) in a row)")
     if record["nonfinite_updates"]:
         s.log.say(f"step {run.step}: the update made a weight or the policy's logits non-finite; weights and "
                   f"optimizer state restored to before it ({run.bad_steps_in_a_row} step(s) in a row)")
@@ -347,8 +356,8 @@ def log_trees(s: Setup, step: int, trees: list[T.Tree], scores: list[list[BlockS
     once α has annealed to 0, so Div_sib is always there to see)."""
     cfg = s.cfg
     if D.is_main() and tracking.trees_due(step, cfg.log_trees_every):
-        tracking.write_trees(s.run_dir, step, trees, s.tokenizer, scores, alpha, cfg.method, cfg.value_estimate,
-                             cfg.sibling_groups)
+        tracking.write_trees(s.run_dir, step, trees, s.tokenizer, scores, alpha, cfg.method,
+                             cfg.value_estimate, cfg.sibling_groups)
 
 
 def evaluate_and_save(s: Setup, run: RunState, stop: signals.GracefulStop, stopping: bool
@@ -383,8 +392,9 @@ def finish(s: Setup, wrote: bool, t_run: float) -> None:
         evals = [r for r in evals if r.get("eval") in ("before", "after")]
         if len(evals) >= 2:
             key = f"avg@{cfg.eval_k}"
-            log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after {evals[-1][key]:.3f} "
-                    f"({evals[-1]['n_samples']} samples each); {(time.perf_counter() - t_run) / 60:.1f} min")
+            log.say(f"held-out {cfg.eval_data} {key}: before {evals[0][key]:.3f} → after "
+                    f"{evals[-1][key]:.3f} ({evals[-1]['n_samples']} samples each); "
+                    f"{(time.perf_counter() - t_run) / 60:.1f} min")
         if wrote:
             with write_errors(s.run_dir / "training.png", "the run finished, its checkpoints and metrics are "
                               "intact", "free space (only this figure is missing)"):
@@ -447,7 +457,8 @@ def set_rng_state(rng: random.Random, state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict, keep: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, trainer: dict,
+                    keep: int = 0) -> Path:
     """Weights (safetensors, loadable with from_pretrained), tokenizer, optimizer, step and RNG states.
     Written under a temporary name and renamed, so a crash never leaves half a checkpoint; then the
     `latest` pointer is replaced atomically (runs.checkpoint_folder: a full disk is one WriteError line with
@@ -460,7 +471,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, train
         return None
     if not guards.all_finite(weights.values()):   # the WeightGuard should make this unreachable
         last = models.resolve_checkpoint(str(run_dir))
-        raise faults.NonFiniteStop(f"step {step}: the weights hold a non-finite value; checkpoint not written; "
+        raise faults.NonFiniteStop(f"step {step}: the weights hold a non-finite value; "
+                                   f"checkpoint not written; "
                                    f"last good checkpoint: {last if last != str(run_dir) else 'none'}")
     with runs.checkpoint_folder(run_dir, step, keep) as tmp:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
@@ -474,10 +486,12 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, train
 def git_commit() -> str:
     try:
         here = Path(__file__).resolve().parent
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "unknown"
+        return (sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0
+                else "unknown")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -492,8 +506,10 @@ def plot_run(run_dir: Path) -> Path:
     steps = [r for r in records if "eval" not in r]
     evals = [r for r in records if "eval" in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot([r["step"] for r in steps], [r["reward"] for r in steps], label="reward (all leaves)", alpha=0.7)
-    left.plot([r["step"] for r in steps], [r["v_root"] for r in steps], label="V(root) (base responses)", alpha=0.7)
+    left.plot([r["step"] for r in steps], [r["reward"] for r in steps], label="reward (all leaves)",
+              alpha=0.7)
+    left.plot([r["step"] for r in steps], [r["v_root"] for r in steps], label="V(root) (base responses)",
+              alpha=0.7)
     if evals:
         key = next(k for k in evals[0] if k.startswith("avg@"))
         left.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", color="black",

@@ -76,7 +76,8 @@ def halving_retry(run, size: int, what: str, counters: dict | None = None, reset
             return run(attempt.size)
 
 
-def halving_chunks(jobs: list, chunk_size: int, run, what: str = "chunk", counters: dict | None = None) -> list:
+def halving_chunks(jobs: list, chunk_size: int, run, what: str = "chunk",
+                   counters: dict | None = None) -> list:
     """run(chunk) -> list of one result per job, over `jobs` in chunks of `chunk_size`, in order. When a chunk
     runs out of (CUDA) memory it is retried at half the size, down to 1, and the smaller size is kept for the
     rest of the jobs; each retry is logged and counted in counters['oom_retries']. Out of memory at size 1

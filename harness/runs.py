@@ -1,5 +1,6 @@
 """runs.py — a run folder that cannot be corrupted: one run per folder, resume that checks what it resumes,
-checkpoints written atomically (a full disk is one line, the previous checkpoint intact), damaged ones skipped.
+checkpoints written atomically (a full disk is one line, the previous checkpoint intact), damaged ones
+skipped.
 
     runs.check_out_dir(cfg.out_dir)             # never into a checkpoint, a model or a run's own subfolders
     lock = runs.RunLock(run_dir).acquire()      # a second train.py into the folder: one line naming holder
@@ -54,11 +55,13 @@ class RunLock:
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / self.NAME
-        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.mine = {"pid": os.getpid(), "host": socket.gethostname(),
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self.held = False
 
     def holder(self) -> dict | None:
-        """The lock's content; {} when unreadable (torn by a kill before this scheme, or not ours); None if absent."""
+        """The lock's content; {} when unreadable (torn by a kill before this scheme, or not ours);
+        None if absent."""
         try:
             held = json.loads(self.path.read_text())
             return held if isinstance(held, dict) else {}
@@ -88,20 +91,21 @@ class RunLock:
                     continue                                         # released meanwhile: try again
                 pid, host = holder.get("pid"), holder.get("host")
                 if isinstance(pid, int) and host == self.mine["host"] and _pid_alive(pid):
-                    raise UserError(f"--out_dir {self.path.parent}: another run is writing there (pid {pid} on "
-                                    f"{host}, since {holder.get('started', '?')}, {self.path}); wait for it, stop "
-                                    f"it, or use another --out_dir")
+                    raise UserError(f"--out_dir {self.path.parent}: another run is writing there (pid {pid} "
+                                    f"on {host}, since {holder.get('started', '?')}, {self.path}); wait for "
+                                    f"it, stop it, or use another --out_dir")
                 if isinstance(pid, int) and host != self.mine["host"]:
                     raise UserError(f"--out_dir {self.path.parent}: another run holds it (pid {pid} on host "
-                                    f"{host}, since {holder.get('started', '?')}); if that run is gone, delete "
-                                    f"{self.path}")
+                                    f"{host}, since {holder.get('started', '?')}); if that run is gone, "
+                                    f"delete {self.path}")
                 what = f"pid {pid} is not running" if isinstance(pid, int) else "unreadable lock file"
                 say(f"{self.path}: stale lock taken over ({what}; an earlier run was killed)")
                 try:
                     self.path.unlink()
                 except FileNotFoundError:
                     pass
-            raise UserError(f"--out_dir {self.path.parent}: could not take {self.path} (other runs keep taking it)")
+            raise UserError(f"--out_dir {self.path.parent}: could not take {self.path} "
+                            f"(other runs keep taking it)")
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -220,9 +224,9 @@ def check_resume_config(saved: dict, new: dict, allow: bool = False) -> dict[str
     fixed = {k: v for k, v in changes.items() if k not in RESUME_MAY_CHANGE}
     if fixed and not allow:
         listed = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in fixed.items())
-        raise UserError(f"--resume: the command line changes the experiment of the run it resumes ({listed}); "
-                        f"expected the run's own settings (its config.json), or --allow_config_change true to "
-                        f"continue it as a mix")
+        raise UserError(f"--resume: the command line changes the experiment of the run it resumes "
+                        f"({listed}); expected the run's own settings (its config.json), or "
+                        f"--allow_config_change true to continue it as a mix")
     return changes
 
 

@@ -37,11 +37,12 @@ class GracefulStop:
 
     def _expired(self, signum, frame):
         raise StopTimeout(f"stopped mid-step by {self.requested}: no safe point within --stop_timeout "
-                          f"{self.timeout:g}s; the step in progress is lost, --resume continues from the last "
-                          f"checkpoint")
+                          f"{self.timeout:g}s; the step in progress is lost, --resume continues from the "
+                          f"last checkpoint")
 
     def cancel_timeout(self) -> None:
-        """The safe point was reached: the --stop_timeout alarm no longer applies (a checkpoint is written)."""
+        """The safe point was reached: the --stop_timeout alarm no longer applies
+        (a checkpoint is written)."""
         if self.timeout > 0 and hasattr(signal, "SIGALRM") and signal.SIGALRM in self._previous:
             signal.setitimer(signal.ITIMER_REAL, 0)
 

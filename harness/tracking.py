@@ -1,21 +1,23 @@
-"""harness/tracking.py — what a run writes for people to watch it: metrics.jsonl, TensorBoard, Weights & Biases, tree logs.
+"""harness/tracking.py — what a run writes for people to watch it: metrics.jsonl, TensorBoard,
+Weights & Biases, tree logs.
 
     python train.py --preset demo --report_to tensorboard          # then: tensorboard --logdir runs/demo
     python train.py --preset demo --report_to tensorboard wandb    # W&B offline unless WANDB_MODE=online
 
 One writer (`Log`) feeds every sink, so metrics.jsonl and the trackers always hold the same numbers under
 stable names (`tag`):
-  train/<key>            every numeric field of a step record of metrics.jsonl (train/reward, train/v_root, ...;
-                         nested ones by path: train/levels/3/leaves)
-  eval/<data>/<key>      every numeric field of an evaluation record (eval/arith-test/avg@4, eval/math500/pass@8)
+  train/<key>            every numeric field of a step record of metrics.jsonl (train/reward, train/v_root,
+                         ...; nested ones by path: train/levels/3/leaves)
+  eval/<data>/<key>      every numeric field of an evaluation record (eval/arith-test/avg@4,
+                         eval/math500/pass@8)
   config                 the run's Config (TensorBoard: a JSON text; W&B: the run config)
 The x-axis is the record's "step". `Log(..., enabled=False)` writes nothing (non-zero ranks of a
 multi-process run).
 
 Tree logs (`--log_trees_every N`: step 1 and every N-th step; 0 = never): RUN/trees/step_XXXXXX.jsonl, one
 tree a line with its prompt, gold answer, V(root), K̂/B̂ and forks, and for each block its parent, text, token
-ids and pieces, token entropies, reward, V(s_start)/V(s_end), Â_base, Div_sib and the advantage the update used
-(Sec. 4.1-4.2, App. F: Phase 3's records, advantage.score_tree, written as they are).
+ids and pieces, token entropies, reward, V(s_start)/V(s_end), Â_base, Div_sib and the advantage the update
+used (Sec. 4.1-4.2, App. F: Phase 3's records, advantage.score_tree, written as they are).
 `python -m harness.viz RUN --step N` draws them.
 """
 from __future__ import annotations
@@ -47,7 +49,8 @@ def tags(record: dict) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def add(name: str, value) -> None:
-        if isinstance(value, dict):     # nested fields, e.g. "levels": {"3": {"leaves": ...}} → levels/3/leaves
+        # nested fields, e.g. "levels": {"3": {"leaves": ...}} → levels/3/leaves
+        if isinstance(value, dict):
             for key, inner in value.items():
                 add(f"{name}/{key}", inner)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -95,11 +98,13 @@ class Log:
 
             # purge_step: a resumed run discards the events of the steps it is about to redo
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.purge_step)
-            self._tb.add_text("config", "```\n" + json.dumps(self.config, indent=2, sort_keys=True) + "\n```", 0)
+            self._tb.add_text("config",
+                              "```\n" + json.dumps(self.config, indent=2, sort_keys=True) + "\n```", 0)
         if self._wandb is None and "wandb" in self.report_to:
             import wandb
 
-            # Offline unless the user asks for online (WANDB_MODE=online): nothing leaves the machine by default.
+            # Offline unless the user asks for online (WANDB_MODE=online): nothing leaves the machine by
+            # default.
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "datpo"), name=self.run_dir.name,
                                      dir=str(self.run_dir), config=self.config,
                                      mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous")
@@ -113,8 +118,8 @@ class Log:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(record) + "\n")
             except OSError as err:   # disk full, quota, read-only: one line, the checkpoints are untouched
-                raise faults.WriteError(f"writing {self.path}: {runs.write_failure(err)}; the step's record is "
-                                        f"lost, checkpoints are intact; free space and --resume "
+                raise faults.WriteError(f"writing {self.path}: {runs.write_failure(err)}; the step's record "
+                                        f"is lost, checkpoints are intact; free space and --resume "
                                         f"{self.run_dir}") from err
         if not self.report_to:
             return
@@ -133,7 +138,8 @@ class Log:
         if not self.enabled or not self.path.exists():
             return 0
         lines = self.path.read_text().splitlines()
-        self.torn_lines = [n for n, line in enumerate(lines, 1) if line.strip() and _record_step(line) == math.inf]
+        self.torn_lines = [n for n, line in enumerate(lines, 1)
+                           if line.strip() and _record_step(line) == math.inf]
         kept = [line for line in lines if _record_step(line) <= step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
@@ -186,8 +192,8 @@ def lost_records(path, upto: int, torn: list[int], same_run: bool = True) -> lis
         missing = [s for s in range(1, upto + 1) if s not in logged]
         if missing:
             shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-            out.append(f"{path}: no record of step(s) {shown} (lost before the checkpoint at step {upto}; those "
-                       f"steps are not redone)")
+            out.append(f"{path}: no record of step(s) {shown} (lost before the checkpoint at step {upto}; "
+                       f"those steps are not redone)")
     return out
 
 
@@ -215,15 +221,17 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree]
         **level_stats(trees),       # leaves and PassRate per difficulty level (Fig. "leaf count")
         **update,
         "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in rank_stats),
-        # one-step off-policy (offpolicy.py): updates between the weights that sampled a token and θ; the stale
-        # (base) tokens trained; the next step's prompts and share of the decode loop's row-steps
+        # one-step off-policy (offpolicy.py): updates between the weights that sampled a token and θ; the
+        # stale (base) tokens trained; the next step's prompts and share of the decode loop's row-steps
         "policy_lag": max(tr.policy_lag for tr in trees),
-        "stale_tokens": sum(len(b.token_ids) for tr in trees if tr.policy_lag for b in tr.blocks if not b.branch),
+        "stale_tokens": sum(len(b.token_ids) for tr in trees if tr.policy_lag
+                            for b in tr.blocks if not b.branch),
         "ahead_prompts": len(run.ahead.prompts) if run.ahead else 0,
         "row_steps": sum(r.row_steps for r in rank_stats),
         "ahead_row_steps": sum(r.ahead_row_steps for r in rank_stats),
+        # the engine's rows per decode step (0: generate)
         "mean_batch_rows": sum(r.row_steps for r in rank_stats) / sum(r.decode_steps for r in rank_stats)
-        if any(r.decode_steps for r in rank_stats) else 0.0,   # the engine's rows per decode step (0: generate)
+        if any(r.decode_steps for r in rank_stats) else 0.0,
         "seconds_generation_ahead": max(r.seconds_ahead for r in rank_stats),   # part of seconds_generation
         "oom_retries": sum(r.oom_retries for r in rank_stats) + update["oom_retries"],   # rollout + update
         "skipped_prompts": run.skipped_prompts,
@@ -235,9 +243,10 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree]
 
 
 def level_stats(trees: list[T.Tree]) -> dict:
-    """Per difficulty level (MATH levels 1–5, arithmetic levels in the demo): prompts, mean leaves per prompt and
-    mean PassRate of the step's trees (Sec. 5.2, Fig. "leaf count"). {} when no tree has a level, else
-    {"levels": {"3": {"prompts": 2, "leaves": 20.0, "pass_rate": 0.5}, ...}} (string keys: a JSON log line)."""
+    """Per difficulty level (MATH levels 1–5, arithmetic levels in the demo): prompts, mean leaves per prompt
+    and mean PassRate of the step's trees (Sec. 5.2, Fig. "leaf count"). {} when no tree has a level, else
+    {"levels": {"3": {"prompts": 2, "leaves": 20.0, "pass_rate": 0.5}, ...}}
+    (string keys: a JSON log line)."""
     by_level: dict = {}
     for tr in trees:
         if tr.level is not None:
@@ -288,7 +297,8 @@ def tree_record(tr: T.Tree, tokenizer, scores: list[A.BlockScore], value_estimat
 
 
 def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, scores: list[list[A.BlockScore]],
-                alpha: float, method: str, value_estimate: str = "paper", sibling_groups: str = "paper") -> Path:
+                alpha: float, method: str, value_estimate: str = "paper",
+                sibling_groups: str = "paper") -> Path:
     """RUN/trees/step_XXXXXX.jsonl: one tree a line (tree_record plus step, index, method and α); rewritten
     whole, so a resumed run that redoes a step replaces its file."""
     folder = Path(run_dir) / "trees"
@@ -304,8 +314,8 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, scores: list
         os.replace(tmp, path)
     except OSError as err:   # disk full: one line; the earlier tree logs and the checkpoints are untouched
         tmp.unlink(missing_ok=True)
-        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; free space "
-                                f"and --resume {run_dir}") from err
+        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; "
+                                f"free space and --resume {run_dir}") from err
     return path
 
 
@@ -315,7 +325,8 @@ def read_trees(run_dir, step: int) -> list[dict]:
     folder = Path(run_dir) / "trees"
     path = folder / f"step_{step:06d}.jsonl"
     if not path.exists():
-        logged = sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.jsonl")) if folder.exists() else []
+        logged = (sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.jsonl")) if folder.exists()
+                  else [])
         raise FileNotFoundError(f"{path}: no tree log for step {step}; logged steps: "
                                 f"{', '.join(map(str, logged)) or 'none (train with --log_trees_every N)'}")
     trees = []
@@ -337,7 +348,8 @@ def read_trees(run_dir, step: int) -> list[dict]:
 # evaluate.py's results
 # --------------------------------------------------------------------------------------------------------
 def eval_record(bench: str, result: dict, step: int) -> dict:
-    """An evaluate.py result as a metrics record: tags eval/<bench>/avg@k, pass@k, maj@k with k spelled out."""
+    """An evaluate.py result as a metrics record: tags eval/<bench>/avg@k, pass@k, maj@k
+    with k spelled out."""
     k = result["k"]
     return {"step": step, "eval": "evaluate", "data": bench, f"avg@{k}": result["avg@k"],
             f"pass@{k}": result["pass@k"], f"maj@{k}": result["maj@k"],
@@ -357,7 +369,8 @@ def report_eval(out_dir, report_to, settings: dict, results: dict[str, dict], st
 
 
 def checkpoint_step(model: str) -> int:
-    """The training step of a checkpoint folder (…/step_000024) or of a run folder's latest checkpoint; else 0."""
+    """The training step of a checkpoint folder (…/step_000024) or of a run folder's latest checkpoint;
+    else 0."""
     path = Path(model)
     if (path / "checkpoints" / "latest").exists():
         path = path / "checkpoints" / (path / "checkpoints" / "latest").read_text().strip()

@@ -1,6 +1,7 @@
 """viz.py — look at the trees a run logged (--log_trees_every): a self-contained HTML page and a PNG.
 
-    python viz.py runs/demo --step 24            # every tree of step 24 → runs/demo/trees/step_000024.{html,png}
+    python viz.py runs/demo --step 24            # every tree of step 24 →
+                                                 # runs/demo/trees/step_000024.{html,png}
     python viz.py runs/demo --step 24 --tree 3   # one tree → step_000024_tree3.{html,png}
     python viz.py runs/demo                      # the last logged step
 
@@ -63,7 +64,8 @@ def layout(tree: dict) -> dict:
             rows[0] += 1
         place(root, rows[0])
     if len(placed) != len(blocks):
-        raise ValueError(f"tree {tree.get('tree')}: {len(blocks) - len(placed)} block(s) not reachable from the prompt")
+        raise ValueError(f"tree {tree.get('tree')}: {len(blocks) - len(placed)} block(s) not reachable from "
+                         f"the prompt")
     return {"rows": rows[0] + 1, "length": max((p["x1"] for p in placed.values()), default=1),
             "blocks": placed}
 
@@ -105,8 +107,8 @@ def scene(trees: list[dict]) -> dict:
         for b in t["blocks"]:
             blocks.append({**b, **lay["blocks"][b["id"]], "fill": advantage_colour(b["advantage"], a_scale),
                            "token_fill": [entropy_colour(h, h_scale) for h in b["entropies"]]})
-        out.append({k: v for k, v in t.items() if k != "blocks"} | {"rows": lay["rows"], "length": lay["length"],
-                                                                     "blocks": blocks})
+        out.append({k: v for k, v in t.items() if k != "blocks"}
+                   | {"rows": lay["rows"], "length": lay["length"], "blocks": blocks})
     return {"advantage_scale": a_scale, "entropy_scale": h_scale, "trees": out}
 
 
@@ -191,26 +193,32 @@ PAGE = """<!DOCTYPE html>
 <style>
 body { font: 13px/1.4 system-ui, sans-serif; margin: 12px 16px; color: #222; }
 h1 { font-size: 17px; margin: 0 0 4px; } h2 { font-size: 14px; margin: 18px 0 2px; }
-.meta { color: #555; } .legend span { display: inline-block; width: 14px; height: 10px; vertical-align: middle; }
+.meta { color: #555; }
+.legend span { display: inline-block; width: 14px; height: 10px; vertical-align: middle; }
 details pre, #detail pre { white-space: pre-wrap; background: #f6f6f6; padding: 6px; margin: 4px 0; }
-svg .block { cursor: pointer; stroke: #555; stroke-width: 0.6; } svg .block.sel { stroke: #000; stroke-width: 2.2; }
+svg .block { cursor: pointer; stroke: #555; stroke-width: 0.6; }
+svg .block.sel { stroke: #000; stroke-width: 2.2; }
 svg text { font: 10px sans-serif; }
-#detail { position: sticky; bottom: 0; background: #fff; border-top: 2px solid #888; padding: 6px 0; max-height: 42vh;
-          overflow: auto; }
+#detail { position: sticky; bottom: 0; background: #fff; border-top: 2px solid #888; padding: 6px 0;
+          max-height: 42vh; overflow: auto; }
 .tok { border-radius: 2px; } .tok.fork { outline: 2px solid #d62728; }
 </style></head><body>
 <h1>__TITLE__</h1>
-<div class="legend">advantage <span style="background:#a50026"></span> &minus;__ASCALE__ &nbsp;<span style="background:#fefebd"></span> 0
-&nbsp;<span style="background:#006837"></span> +__ASCALE__ &nbsp;&nbsp; token entropy <span style="background:#fcfbfd;border:1px solid #ccc"></span> 0
+<div class="legend">advantage <span style="background:#a50026"></span> &minus;__ASCALE__
+&nbsp;<span style="background:#fefebd"></span> 0
+&nbsp;<span style="background:#006837"></span> +__ASCALE__ &nbsp;&nbsp; token entropy
+<span style="background:#fcfbfd;border:1px solid #ccc"></span> 0
 <span style="background:#3f007d"></span> __HSCALE__ nats &nbsp;&nbsp; &#9660; fork &nbsp;&nbsp; leaf reward:
-<b style="color:#1a9850">1</b> / <b style="color:#d73027">0</b> &nbsp;&nbsp; hover a block for its numbers, click it for its tokens</div>
+<b style="color:#1a9850">1</b> / <b style="color:#d73027">0</b> &nbsp;&nbsp; hover a block for its numbers,
+click it for its tokens</div>
 <div id="trees"></div>
 <div id="detail"><i>click a block</i></div>
 <script id="scene" type="application/json">__SCENE__</script>
 <script>
 "use strict";
 const S = JSON.parse(document.getElementById("scene").textContent);
-const NS = "http://www.w3.org/2000/svg", ROW = __ROW__, BAR = __BAR__, STRIP = __STRIP__, PW = __PW__, PLOT = __PLOT__, PAD = __PAD__;
+const NS = "http://www.w3.org/2000/svg", ROW = __ROW__, BAR = __BAR__, STRIP = __STRIP__, PW = __PW__,
+      PLOT = __PLOT__, PAD = __PAD__;
 const fmt = v => v === null || v === undefined ? "\\u2014" : (Math.round(v * 1000) / 1000).toString();
 function el(tag, attrs, parent) {
   const e = document.createElementNS(NS, tag);
@@ -218,60 +226,72 @@ function el(tag, attrs, parent) {
   if (parent) parent.appendChild(e);
   return e;
 }
-function esc(s) { return s.replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c])); }
+function esc(s) {
+  return s.replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
+}
 let selected = null;
 function show(t, b, rect) {
   if (selected) selected.classList.remove("sel");
   selected = rect; rect.classList.add("sel");
   const forks = new Set((t.forks[b.base] || []).map(f => f - b.start));
   const toks = b.tokens.map((s, k) => `<span class="tok${forks.has(k) && !b.branch ? " fork" : ""}" ` +
-    `style="background:${b.token_fill[k]};color:${b.entropies[k] > 0.6 * S.entropy_scale ? "#fff" : "#000"}" ` +
-    `title="H=${b.entropies[k]}${b.logprobs ? " log p=" + b.logprobs[k] : ""} id=${b.token_ids[k]}">${esc(s)}</span>`).join("");
+    `style="background:${b.token_fill[k]};` +
+    `color:${b.entropies[k] > 0.6 * S.entropy_scale ? "#fff" : "#000"}" ` +
+    `title="H=${b.entropies[k]}${b.logprobs ? " log p=" + b.logprobs[k] : ""} id=${b.token_ids[k]}">` +
+    `${esc(s)}</span>`).join("");
   document.getElementById("detail").innerHTML =
-    `<b>tree ${t.tree}, block ${b.id}</b> (${b.branch ? "branch" : "base response " + b.base}, parent ${b.parent === null ? "prompt" : b.parent}, ` +
-    `tokens ${b.start}\\u2013${b.start + b.token_ids.length}) &nbsp; reward ${fmt(b.reward)} &nbsp; V(start) ${fmt(b.v_start)} ` +
-    `&nbsp; V(end) ${fmt(b.v_end)} &nbsp; \\u00c2_base ${fmt(b.base_advantage)} &nbsp; Div_sib ${fmt(b.div_sib)} ` +
+    `<b>tree ${t.tree}, block ${b.id}</b> (${b.branch ? "branch" : "base response " + b.base}, ` +
+    `parent ${b.parent === null ? "prompt" : b.parent}, ` +
+    `tokens ${b.start}\\u2013${b.start + b.token_ids.length}) &nbsp; reward ${fmt(b.reward)} ` +
+    `&nbsp; V(start) ${fmt(b.v_start)} &nbsp; V(end) ${fmt(b.v_end)} ` +
+    `&nbsp; \\u00c2_base ${fmt(b.base_advantage)} &nbsp; Div_sib ${fmt(b.div_sib)} ` +
     `&nbsp; \\u00c2 ${fmt(b.advantage)}<pre>${toks}</pre>`;
 }
 function drawTree(t, host) {
   const sec = document.createElement("section");
   sec.className = "tree"; sec.dataset.tree = t.tree;
   sec.innerHTML = `<h2>tree ${t.tree} &mdash; gold answer ${esc(String(t.answer))}</h2>` +
-    `<div class="meta">V(root) ${fmt(t.v_root)} &nbsp; K\\u0302 = ${t.k_hat}, B\\u0302 = ${t.b_hat} &nbsp; forks ` +
-    `${esc(JSON.stringify(t.forks))} &nbsp; ${t.leaves} leaves &nbsp; ${t.trained ? "" : "(not trained) "}` +
+    `<div class="meta">V(root) ${fmt(t.v_root)} &nbsp; K\\u0302 = ${t.k_hat}, B\\u0302 = ${t.b_hat} ` +
+    `&nbsp; forks ${esc(JSON.stringify(t.forks))} &nbsp; ${t.leaves} leaves ` +
+    `&nbsp; ${t.trained ? "" : "(not trained) "}` +
     `${t.level === null || t.level === undefined ? "" : "level " + esc(String(t.level))}</div>` +
     `<details><summary>prompt</summary><pre>${esc(t.prompt)}</pre></details>`;
   host.appendChild(sec);
   const unit = PLOT / Math.max(t.length, 1), H = t.rows * ROW + 2 * PAD;
   const X = x => PAD + PW + 16 + x * unit, Y = r => PAD + r * ROW + 8;
   const svg = el("svg", {width: PAD * 2 + PW + 16 + PLOT + 40, height: H, "data-tree": t.tree}, sec);
-  const pr = el("rect", {x: PAD, y: PAD, width: PW, height: t.rows * ROW - 8, fill: "#e8eef7", stroke: "#789", class: "prompt"}, svg);
+  const pr = el("rect", {x: PAD, y: PAD, width: PW, height: t.rows * ROW - 8, fill: "#e8eef7", stroke: "#789",
+                         class: "prompt"}, svg);
   el("text", {x: PAD + 6, y: PAD + 14}, svg).textContent = "prompt";
   const byId = {};
   for (const b of t.blocks) byId[b.id] = b;
   for (const b of t.blocks) {               // connectors: prompt → first blocks, fork → branch
     const y = Y(b.row) + BAR / 2;
-    if (b.parent === null) el("path", {d: `M${PAD + PW},${y} L${X(0)},${y}`, stroke: "#789", fill: "none"}, svg);
+    if (b.parent === null)
+      el("path", {d: `M${PAD + PW},${y} L${X(0)},${y}`, stroke: "#789", fill: "none"}, svg);
     else if (byId[b.parent].row !== b.row) {
       const p = byId[b.parent];
-      el("path", {d: `M${X(b.x0)},${Y(p.row) + BAR + STRIP} L${X(b.x0)},${y} L${X(b.x0) + 3},${y}`, stroke: "#999", fill: "none", class: "edge"}, svg);
+      el("path", {d: `M${X(b.x0)},${Y(p.row) + BAR + STRIP} L${X(b.x0)},${y} L${X(b.x0) + 3},${y}`,
+                  stroke: "#999", fill: "none", class: "edge"}, svg);
     }
   }
   for (const b of t.blocks) {
     const g = el("g", {}, svg);
-    const r = el("rect", {x: X(b.x0), y: Y(b.row), width: Math.max((b.x1 - b.x0) * unit, 1), height: BAR, fill: b.fill,
-                          class: "block", "data-tree": t.tree, "data-id": b.id, "data-row": b.row, "data-x0": b.x0,
-                          "data-x1": b.x1}, g);
-    el("title", {}, r).textContent = `block ${b.id}: ${b.branch ? "branch" : "base " + b.base}, tokens ${b.x0}-${b.x1}\\n` +
-      `reward ${fmt(b.reward)}  V(start) ${fmt(b.v_start)}  V(end) ${fmt(b.v_end)}\\nA_base ${fmt(b.base_advantage)}  ` +
-      `Div_sib ${fmt(b.div_sib)}  A ${fmt(b.advantage)}\\n${b.text.slice(0, 300)}`;
+    const r = el("rect", {x: X(b.x0), y: Y(b.row), width: Math.max((b.x1 - b.x0) * unit, 1), height: BAR,
+                          fill: b.fill, class: "block", "data-tree": t.tree, "data-id": b.id,
+                          "data-row": b.row, "data-x0": b.x0, "data-x1": b.x1}, g);
+    el("title", {}, r).textContent =
+      `block ${b.id}: ${b.branch ? "branch" : "base " + b.base}, tokens ${b.x0}-${b.x1}\\n` +
+      `reward ${fmt(b.reward)}  V(start) ${fmt(b.v_start)}  V(end) ${fmt(b.v_end)}\\n` +
+      `A_base ${fmt(b.base_advantage)}  Div_sib ${fmt(b.div_sib)}  A ${fmt(b.advantage)}\\n` +
+      `${b.text.slice(0, 300)}`;
     r.addEventListener("click", () => show(t, b, r));
-    b.token_fill.forEach((c, k) => el("rect", {x: X(b.x0 + k), y: Y(b.row) + BAR, width: Math.max(unit, 0.5), height: STRIP,
-                                               fill: c, class: "tok-cell"}, g));
+    b.token_fill.forEach((c, k) => el("rect", {x: X(b.x0 + k), y: Y(b.row) + BAR, width: Math.max(unit, 0.5),
+                                               height: STRIP, fill: c, class: "tok-cell"}, g));
     if (b.terminal) {
       const ok = b.reward > 0;
-      el("circle", {cx: X(b.x1) + 9, cy: Y(b.row) + BAR / 2, r: 7, fill: ok ? "#1a9850" : "#d73027", class: "reward",
-                    "data-id": b.id, "data-reward": b.reward}, svg);
+      el("circle", {cx: X(b.x1) + 9, cy: Y(b.row) + BAR / 2, r: 7, fill: ok ? "#1a9850" : "#d73027",
+                    class: "reward", "data-id": b.id, "data-reward": b.reward}, svg);
       el("text", {x: X(b.x1) + 6, y: Y(b.row) + BAR / 2 + 4, fill: "#fff"}, svg).textContent = ok ? "1" : "0";
     }
   }
@@ -331,7 +351,8 @@ def render_png(trees: list[dict], title: str, path) -> list[str]:
                              gridspec_kw={"height_ratios": [h + 1.2 for h in heights]}, squeeze=False)
     for ax, t in zip(axes[:, 0], drawn["trees"]):
         length, prompt_w = t["length"], max(t["length"] * 0.08, 2)
-        ax.add_patch(Rectangle((-prompt_w - 1, -0.4), prompt_w, t["rows"] - 0.2, color="#e8eef7", ec="#778899"))
+        ax.add_patch(Rectangle((-prompt_w - 1, -0.4), prompt_w, t["rows"] - 0.2, color="#e8eef7",
+                               ec="#778899"))
         ax.text(-prompt_w / 2 - 1, -0.1, "prompt", ha="center", va="center", fontsize=7)
         rows = {b["id"]: b["row"] for b in t["blocks"]}
         for b in t["blocks"]:
@@ -347,9 +368,11 @@ def render_png(trees: list[dict], title: str, path) -> list[str]:
             if b["terminal"]:
                 ok = (b["reward"] or 0) > 0
                 ax.plot(b["x1"] + 0.9, y - 0.09, "o", ms=8, color="#1a9850" if ok else "#d73027")
-                ax.text(b["x1"] + 0.9, y - 0.09, "1" if ok else "0", color="white", fontsize=6, ha="center", va="center")
+                ax.text(b["x1"] + 0.9, y - 0.09, "1" if ok else "0", color="white", fontsize=6, ha="center",
+                        va="center")
         for base, positions in enumerate(t["forks"]):
-            first = next((b for b in t["blocks"] if b["parent"] is None and b["base"] == base and not b["branch"]), None)
+            first = next((b for b in t["blocks"]
+                          if b["parent"] is None and b["base"] == base and not b["branch"]), None)
             for f in positions if first else []:
                 ax.plot(f, first["row"] - 0.42, "v", color="#d62728", ms=5)
         ax.set_xlim(-prompt_w - 1.5, length + 3)
@@ -361,8 +384,8 @@ def render_png(trees: list[dict], title: str, path) -> list[str]:
             ax.spines[side].set_visible(False)
         ax.set_title(f"tree {t['tree']}: V(root) {t['v_root']:.2f}, K̂={t['k_hat']}, B̂={t['b_hat']}, "
                      f"{t['leaves']} leaves, gold {t['answer']}", fontsize=8, loc="left")
-    fig.suptitle(title + f"  (colour: advantage, ±{drawn['advantage_scale']:.2f}; strip: token entropy; ▼ fork)",
-                 fontsize=8)
+    fig.suptitle(title + f"  (colour: advantage, ±{drawn['advantage_scale']:.2f}; "
+                         f"strip: token entropy; ▼ fork)", fontsize=8)
     plain = plain_where_math_fails(fig)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")
@@ -398,11 +421,13 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     parser.add_argument("run", help="a run folder written with --log_trees_every N")
     parser.add_argument("--step", type=int, default=None, help="a logged step (default: the last one)")
     parser.add_argument("--tree", type=int, default=None, help="one tree of that step (default: all)")
-    parser.add_argument("--out", default=None, help="output path without suffix (default: RUN/trees/step_XXXXXX[_treeN])")
+    parser.add_argument("--out", default=None,
+                        help="output path without suffix (default: RUN/trees/step_XXXXXX[_treeN])")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     steps = logged_steps(args.run)
     if not steps:
-        parser.exit(2, f"viz.py: error: {Path(args.run) / 'trees'} holds no tree logs; train with --log_trees_every N\n")
+        parser.exit(2, f"viz.py: error: {Path(args.run) / 'trees'} holds no tree logs; "
+                       f"train with --log_trees_every N\n")
     step = steps[-1] if args.step is None else args.step
     try:
         log = Path(args.run) / "trees" / f"step_{step:06d}.jsonl"
@@ -412,7 +437,8 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     if args.tree is not None:
         chosen = [t for t in trees if t["tree"] == args.tree]
         if not chosen:
-            parser.exit(2, f"viz.py: error: --tree {args.tree}: step {step} logged trees 0..{len(trees) - 1}\n")
+            parser.exit(2, f"viz.py: error: --tree {args.tree}: step {step} logged trees "
+                           f"0..{len(trees) - 1}\n")
         trees = chosen
     stem = Path(args.out) if args.out else Path(args.run) / "trees" / (
         f"step_{step:06d}" + ("" if args.tree is None else f"_tree{args.tree}"))

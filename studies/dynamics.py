@@ -56,7 +56,8 @@ def read_run(study: Study, folder: Path) -> tuple[str, dict]:
         raise SystemExit(f"dynamics: {metrics} not found (expected a train.py run folder)")
     records, torn = tracking.read_metrics(metrics)
     if torn:
-        faults.say(f"dynamics: {metrics}: line(s) {', '.join(map(str, torn))} torn (not a JSON record); left out")
+        faults.say(f"dynamics: {metrics}: line(s) {', '.join(map(str, torn))} torn (not a JSON record); "
+                   f"left out")
     run_cfg = read_config(folder / "config.json")
     label = f"{folder.name} ({run_cfg.get('method', '?')})"
     evals = [r for r in records if "eval" in r]
