@@ -40,8 +40,9 @@ def child(args) -> dict:
     if args.checkpointing:
         models.enable_gradient_checkpointing(model)
     gen = random.Random(0)
-    rows = [P.Row([gen.randrange(100, len(tokenizer)) for _ in range(args.tokens)], args.tokens - args.targets,
-                      [gen.uniform(-1, 1)] * args.targets) for _ in range(args.rows)]
+    rows = [P.Row([gen.randrange(100, len(tokenizer)) for _ in range(args.tokens)],
+                  args.tokens - args.targets, [gen.uniform(-1, 1)] * args.targets)
+            for _ in range(args.rows)]
 
     def step() -> None:
         logps = P.row_logprobs(model, rows, tokenizer.pad_token_id, device)
@@ -71,7 +72,8 @@ def child(args) -> dict:
     done[0] = True
     sampler.join()
     extra = (torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else peak[0] - before_rss
-    return {"checkpointing": args.checkpointing, "extra_mb": extra / 2**20, "seconds": seconds, "device": str(device)}
+    return {"checkpointing": args.checkpointing, "extra_mb": extra / 2**20, "seconds": seconds,
+            "device": str(device)}
 
 
 def main() -> None:
@@ -90,13 +92,13 @@ def main() -> None:
         return
     results = []
     for flag in ([], ["--checkpointing"]):
-        cmd = [sys.executable, __file__, "--child", *flag] + [f"--{k}={getattr(args, k)}" for k in
-                                                               ("model", "rows", "tokens", "targets", "threads", "device")]
+        cmd = [sys.executable, __file__, "--child", *flag] + [
+            f"--{k}={getattr(args, k)}" for k in ("model", "rows", "tokens", "targets", "threads", "device")]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         results.append(json.loads(out))
     plain, ckpt = results
-    print(f"{args.model}, {args.rows} rows x {args.tokens} tokens ({args.targets} trained), {plain['device']}, "
-          f"fp32, one forward+backward")
+    print(f"{args.model}, {args.rows} rows x {args.tokens} tokens ({args.targets} trained), "
+          f"{plain['device']}, fp32, one forward+backward")
     print(f"{'':24}{'extra memory (MB)':>20}{'seconds':>10}")
     for name, r in (("plain", plain), ("gradient checkpointing", ckpt)):
         print(f"{name:24}{r['extra_mb']:>20.0f}{r['seconds']:>10.1f}")

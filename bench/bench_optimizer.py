@@ -45,7 +45,8 @@ def measure(steps: int, numel: int, lr: float, weight_decay: float, seed: int) -
     start = start_weights(numel, seed)
     args = dict(lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
     ref = {k: torch.nn.Parameter(w.clone()) for k, w in start.items()}
-    runs = {name: {k: torch.nn.Parameter(w.to(torch.bfloat16)) for k, w in start.items()} for name in VARIANTS}
+    runs = {name: {k: torch.nn.Parameter(w.to(torch.bfloat16)) for k, w in start.items()}
+            for name in VARIANTS}
     opts = {"ref": torch.optim.AdamW(list(ref.values()), **args)}
     opts.update({name: make(list(runs[name].values()), args) for name, make in VARIANTS.items()})
     gen = torch.Generator().manual_seed(seed + 1)
@@ -84,7 +85,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"AdamW lr {args.lr}, betas (0.9, 0.999), weight decay {args.weight_decay}, {args.numel} elements "
           f"per kind; reference: fp32 weights and moments")
-    print(f"{'steps':>6} {'variant':<30} {'kind':<7} {'v/v_ref':>8} {'v·β₂==v':>8} {'moved':>7} {'Δw error':>9}")
+    print(f"{'steps':>6} {'variant':<30} {'kind':<7} {'v/v_ref':>8} {'v·β₂==v':>8} {'moved':>7} "
+          f"{'Δw error':>9}")
     for steps in args.steps:
         for r in measure(steps, args.numel, args.lr, args.weight_decay, args.seed):
             print(f"{steps:>6} {r['variant']:<30} {r['kind']:<7} {r['v_ratio']:>8.3f} {r['no_decay']:>8.1%} "

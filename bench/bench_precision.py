@@ -35,7 +35,8 @@ def batch_for(tokenizer, n_problems: int = 4) -> tuple[torch.Tensor, torch.Tenso
     problems = data.make_arithmetic(n_problems, seed=0)
     seqs, targets = [], []
     for p in problems:
-        prompt = tokenizer(data.format_prompt(p["problem"], style="release"), add_special_tokens=False).input_ids
+        prompt = tokenizer(data.format_prompt(p["problem"], style="release"),
+                           add_special_tokens=False).input_ids
         answer = tokenizer(f"We compute {p['problem']} The answer is \\boxed{{{p['answer']}}}.",
                            add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         seqs.append(prompt + answer)
@@ -100,8 +101,9 @@ def main(argv=None) -> dict:
                   f"‖Δθ‖₂ = {r['l2_change']:.3e}", flush=True)
             model.to(torch.float32)
         bf16, fp32 = results[(name, "bf16")], results[(name, "bf16-autocast")]
-        print(f"  fp32 master weights (bf16-autocast) vs pure bf16: {fp32['changed'] / max(bf16['changed'], 1):.0f}× "
-              f"as many parameters changed, ‖Δθ‖ {fp32['l2_change'] / max(bf16['l2_change'], 1e-30):.1f}× larger "
+        print(f"  fp32 master weights (bf16-autocast) vs pure bf16: "
+              f"{fp32['changed'] / max(bf16['changed'], 1):.0f}× as many parameters changed, "
+              f"‖Δθ‖ {fp32['l2_change'] / max(bf16['l2_change'], 1e-30):.1f}× larger "
               f"({time.perf_counter() - t0:.0f}s)", flush=True)
     return results
 

@@ -14,11 +14,12 @@ then the ratio engine/generate, and DATPO's rollout seconds per generated token 
 Sampling draws different tokens in the two engines (their random streams are consumed in another order), so
 token counts differ a little; tokens/s is the fair comparison. Last, the peak KV at the paper's shape
 (Qwen2.5-3B, 16 prompts, (N, K, B) = (4, 3, 4), 1,024 new tokens, 256-token prompts), computed.
-With --compile_decode: the engine eager vs the engine with --compile_decode (torch.compile of the decode step),
-same prompts and seed; the compile (a one-prompt warm-up run) is timed apart, then tokens/s and the ratio.
+With --compile_decode: the engine eager vs the engine with --compile_decode (torch.compile of the decode
+step), same prompts and seed; the compile (a one-prompt warm-up run) is timed apart, then tokens/s and the
+ratio.
 
-The floor: after each shape, the model's own bare forward at the engine's mean batch (rows per decode step) and
-mean context (KV tokens a row reads), timed alone — one decode token per row through HF's forward with a
+The floor: after each shape, the model's own bare forward at the engine's mean batch (rows per decode step)
+and mean context (KV tokens a row reads), timed alone — one decode token per row through HF's forward with a
 DynamicCache, logits of the last position, no sampling, no scheduling, no grading — and the engine's tokens/s
 as a share of it: how far the engine is from the limit its model sets on this machine.
 """
@@ -60,13 +61,14 @@ def run(model, tokenizer, prompts, answers, cfg, engine, seed, kwargs):
     tokens = stats.base_tokens + stats.branch_tokens
     return dict(wall=wall, tokens=tokens, tok_s=tokens / wall, ended=stats.ended_row_steps,
                 row_steps=stats.row_steps, kv=stats.peak_kv_bytes, recomputed=stats.recomputed_prefix_tokens,
-                branches=sum(1 for t in trees for b in t.blocks if b.branch), shape=engine_shape(trees, stats))
+                branches=sum(1 for t in trees for b in t.blocks if b.branch),
+                shape=engine_shape(trees, stats))
 
 
 def engine_shape(trees, stats) -> tuple[float, float, int]:
-    """(mean rows per decode step, mean context a row reads, row-steps counted) of an engine run. A row of L tokens is in L − 1
-    decode steps (its first token comes with its prefill), reading prompt + fork + t KV slots at its t-th;
-    a base response is one row, a branch at fork f another."""
+    """(mean rows per decode step, mean context a row reads, row-steps counted) of an engine run. A row of L
+    tokens is in L − 1 decode steps (its first token comes with its prefill), reading prompt + fork + t KV
+    slots at its t-th; a base response is one row, a branch at fork f another."""
     total = steps = 0
     for tr in trees:
         rows = [(0, sum(len(b.token_ids) for b in tr.blocks if b.base == j and not b.branch))
@@ -102,7 +104,8 @@ def paper_shape_kv(prompt: int = 256, new: int = 1024, prompts: int = 16, n: int
     """Peak KV bytes at the paper's shape, Qwen2.5-3B in bf16 (36 layers × 2 KV heads × 128 × 2 (K, V) × 2 B).
     generate: the base cache of a gen_batch_size call (rows × (prompt + new)) stays alive while a chunk of
     branches holds its own copy of each prefix, left-padded to the longest (prompt + new − 1), plus up to
-    `new` tokens. engine: its default pool (every prompt once + (max_batch_rows + N) × new; prefixes shared)."""
+    `new` tokens. engine: its default pool (every prompt once + (max_batch_rows + N) × new; prefixes
+    shared)."""
     per_token = 36 * 2 * 128 * 2 * 2
     generate = gen_batch * (prompt + new) + chunk * (prompt + new - 1 + new)
     engine = prompts * prompt + (max(gen_batch, chunk) + n) * new
@@ -118,7 +121,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile_decode", action="store_true",
-                        help="compare the engine eager and with --compile_decode instead of engine vs generate")
+                        help="compare the engine eager and with --compile_decode instead of "
+                             "engine vs generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
@@ -130,13 +134,14 @@ def main():
     for shape in args.shapes.split(","):
         cfg, n_prompts, kwargs = shape_config(shape, args)
         problems = data.load_problems(cfg.train_data, limit=n_prompts)
-        prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
+        prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
+                   for p in problems]
         answers = [p["answer"] for p in problems]
         engines = ("compiled", "engine") if args.compile_decode else ("engine", "generate")
         for e in engines[:1]:                                                                   # warm-up
             warm = run(model, tokenizer, prompts[:1], answers[:1], cfg, e, args.seed, kwargs)
-            print(f"({shape}) warm-up {e} (compiles the decode step under --compile_decode): {warm['wall']:.1f} s",
-                  flush=True)
+            print(f"({shape}) warm-up {e} (compiles the decode step under --compile_decode): "
+                  f"{warm['wall']:.1f} s", flush=True)
         result = {}
         for e in engines:
             result[e] = run(model, tokenizer, prompts, answers, cfg, e, args.seed, kwargs)
@@ -150,7 +155,8 @@ def main():
                                 ("tokens / s", "tok_s", "{:.1f}"), ("branches", "branches", "{:.0f}"),
                                 ("row-steps run", "row_steps", "{:.0f}"),
                                 ("row-steps on ended rows", "ended", "{:.0f}"),
-                                ("peak KV MB", "kv", "{:.1f}"), ("prefix tokens recomputed", "recomputed", "{:.0f}")]:
+                                ("peak KV MB", "kv", "{:.1f}"),
+                                ("prefix tokens recomputed", "recomputed", "{:.0f}")]:
             a, b = ours[key], ref[key]
             if key == "kv":
                 a, b = a / 2**20, b / 2**20
@@ -159,8 +165,8 @@ def main():
         seconds_per_token[shape] = {e: r["wall"] / r["tokens"] for e, r in result.items()}
         rows, context, counted = ours["shape"]
         floor = bare_forward_tokens_per_s(model, max(1, round(rows)), round(context))
-        print(f"({shape}) floor: the bare forward at the engine's mean batch {rows:.1f} rows × context {context:.0f}"
-              f" tokens: {floor:.1f} tokens/s; {engines[0]} {ours['tok_s']:.1f} tokens/s = "
+        print(f"({shape}) floor: the bare forward at the engine's mean batch {rows:.1f} rows × context "
+              f"{context:.0f} tokens: {floor:.1f} tokens/s; {engines[0]} {ours['tok_s']:.1f} tokens/s = "
               f"{ours['tok_s'] / floor:.2f} of it (row-steps counted from the trees {counted}, the engine's "
               f"{ours['row_steps']}); load average {os.getloadavg()[0]:.2f}", flush=True)
     if "a" in seconds_per_token and "b" in seconds_per_token and not args.compile_decode:
@@ -168,8 +174,9 @@ def main():
             print(f"DATPO (b) / GRPO-like (a) rollout seconds per generated token, {e}: "
                   f"{seconds_per_token['b'][e] / seconds_per_token['a'][e]:.2f}")
     today, ours = paper_shape_kv()
-    print(f"\npaper shape (Qwen2.5-3B bf16, 16 prompts, (4, 3, 4), 1,024 new tokens, 256-token prompts), computed "
-          f"peak KV: generate {today / 2**30:.1f} GiB, engine {ours / 2**30:.1f} GiB, engine/generate {ours / today:.2f}")
+    print(f"\npaper shape (Qwen2.5-3B bf16, 16 prompts, (4, 3, 4), 1,024 new tokens, 256-token prompts), "
+          f"computed peak KV: generate {today / 2**30:.1f} GiB, engine {ours / 2**30:.1f} GiB, "
+          f"engine/generate {ours / today:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Tree-packed update vs rows, one run: tokens forwarded per unique tree token and update seconds.
+r"""Tree-packed update vs rows, one run: tokens forwarded per unique tree token and update seconds.
 
     python bench/bench_update.py                         # both parts below (~15 min on 2 idle CPU cores)
-    python bench/bench_update.py --part demo --methods paper grpo treerl --time paper grpo treerl --demo_tokens 2048 4096
-    python bench/bench_update.py --part paper --methods paper grpo --time_paper paper grpo --cpu_tokens 8192 --timed_trees 4
+    python bench/bench_update.py --part demo --methods paper grpo treerl --time paper grpo treerl \
+        --demo_tokens 2048 4096
+    python bench/bench_update.py --part paper --methods paper grpo --time_paper paper grpo \
+        --cpu_tokens 8192 --timed_trees 4
 
 Run it alone on the machine: two PyTorch processes sharing 2 cores slow each other unevenly (the load
 average at the start is printed).
@@ -76,15 +78,16 @@ def timed_updates(model, trees, cfg, pad_id, budgets=(), kernels=("tree", "dense
         optimizer = torch.optim.AdamW(copy_.parameters(), lr=cfg.lr)
         t0 = time.perf_counter()
         stats = train.ppo_update(copy_, optimizer, trees, cfg, pad_id, "cpu", random.Random(0))
-        out[layout if budget is None else f"packed {budget} {kernel}"] = (time.perf_counter() - t0,
-                                                                        stats["loss"], stats["optimizer_steps"])
+        out[layout if budget is None else f"packed {budget} {kernel}"] = (
+            time.perf_counter() - t0, stats["loss"], stats["optimizer_steps"])
         del copy_, optimizer
     return out
 
 
 def count_table(label: str, trees, cfg, budgets=()) -> None:
     """forwarded / unique for rows, packed at the config's token budget (and at each of `budgets`: a smaller
-    budget cuts more trees, whose ancestors are forwarded again), and packed with random-block mini-batches."""
+    budget cuts more trees, whose ancestors are forwarded again), and packed with random-block
+    mini-batches."""
     rows = forwarded_per_unique(trees, cfg, "rows", "trees")
     own = cfg.max_tokens_per_micro_batch
     packed = {}
@@ -110,7 +113,8 @@ def demo_part(args) -> None:
         cfg = C.make_config(preset, "demo", threads=args.threads, prompts_per_step=args.prompts)
         problems = data.load_problems(cfg.train_data)
         picked = [problems[data.problem_index(len(problems), i, cfg.seed)] for i in range(args.prompts)]
-        prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in picked]
+        prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
+                   for p in picked]
         cache = Path(args.cache) / f"{preset}-{args.prompts}.pkl" if args.cache else None
         t0 = time.perf_counter()
         if cache and cache.exists():          # the same rollouts again (the update is what is measured)
@@ -118,7 +122,8 @@ def demo_part(args) -> None:
         else:
             rng = random.Random(cfg.seed)
             torch.manual_seed(cfg.seed)
-            trees, _ = R.rollout_trees(model.eval(), tokenizer, prompts, [p["answer"] for p in picked], cfg, rng,
+            trees, _ = R.rollout_trees(model.eval(), tokenizer, prompts,
+                                       [p["answer"] for p in picked], cfg, rng,
                                        levels=[p.get("level") for p in picked])   # cfg.method's rollout
             if cache:
                 cache.parent.mkdir(parents=True, exist_ok=True)
@@ -126,16 +131,17 @@ def demo_part(args) -> None:
         t_gen = time.perf_counter() - t0
         kept = [tr for tr in trees if M.METHODS[cfg.method].trainable(tr)]
         tts = [train.train_tree(tr, advantages(tr, cfg), cfg.method) for tr in kept]
-        print(f"[{preset}] {len(kept)} trees, {sum(len(t.tokens) for t in tts)} blocks, generation {t_gen:.0f} s",
-              flush=True)
+        print(f"[{preset}] {len(kept)} trees, {sum(len(t.tokens) for t in tts)} blocks, "
+              f"generation {t_gen:.0f} s", flush=True)
         count_table(preset, tts, cfg, args.demo_tokens)
         if preset in args.time:
             res = timed_updates(model, tts, cfg, tokenizer.pad_token_id, args.demo_tokens, args.kernels)
             rows_s, rows_loss, steps = res.pop("rows")
-            print(f"  update seconds: rows {rows_s:.1f} (loss {rows_loss:.6f}, {steps} optimizer steps)", flush=True)
+            print(f"  update seconds: rows {rows_s:.1f} (loss {rows_loss:.6f}, {steps} optimizer steps)",
+                  flush=True)
             for name, (sec, loss, _) in res.items():
-                print(f"                  {name:18s} {sec:.1f}   rows/packed {rows_s / sec:.2f}   (loss {loss:.6f})",
-                      flush=True)
+                print(f"                  {name:18s} {sec:.1f}   rows/packed {rows_s / sec:.2f}   "
+                      f"(loss {loss:.6f})", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -160,32 +166,36 @@ def synthetic_tree(rng: random.Random, prompt_len: int, response_len: int, n: in
 
 def paper_part(args) -> None:
     torch.set_num_threads(args.threads)
-    shapes = {"paper": (4, 3, 4), "grpo": (16, 0, 0), "drgrpo": (16, 0, 0), "treerl": (6, 2, 2), "attnrl": (6, 2, 2)}
+    shapes = {"paper": (4, 3, 4), "grpo": (16, 0, 0), "drgrpo": (16, 0, 0), "treerl": (6, 2, 2),
+              "attnrl": (6, 2, 2)}
     print(f"paper shape: synthetic trees, prompt {args.prompt_len}, responses ~{args.response_len} tokens "
           f"(uniform ×0.5–1.5), {args.paper_prompts} prompts per step", flush=True)
     small = None
     for preset in args.methods:
-        cfg = C.make_config(preset, **({"max_tokens_per_micro_batch": args.paper_tokens} if args.paper_tokens else {}))
+        cfg = C.make_config(preset, **({"max_tokens_per_micro_batch": args.paper_tokens}
+                                       if args.paper_tokens else {}))
         rng = random.Random(0)
         n, k, b = shapes[preset]
         trees = [synthetic_tree(rng, args.prompt_len, args.response_len, n, k, b, args.vocab)
                  for _ in range(args.paper_prompts)]
         tts = [train.train_tree(tr, advantages(tr, cfg), cfg.method)
                for tr in trees if M.METHODS[cfg.method].trainable(tr)]
-        print(f"[{preset}] (N, K, B) = {(n, k, b)}, {len(tts)} trees, {sum(len(t.tokens) for t in tts)} blocks, "
+        print(f"[{preset}] (N, K, B) = {(n, k, b)}, {len(tts)} trees, "
+              f"{sum(len(t.tokens) for t in tts)} blocks, "
               f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch}", flush=True)
         count_table(preset, tts, cfg, args.paper_budgets)
         if preset in args.time_paper:
-            small = small or models.tiny_random_model(args.vocab, seed=0, hidden_size=64, intermediate_size=128,
-                                                      num_hidden_layers=2, num_attention_heads=4,
-                                                      num_key_value_heads=2, max_position_embeddings=8192)
+            small = small or models.tiny_random_model(args.vocab, seed=0, hidden_size=64,
+                                                      intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2,
+                                                      max_position_embeddings=8192)
             cfg = C.make_config(preset, precision="fp32", max_tokens_per_micro_batch=args.cpu_tokens,
                                 micro_batch_size=args.rows_per_micro, ppo_epochs=1)
             few = tts[:args.timed_trees]
             res = timed_updates(small, few, cfg, pad_id=0, kernels=args.kernels)
             rows_s = res.pop("rows")[0]
-            print(f"  update seconds, small model (64 wide, 2 layers, vocab {args.vocab}), {len(few)} trees, rows "
-                  f"{args.rows_per_micro} per micro-batch: rows {rows_s:.1f}", flush=True)
+            print(f"  update seconds, small model (64 wide, 2 layers, vocab {args.vocab}), {len(few)} trees, "
+                  f"rows {args.rows_per_micro} per micro-batch: rows {rows_s:.1f}", flush=True)
             for name, (sec, _, _) in res.items():
                 print(f"                  {name:18s} {sec:.1f}   rows/packed {rows_s / sec:.2f}", flush=True)
     memory_table()
@@ -204,13 +214,14 @@ def memory_table() -> None:
     Weights + gradients + AdamW state per parameter: 2 + 2 + 4 B (bf16, --optimizer_dtype param: the release),
     2 + 2 + 4 + 8 B (bf16 with fp32 master + moments, --optimizer_dtype fp32), 4 + 4 + 8 B (bf16-autocast)."""
     print("peak memory, paper's update on one 80 GB GPU (computed, not measured):", flush=True)
-    for name, per_param in (("bf16, --optimizer_dtype param (release)", 8), ("bf16, --optimizer_dtype fp32", 16),
-                            ("bf16-autocast", 16)):
+    for name, per_param in (("bf16, --optimizer_dtype param (release)", 8),
+                            ("bf16, --optimizer_dtype fp32", 16), ("bf16-autocast", 16)):
         for checkpointing in (False, True):
-            cells = [f"{update_memory_gb(per_param, tokens, checkpointing):5.1f}" for tokens in (4096, 8192, 16384)]
+            cells = [f"{update_memory_gb(per_param, tokens, checkpointing):5.1f}"
+                     for tokens in (4096, 8192, 16384)]
             print(f"  {name:40s} checkpointing {'on ' if checkpointing else 'off'}  states "
-                  f"{QWEN25_3B_PARAMS * per_param / 1e9:4.1f} GB; 4,096 / 8,192 / 16,384 tokens per micro-batch: "
-                  f"{' / '.join(cells)} GB", flush=True)
+                  f"{QWEN25_3B_PARAMS * per_param / 1e9:4.1f} GB; "
+                  f"4,096 / 8,192 / 16,384 tokens per micro-batch: {' / '.join(cells)} GB", flush=True)
 
 
 QWEN25_3B_PARAMS = 3.09e9
@@ -229,25 +240,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["demo", "paper", "both"], default="both")
     parser.add_argument("--methods", nargs="+", default=["paper", "grpo", "drgrpo", "treerl", "attnrl"])
-    parser.add_argument("--time", nargs="*", default=["paper", "grpo"], help="demo presets whose update is timed")
+    parser.add_argument("--time", nargs="*", default=["paper", "grpo"],
+                        help="demo presets whose update is timed")
     parser.add_argument("--time_paper", nargs="*", default=["paper"], help="paper-shape presets timed")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--demo_tokens", type=int, nargs="*", default=[],
-                        help="packed budgets timed (and counted) at the demo shape, besides the demo preset's")
+                        help="packed budgets timed (and counted) at the demo shape, "
+                             "besides the demo preset's")
     parser.add_argument("--kernels", nargs="+", default=["tree", "dense"], choices=["tree", "dense"],
                         help="packed attention kernels timed (flex needs CUDA)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cache", default="runs/bench_update", help="rollouts are saved here and reused ('' = off)")
+    parser.add_argument("--cache", default="runs/bench_update",
+                        help="rollouts are saved here and reused ('' = off)")
     parser.add_argument("--prompt_len", type=int, default=150)
     parser.add_argument("--response_len", type=int, default=600)
     parser.add_argument("--paper_prompts", type=int, default=16)
-    parser.add_argument("--paper_tokens", type=int, default=0, help="packed budget for the paper-shape counts "
-                        "(0 = the preset's max_tokens_per_micro_batch)")
+    parser.add_argument("--paper_tokens", type=int, default=0,
+                        help="packed budget for the paper-shape counts "
+                             "(0 = the preset's max_tokens_per_micro_batch)")
     parser.add_argument("--paper_budgets", type=int, nargs="*", default=[2048, 4096],
                         help="more packed budgets whose forwarded/unique is printed at the paper shape")
     parser.add_argument("--timed_trees", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--cpu_tokens", type=int, default=2048, help="packed micro-batch budget for CPU timing")
+    parser.add_argument("--cpu_tokens", type=int, default=2048,
+                        help="packed micro-batch budget for CPU timing")
     parser.add_argument("--rows_per_micro", type=int, default=8)
     args = parser.parse_args()
     if args.part in ("demo", "both"):

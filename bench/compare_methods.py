@@ -4,10 +4,11 @@
     python bench/compare_methods.py --scale demo --steps 2 --presets paper grpo treerl
     python bench/compare_methods.py --scale demo --steps 6 --presets paper attnrl --off_policy both
 
---off_policy both runs each preset twice, on-policy (--off_policy_steps 0) and one-step off-policy (1, offpolicy.py),
-same seed, and prints generation and total seconds per step on/off with their ratio, and the decode loop's mean
-rows per step (occupancy: row-steps / decode steps, of --max_batch_rows) with the next step's share of them.
-Runs already finished in --out_dir (all --steps in their metrics.jsonl) are read, not redone.
+--off_policy both runs each preset twice, on-policy (--off_policy_steps 0) and one-step off-policy
+(1, offpolicy.py), same seed, and prints generation and total seconds per step on/off with their ratio, and
+the decode loop's mean rows per step (occupancy: row-steps / decode steps, of --max_batch_rows) with the next
+step's share of them. Runs already finished in --out_dir (all --steps in their metrics.jsonl) are read, not
+redone.
 
 Per method: generated tokens per prompt (the paper's fairness control, App. E.3), leaves per prompt,
 trained blocks, and seconds per step (mean over the steps; the first step includes warm-up).
@@ -41,7 +42,8 @@ def main():
         steps = train_run(args, preset, out / preset)
         mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
         rows.append((preset, mean("generated_tokens_per_prompt"), mean("leaves_per_prompt"), mean("blocks"),
-                     mean("reward"), mean("seconds_generation"), mean("seconds_update"), mean("seconds_step")))
+                     mean("reward"), mean("seconds_generation"), mean("seconds_update"),
+                     mean("seconds_step")))
     print(f"scale {args.scale}, {args.steps} steps each (means over steps)")
     print(f"{'preset':10s}{'tokens/prompt':>15s}{'leaves/prompt':>15s}{'blocks':>7s}{'reward':>8s}"
           f"{'gen s':>8s}{'update s':>10s}{'s/step':>8s}")
@@ -75,10 +77,12 @@ def compare_off_policy(args, out: Path) -> None:
             if len(steps) < args.steps:   # a run finished by an earlier call into the same --out_dir is read
                 steps = train_run(args, preset, run, "--off_policy_steps", str(off), "--overwrite", "true")
             mean = lambda key: sum(r.get(key, 0) for r in steps) / len(steps)  # noqa: E731
-            per[off] = dict(gen=mean("seconds_generation"), total=mean("seconds_step"), rows=mean("mean_batch_rows"),
-                            ahead=sum(r["ahead_row_steps"] for r in steps) / max(1, sum(r["row_steps"] for r in steps)),
-                            lag=max(r["policy_lag"] for r in steps), tokens=mean("generated_tokens_per_prompt"),
-                            reward=mean("reward"))
+            per[off] = dict(gen=mean("seconds_generation"), total=mean("seconds_step"),
+                            rows=mean("mean_batch_rows"),
+                            ahead=(sum(r["ahead_row_steps"] for r in steps)
+                                   / max(1, sum(r["row_steps"] for r in steps))),
+                            lag=max(r["policy_lag"] for r in steps),
+                            tokens=mean("generated_tokens_per_prompt"), reward=mean("reward"))
         table.append((preset, per))
     print(f"scale {args.scale}, {args.steps} steps each, one run per setting (means over steps)")
     print(f"{'preset':10s}{'off':>4s}{'gen s/step':>12s}{'total s/step':>14s}{'rows/decode':>13s}"

@@ -61,7 +61,8 @@ class Phases:
 
     def wrap(self, name: str, fn, count_tokens):
         def measured(*args, **kwargs):
-            if self.running:            # evaluation's generation is evaluation's, not the rollout's base phase
+            # evaluation's generation is evaluation's, not the rollout's base phase
+            if self.running:
                 return fn(*args, **kwargs)
             self.running = name
             if self.cuda:
@@ -117,13 +118,15 @@ def smoke(preset: str, args) -> list[str]:
 
     models.load_policy = load_policy
     R.compute_reward = coin_flip_reward
-    R.rollout_trees = phases.wrap("rollout", real["rollout"], lambda out: out[1].base_tokens + out[1].branch_tokens)
-    train.ppo_update = phases.wrap("update", real["update"], lambda s: int(s["forwarded_tokens"]) * args.ppo_epochs)
+    R.rollout_trees = phases.wrap("rollout", real["rollout"],
+                                  lambda out: out[1].base_tokens + out[1].branch_tokens)
+    train.ppo_update = phases.wrap("update", real["update"],
+                                   lambda s: int(s["forwarded_tokens"]) * args.ppo_epochs)
     evaluate.evaluate_problems = phases.wrap("eval", real["eval"],
                                              lambda r: sum(x["tokens"] for x in r["records"]))
     out_dir = Path(tempfile.mkdtemp(prefix=f"gpu_smoke_{preset}_"))
-    argv = ["--preset", preset, "--model", "tiny-random", "--train_data", "arith-train", "--eval_data", "arith-test",
-            "--steps", "2", "--save_every", "0", "--out_dir", str(out_dir),
+    argv = ["--preset", preset, "--model", "tiny-random", "--train_data", "arith-train",
+            "--eval_data", "arith-test", "--steps", "2", "--save_every", "0", "--out_dir", str(out_dir),
             "--device", "cpu" if args.cpu_check else "cuda",
             "--prompts_per_step", str(args.prompts), "--max_new_tokens", str(args.max_new_tokens),
             "--ppo_epochs", str(args.ppo_epochs), "--embed_model", "all-minilm-l6-v2",
@@ -164,10 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=1024, help="the paper: 1024")
     parser.add_argument("--ppo_epochs", type=int, default=2, help="the paper's release: 2")
     parser.add_argument("--eval", action="store_true",
-                        help="also time evaluations before and after (8 problems × 2 samples, max_new_tokens)")
+                        help="also time evaluations before and after "
+                             "(8 problems × 2 samples, max_new_tokens)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train.py flags")
     parser.add_argument("--cpu_check", action="store_true",
-                        help="run this script's own code on CPU with a 2-layer model of the same family (tests)")
+                        help="run this script's own code on CPU with a 2-layer model of the same family "
+                             "(tests)")
     args = parser.parse_args(argv)
     if args.cpu_check:
         for preset in args.presets:
@@ -177,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         print("bench/gpu_smoke.py needs a CUDA GPU and there is none here; nothing was run.")
         return
-    print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 1e9:.0f} GB), "
+    print(f"GPU: {torch.cuda.get_device_name()} "
+          f"({torch.cuda.get_device_properties(0).total_memory / 1e9:.0f} GB), "
           f"torch {torch.__version__}; random Qwen2.5-3B-shaped model (no hub)", flush=True)
     for preset in args.presets:
         for line in smoke(preset, args):

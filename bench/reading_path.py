@@ -22,7 +22,8 @@ SKIP = ("tests/", "bench/", "docs/")
 
 def project_modules(repo: Path) -> dict[str, Path]:
     """module name -> file, for the tracked .py files outside tests/bench/docs."""
-    files = subprocess.run(["git", "ls-files", "*.py"], cwd=repo, capture_output=True, text=True).stdout.split()
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=repo, capture_output=True,
+                           text=True).stdout.split()
     out = {}
     for f in files:
         if f.startswith(SKIP):
@@ -33,7 +34,8 @@ def project_modules(repo: Path) -> dict[str, Path]:
 
 
 class Module:
-    """One file's top-level definitions (name -> node) and its imports (local name -> module or (module, name))."""
+    """One file's top-level definitions (name -> node) and its imports (local name -> module or
+    (module, name))."""
 
     def __init__(self, name: str, path: Path, modules: dict):
         self.name, self.path = name, path
@@ -107,7 +109,8 @@ def report(repo: Path) -> None:
     funcs = sorted((length, f"{modules[m].relative_to(repo)}:{name}") for m in files
                    for length, name in lengths(modules[m]))[::-1][:8]
     print("  longest on that path: " + ", ".join(f"{name} {length}" for length, name in funcs))
-    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=repo, capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=repo, capture_output=True,
+                             text=True).stdout.split()
     lines = [line for f in tracked for line in (repo / f).read_text(encoding="utf-8").splitlines()]
     print(f"  lines over 100 characters: {sum(len(x) > 100 for x in lines)} of {len(lines)} "
           f"({100 * sum(len(x) > 100 for x in lines) / len(lines):.1f} %)")

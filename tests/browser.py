@@ -34,7 +34,8 @@ def find_chromium() -> str | None:
 
 
 class Chromium:
-    def __init__(self, executable: str | None = None, width: int = 1200, height: int = 800, timeout: float = 60.0):
+    def __init__(self, executable: str | None = None, width: int = 1200, height: int = 800,
+                 timeout: float = 60.0):
         self.executable = executable or find_chromium()
         if not self.executable:
             raise FileNotFoundError("no Chromium found (apt-get install chromium, or set $CHROMIUM)")
@@ -49,15 +50,17 @@ class Chromium:
         self._log = open(os.path.join(self._profile, "stderr.txt"), "w+")
         to_browser_r, self._to_browser = os.pipe()       # we write, Chromium reads on fd 3
         self._from_browser, from_browser_w = os.pipe()   # Chromium writes on fd 4, we read
-        # Chromium expects the pipe on fds 3 and 4. Its ends are first moved above 9 so that placing one cannot
-        # overwrite the other; the child then dup2()s them into place (dup2 clears close-on-exec, and fds that
-        # Python opens are close-on-exec already, so close_fds=False leaks nothing else).
+        # Chromium expects the pipe on fds 3 and 4. Its ends are first moved above 9 so that placing one
+        # cannot overwrite the other; the child then dup2()s them into place (dup2 clears close-on-exec, and
+        # fds that Python opens are close-on-exec already, so close_fds=False leaks nothing else).
         to_browser_r, from_browser_w = (self._high(fd) for fd in (to_browser_r, from_browser_w))
 
-        args = ["--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
-                "--mute-audio", "--disable-background-networking", "--disable-component-update",
-                f"--user-data-dir={self._profile}", f"--window-size={self.width},{self.height}", "about:blank"]
+        args = ["--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
+                "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
+                "--disable-extensions", "--hide-scrollbars", "--mute-audio",
+                "--disable-background-networking", "--disable-component-update",
+                f"--user-data-dir={self._profile}", f"--window-size={self.width},{self.height}",
+                "about:blank"]
 
         def pipe_on_3_and_4(r=to_browser_r, w=from_browser_w):
             os.dup2(r, 3)
@@ -118,7 +121,8 @@ class Chromium:
         try:
             os.write(self._to_browser, json.dumps(message).encode() + b"\0")
         except BrokenPipeError:
-            raise ConnectionError(f"Chromium exited (code {self.proc.poll()}): {self.stderr_tail()}") from None
+            raise ConnectionError(f"Chromium exited (code {self.proc.poll()}): "
+                                  f"{self.stderr_tail()}") from None
         if not wait:
             return {}
         deadline = time.monotonic() + self.timeout
@@ -158,7 +162,8 @@ class Page:
         self.browser, self.session = browser, session
 
     def _events(self, method: str) -> list[dict]:
-        return [e["params"] for e in self.browser.events if e.get("method") == method and e.get("sessionId") == self.session]
+        return [e["params"] for e in self.browser.events
+                if e.get("method") == method and e.get("sessionId") == self.session]
 
     def evaluate(self, expression: str):
         result = self.browser._send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
@@ -172,7 +177,8 @@ class Page:
         """Uncaught exceptions, console.error / console.assert calls and error-level log entries (e.g. a
         resource that failed to load), as text."""
         out = [json.dumps(e["exceptionDetails"])[:500] for e in self._events("Runtime.exceptionThrown")]
-        out += [f"console.{e['type']}: " + " ".join(str(a.get("value", a.get("description"))) for a in e["args"])
+        out += [f"console.{e['type']}: "
+                + " ".join(str(a.get("value", a.get("description"))) for a in e["args"])
                 for e in self._events("Runtime.consoleAPICalled") if e["type"] in ("error", "assert")]
         out += [f"log {e['entry']['source']}: {e['entry']['text']}" for e in self._events("Log.entryAdded")
                 if e["entry"]["level"] == "error"]

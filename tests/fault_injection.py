@@ -1,6 +1,7 @@
 """Fault injection for train.py: real processes killed at chosen moments and resumed until they finish.
 
-    python tests/fault_injection.py                        # tiny random model (what CI runs, via test_faults.py)
+    python tests/fault_injection.py                        # tiny random model (what CI runs,
+                                                           # via test_faults.py)
     python tests/fault_injection.py --model smollm2-135m   # the embedded model with the real grader
 
 Three chains of the same short run (same seed, a checkpoint every step) run side by side:
@@ -38,16 +39,16 @@ KILLS = ["checkpoint-write:1",   # half-written first checkpoint: nothing to res
          "step:2",               # resumed at 1; does step 2, dies as step 3 starts: resumes at 2
          "checkpoint-write:1",   # resumed at 2; does step 3 and the final eval, dies writing its checkpoint
          None]
-STOPS = ["step:2:SIGTERM", None]
-POISONS = ["poison-update:3"]     # step 3's update with lr = inf: refused by the weight guard, run exits 0  # SIGTERM as step 2 starts: finish it, checkpoint, exit 0; then resume
+STOPS = ["step:2:SIGTERM", None]  # SIGTERM as step 2 starts: finish it, checkpoint, exit 0; then resume
+POISONS = ["poison-update:3"]  # step 3's update with lr = inf: refused by the weight guard, run exits 0
 
-TINY_ARGS = ["--preset", "tiny", "--steps", "3", "--save_every", "1", "--eval_every", "2", "--eval_limit", "2",
-             "--threads", "1", "--seed", "3"]
-SMOLLM_ARGS = ["--preset", "tiny", "--model", "smollm2-135m", "--steps", "3", "--save_every", "1", "--n_base", "4",
-               "--k_max", "1", "--b_max", "2", "--max_new_tokens", "16", "--prompts_per_step", "2",
-               "--few_shot", "true", "--answer_fallback", "true", "--lr", "1e-5", "--eval_every", "2",
-               "--eval_limit", "1", "--eval_k", "2", "--eval_max_new_tokens", "8", "--threads", "1",
-               "--mini_batch_size", "16", "--micro_batch_size", "8"]
+TINY_ARGS = ["--preset", "tiny", "--steps", "3", "--save_every", "1", "--eval_every", "2",
+             "--eval_limit", "2", "--threads", "1", "--seed", "3"]
+SMOLLM_ARGS = ["--preset", "tiny", "--model", "smollm2-135m", "--steps", "3", "--save_every", "1",
+               "--n_base", "4", "--k_max", "1", "--b_max", "2", "--max_new_tokens", "16",
+               "--prompts_per_step", "2", "--few_shot", "true", "--answer_fallback", "true", "--lr", "1e-5",
+               "--eval_every", "2", "--eval_limit", "1", "--eval_k", "2", "--eval_max_new_tokens", "8",
+               "--threads", "1", "--mini_batch_size", "16", "--micro_batch_size", "8"]
 
 
 def stand_in_reward(text, answer, fallback=False):
@@ -87,15 +88,16 @@ def child(argv: list[str]) -> None:
     faults.main_guard(train.main, argv)
 
 
-def run_once(args: list[str], crash: str | None, stand_in: bool, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_once(args: list[str], crash: str | None, stand_in: bool,
+             timeout: float = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "DATPO_CRASH_AT"}
     poison = []
     if crash and crash.startswith("poison-update:"):
         poison, crash = ["--poison-update", crash.split(":")[1]], None
     if crash:
         env["DATPO_CRASH_AT"] = crash
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + (["--stand-in-reward"] if stand_in else []) \
-        + poison
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] \
+        + (["--stand-in-reward"] if stand_in else []) + poison
     return subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -106,7 +108,8 @@ def run_chain(args: list[str], run_dir: Path, crashes: list, stand_in: bool) -> 
         t0 = time.perf_counter()
         proc = run_once(args + ["--out_dir", str(run_dir), "--resume", str(run_dir)], crash, stand_in)
         metrics = run_dir / "metrics.jsonl"
-        logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else [0]
+        logged = ([json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+                  if metrics.exists() else [0])
         history.append({"crash": crash, "returncode": proc.returncode, "seconds": time.perf_counter() - t0,
                         "resumed_at": _resumed_at(proc.stderr), "logged_to": max(logged, default=0),
                         "stderr": proc.stderr[-3000:]})

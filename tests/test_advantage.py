@@ -142,7 +142,7 @@ def test_datpo_advantage_positive_scope_vs_all():
     assert positive == pytest.approx([0, 1 / 3 + alpha * div[1], -2 / 3, 1 / 3 + alpha * div[3]])
     assert everything == pytest.approx([b + alpha * d for b, d in zip(base, div)])
     assert everything[2] > positive[2]                      # "all" also rewards the wrong branch's diversity
-    assert A.datpo_advantages(parents, rewards, None, 0.0) == pytest.approx(base)   # α = 0 needs no embeddings
+    assert A.datpo_advantages(parents, rewards, None, 0.0) == pytest.approx(base)  # α = 0 needs no embeddings
     with pytest.raises(ValueError):
         A.datpo_advantages(parents, rewards, emb, alpha, scope="some")
 
@@ -193,10 +193,10 @@ def test_treerl_advantage_by_hand():
     assert adv == pytest.approx(expected)
 
 
-# ---- the release's sibling groups for Div_sib (--sibling_groups release, an option) -------------------------
+# ---- the release's sibling groups for Div_sib (--sibling_groups release, an option) ------------------------
 def test_release_sibling_groups_by_hand():
-    # Three base responses. Base 0 is forked once (blocks 0 → 1 tail r=0; branches 3, 4 at its fork), base 1 is
-    # forked once (block 2 first block → 5 tail r=1; branch 6), base 2 is unforked (block 7, r=1).
+    # Three base responses. Base 0 is forked once (blocks 0 → 1 tail r=0; branches 3, 4 at its fork), base 1
+    # is forked once (block 2 first block → 5 tail r=1; branch 6), base 2 is unforked (block 7, r=1).
     #   idx:    0     1    2     3    4    5    6     7
     parents = [None, 0, None, 0, 0, 2, 2, None]
     rewards = [None, 0.0, None, 1.0, 0.0, 1.0, 1.0, 1.0]
@@ -222,7 +222,8 @@ def test_release_sibling_groups_by_hand():
     # texts), and the base continuation 1 (e1) is a sibling of branches 3 (e2) and 4 ((e2+e3)/√2): cos 0 and 0
     paper = A.sibling_diversity(parents, emb)
     assert paper[1] == pytest.approx(1.0) and div[1] == 0.0
-    assert paper[0] == pytest.approx(1 - (c + 0) / 2)   # block 0 (e0) vs blocks 2 and 7 (e1), not block 2 alone
+    # block 0 (e0) vs blocks 2 and 7 (e1), not block 2 alone
+    assert paper[0] == pytest.approx(1 - (c + 0) / 2)
     # datpo_advantages takes the release's Div_sib through `diversity`
     adv = A.datpo_advantages(parents, rewards, emb, 0.2, diversity=div)
     base_adv = A.base_advantages(parents, rewards)
@@ -230,10 +231,12 @@ def test_release_sibling_groups_by_hand():
 
 
 def test_release_sibling_groups_drop_empty_texts():
-    # two unforked responses and one whose text is empty (valid False): the empty one gets 0 and is not counted
+    # two unforked responses and one whose text is empty (valid False): the empty one gets 0
+    # and is not counted
     parents, rewards, branch, base = [None, None, None], [1.0, 0.0, 1.0], [False] * 3, [0, 1, 2]
     e = np.eye(3)
-    div = A.release_sibling_diversity(parents, rewards, branch, base, e, e, response_valid=[True, True, False])
+    div = A.release_sibling_diversity(parents, rewards, branch, base, e, e,
+                                      response_valid=[True, True, False])
     assert div == pytest.approx([1.0, 1.0, 0.0])
     # block_diversity: one switch; "release" reads the response rows after the block rows
     assert A.block_diversity(parents, rewards, branch, base, np.vstack([e, e]), "release") == pytest.approx(

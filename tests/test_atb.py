@@ -1,5 +1,6 @@
 """ATB's attention reduced to step level where it is computed (rollout.atb_step_scores, tree.step_attention):
-the FCI scores equal the former path, which copied each layer's token attention to NumPy and reduced it there."""
+the FCI scores equal the former path, which copied each layer's token attention to NumPy and reduced it
+there."""
 import numpy as np
 import pytest
 import torch
@@ -14,7 +15,8 @@ def test_step_attention_torch_equals_numpy():
     spans = [(0, 2), (2, 3), (3, 7), (7, 9)]
     got = T.step_attention(att, spans)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float64 and got.shape == (3, 4, 4)
-    assert np.allclose(got.numpy(), T.step_attention(att.numpy().astype(np.float64), spans), rtol=1e-12, atol=0)
+    assert np.allclose(got.numpy(), T.step_attention(att.numpy().astype(np.float64), spans),
+                       rtol=1e-12, atol=0)
     assert got[1, 2, 0].item() == pytest.approx(att[1, 3:7, 0:2].double().mean().item())   # by hand
 
 
@@ -23,7 +25,8 @@ def numpy_atb_scores(model, prompt_ids, response_ids, spans, gap):
     per_layer, p = [], len(prompt_ids)
 
     def keep(module, args, output):
-        per_layer.append(T.step_attention(output[1][0, :, p:, p:].float().cpu().numpy().astype(np.float64), spans))
+        per_layer.append(T.step_attention(output[1][0, :, p:, p:].float().cpu().numpy().astype(np.float64),
+                                          spans))
 
     handles = [m.register_forward_hook(keep) for n, m in model.named_modules() if n.endswith("self_attn")]
     previous = model.config._attn_implementation

@@ -48,8 +48,10 @@ def test_attnrl_filters_uniform_trees_and_trains_branched_paths_only():
     rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
     assert [r.ids for r in rows] == [[1, 5, 6, 7], [1, 5, 6, 8, 9]]
     assert tt.weights == [2.0, 1.0, 1.0, 0.0]                                # the unbranched response: 0
-    assert train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], "treerl").weights == [2.0, 1.0, 1.0, 1.0]   # TreeRL keeps it
-    uniform = T.Tree("p", [1], "a", [T.Block(None, [3], [0], reward=1.0), T.Block(None, [4], [0], reward=1.0)],
+    # TreeRL keeps it
+    assert train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], "treerl").weights == [2.0, 1.0, 1.0, 1.0]
+    uniform = T.Tree("p", [1], "a", [T.Block(None, [3], [0], reward=1.0),
+                                     T.Block(None, [4], [0], reward=1.0)],
                      v_root=1.0, k_hat=0, b_hat=0)
     assert not M.METHODS["attnrl"].trainable(uniform) and M.METHODS["treerl"].trainable(uniform)
 
@@ -71,7 +73,7 @@ def test_grpo_clip_is_asymmetric():
 def test_every_preset_runs_a_step_at_tiny_scale(preset, tmp_path, monkeypatch):
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     run = train.main(["--preset", preset, "--scale", "tiny", "--steps", "1", "--out_dir", str(tmp_path),
-                      "--embed_model", "all-minilm-l6-v2"])          # the embedding ablations' models need the hub
+                      "--embed_model", "all-minilm-l6-v2"])  # the embedding ablations' models need the hub
     (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     cfg = C.make_config(preset, "tiny")
     assert json.loads((run / "config.json").read_text())["method"] == cfg.method
@@ -80,5 +82,6 @@ def test_every_preset_runs_a_step_at_tiny_scale(preset, tmp_path, monkeypatch):
     assert record["leaves_per_prompt"] >= n
     if cfg.method in ("grpo", "drgrpo"):
         assert record["leaves_per_prompt"] == n                 # parallel sampling: no branches
-    if cfg.method == "treerl":                                  # fixed tree: N(1 + KB) leaves when long enough
+    # fixed tree: N(1 + KB) leaves when long enough
+    if cfg.method == "treerl":
         assert record["leaves_per_prompt"] == cfg.n_base * (1 + cfg.k_max * cfg.b_max)

@@ -39,8 +39,8 @@ def test_paper_preset_runs_what_the_release_ran_where_the_paper_is_silent():
     release = C.make_config("release")
     assert release.value_estimate == "release" and release.mini_batch_grouping == "blocks"
     assert release.sibling_groups == "release" and cfg.sibling_groups == "paper"   # Eq. 10 is explicit
-    assert dataclasses.replace(release, value_estimate="paper", sibling_groups="paper", mini_batch_grouping="trees",
-                               out_dir=cfg.out_dir) == cfg
+    assert dataclasses.replace(release, value_estimate="paper", sibling_groups="paper",
+                               mini_batch_grouping="trees", out_dir=cfg.out_dir) == cfg
     for scale in ("demo", "tiny"):
         small = C.make_config("paper", scale)
         assert (small.prompt_style, small.precision) == ("chat", "fp32")

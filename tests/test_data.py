@@ -1,4 +1,5 @@
-"""Tests for data.py: datasets (Appendix E.1), loaders, synthetic arithmetic, prompts. Offline, a few seconds."""
+"""Tests for data.py: datasets (Appendix E.1), loaders, synthetic arithmetic, prompts. Offline, a few
+seconds."""
 import json
 import os
 import re
@@ -85,7 +86,8 @@ def test_jsonl_field_mapping():
     assert problems == [
         {"problem": "What is $\\frac{1}{4} + \\frac{1}{4}$?", "answer": "\\frac{1}{2}", "level": 2},
         {"problem": "Compute $\\sqrt{16}$.", "answer": "4", "level": 1},
-        {"problem": "Tom has 1,000 marbles and buys 234 more. How many marbles does he have?", "answer": "1234", "level": None},
+        {"problem": "Tom has 1,000 marbles and buys 234 more. How many marbles does he have?",
+         "answer": "1234", "level": None},
         {"problem": "Simplify $x + x$.", "answer": "2x", "level": None},
     ]
 
@@ -112,7 +114,8 @@ def test_parquet_file(tmp_path):
         {"problem": "What is 4 + 5?", "answer": "9", "level": 2},
     ]
     bad = tmp_path / "bad.parquet"
-    pq.write_table(pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": ""}]), bad)
+    pq.write_table(pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": ""}]),
+                   bad)
     with pytest.raises(ValueError, match=r"bad\.parquet row 2"):
         data.load_problems(str(bad))
 
@@ -162,7 +165,8 @@ def test_unknown_source_lists_the_valid_ones():
     with pytest.raises(ValueError) as err:
         data.load_problems("math-trian")
     message = str(err.value)
-    for name in ("math-train", "math500", "gsm8k-test", "arith-train", "aime24", "aime26", "amc23", ".jsonl", "owner/name"):
+    for name in ("math-train", "math500", "gsm8k-test", "arith-train", "aime24", "aime26", "amc23", ".jsonl",
+                 "owner/name"):
         assert name in message
 
 
@@ -206,12 +210,14 @@ def test_hf_names_and_split_suffix(monkeypatch):
 def test_hf_rows_are_mapped_and_split_chosen(monkeypatch):
     import datasets
 
-    rows = [{"id": 1, "question": "What is 3 + 4?", "answer": 7}, {"id": 2, "question": "What is 5 + 5?", "answer": 10}]
+    rows = [{"id": 1, "question": "What is 3 + 4?", "answer": 7},
+            {"id": 2, "question": "What is 5 + 5?", "answer": 10}]
     seen = {}
 
     def fake_load_dataset(name, split=None):
         seen["args"] = (name, split)
-        return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows), "train": datasets.Dataset.from_list(rows[:1])})
+        return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows),
+                                     "train": datasets.Dataset.from_list(rows[:1])})
 
     monkeypatch.setattr(data, "hub_blocked", lambda timeout=3.0: None)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
@@ -257,8 +263,10 @@ def test_arithmetic_levels_have_their_shapes():
     assert all(re.fullmatch(r"What is \d+ \+ \d+\?", p["problem"]) for p in by_level[1] + by_level[2])
     assert all(int(p["answer"]) <= 40 for p in by_level[1])
     assert all(re.fullmatch(r"What is \d\d \+ \d\d\?", p["problem"]) for p in by_level[2])
-    assert all(re.fullmatch(r"What is \d+ \+ \d+ - \d+\?", p["problem"]) and int(p["answer"]) >= 0 for p in by_level[3])
-    assert all(re.fullmatch(r"What is \d+ × \d+\?", p["problem"]) and int(p["answer"]) <= 144 for p in by_level[4])
+    assert all(re.fullmatch(r"What is \d+ \+ \d+ - \d+\?", p["problem"]) and int(p["answer"]) >= 0
+               for p in by_level[3])
+    assert all(re.fullmatch(r"What is \d+ × \d+\?", p["problem"]) and int(p["answer"]) <= 144
+               for p in by_level[4])
     assert all(re.fullmatch(r"What is \(\d+ \+ \d+\) × \d+\?", p["problem"]) for p in by_level[5])
 
 
@@ -278,8 +286,8 @@ def test_arithmetic_is_the_same_in_another_process():
     code = "import data, json; print(json.dumps(data.make_arithmetic(50, seed=2, split='test')))"
     repo = os.path.dirname(os.path.abspath(data.__file__))
     for hash_seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": hash_seed}).stdout
+        out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                             check=True, env={**os.environ, "PYTHONHASHSEED": hash_seed}).stdout
         assert json.loads(out) == data.make_arithmetic(50, seed=2, split="test")
 
 
@@ -343,7 +351,8 @@ def test_release_prompt_is_the_authors_plain_text_format():
     assert text.startswith("You are an expert competition mathematician") and not WORKED.search(text)
     assert "stop immediately" in data.RELEASE_SYSTEM and "\\boxed{}" in data.RELEASE_INSTRUCTION
     shot = data.format_prompt("What is 2 + 2?", style="release", few_shot=True)
-    assert len(WORKED.findall(shot)) == 1 and shot.count("Problem:") == 2 and shot.count(data.RELEASE_SYSTEM) == 1
+    assert (len(WORKED.findall(shot)) == 1 and shot.count("Problem:") == 2
+            and shot.count(data.RELEASE_SYSTEM) == 1)
     assert shot.endswith(text[len(data.RELEASE_SYSTEM):])
 
 
@@ -354,7 +363,8 @@ def test_chat_prompt_and_one_worked_example():
     assert text.endswith("<|assistant|>\n") and text.count("<|assistant|>") == 1
     assert not WORKED.search(text)
     shot = data.format_prompt("What is 2 + 2?", tok, few_shot=True)
-    assert len(WORKED.findall(shot)) == 1 and shot.count("<|assistant|>") == 2  # example turn + generation prompt
+    # example turn + generation prompt
+    assert len(WORKED.findall(shot)) == 1 and shot.count("<|assistant|>") == 2
     example_turn = "<|assistant|>\n" + data.FEW_SHOT_ANSWER + "<|end|>"
     assert example_turn in shot and data.FEW_SHOT_ANSWER.endswith(WORKED.findall(shot)[0] + ".")
     assert shot.index(example_turn) < shot.index("What is 2 + 2?")
@@ -373,7 +383,8 @@ def test_utf8_bom_file_is_read(tmp_path):
     """A file saved by a Windows editor starts with a byte-order mark: read, not refused as bad JSON."""
     rows = [{"problem": "Wie viel ist 2 + 2?", "answer": "4"}, {"problem": "3 × 3 = ?", "answer": "9"}]
     jsonl, js = tmp_path / "bom.jsonl", tmp_path / "bom.json"
-    jsonl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    jsonl.write_bytes(b"\xef\xbb\xbf"
+                      + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
     js.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode())
     for path in (jsonl, js):
         before = path.read_bytes()
@@ -389,8 +400,10 @@ def test_gold_answer_that_boxes_nothing_is_refused(tmp_path):
         path.write_text('{"problem": "ok", "answer": "1"}\n' + json.dumps(row) + "\n")
         with pytest.raises(ValueError) as err:
             data.read_file(str(path))
-        assert str(err.value).startswith(f"{tmp_path.name}/gold.jsonl line 2: field '{field}' gives the answer ")
-        assert str(err.value).endswith("an empty \\boxed{} that no response can match; expected the answer itself")
+        assert str(err.value).startswith(f"{tmp_path.name}/gold.jsonl line 2: "
+                                         f"field '{field}' gives the answer ")
+        assert str(err.value).endswith("an empty \\boxed{} that no response can match; "
+                                       "expected the answer itself")
     assert data.to_problem({"problem": "p", "answer": "\\boxed{3}"}, "x")["answer"] == "\\boxed{3}"   # kept
 
 
@@ -398,9 +411,10 @@ def test_surely_too_long_is_a_lower_bound_on_tokens(smollm_tokenizer):
     text = "Compute 12345 * 6789 and explain. " * 40
     n_tokens = len(smollm_tokenizer(text, add_special_tokens=False).input_ids)
     bound = -(-len(text) // data.max_token_chars(smollm_tokenizer))
-    assert bound <= n_tokens                                               # never claims more tokens than there are
+    assert bound <= n_tokens  # never claims more tokens than there are
     assert data.surely_too_long(text, bound - 1, smollm_tokenizer) == bound
-    assert data.surely_too_long(text, bound, smollm_tokenizer) == 0 and data.surely_too_long(text, 0, None) == 0
+    assert (data.surely_too_long(text, bound, smollm_tokenizer) == 0
+            and data.surely_too_long(text, 0, None) == 0)
 
 
 def test_a_byte_that_is_not_utf8_is_found_by_line_and_character(tmp_path):

@@ -38,7 +38,8 @@ def tiny_model(arch: str, vocab_size: int):
                                         initializer_range=0.2).eval()
     sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                 tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                 tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if arch == "qwen2":
@@ -59,7 +60,8 @@ def rollout(model, tok, cfg, engine, seed=0, **kw):
 
 def engine_for(model, tok, cfg, max_rows=64, max_kv_tokens=4096, trace=True, backoff=None):
     sampler = R.Sampler.from_config(model, tok, cfg)
-    return E.Engine(model, sampler.stop_ids, sampler.warp, max_rows, max_kv_tokens, trace=trace, backoff=backoff)
+    return E.Engine(model, sampler.stop_ids, sampler.warp, max_rows, max_kv_tokens, trace=trace,
+                    backoff=backoff)
 
 
 def run_to_end(engine, prompts, n, max_new_tokens, branches=None, keep_hidden=None, **kwargs):
@@ -85,7 +87,8 @@ def test_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, budget):
     assert len({tok for t in ours for b in t.blocks for tok in b.token_ids}) > 20   # not one repeated token
     assert sum(len(f) for t in ours for f in t.forks) > 0 and any(b.branch for t in ours for b in t.blocks)
     assert ours_stats.recomputed_prefix_tokens == 0 and ours_stats.ended_row_steps == 0
-    assert (ours_stats.base_tokens, ours_stats.branch_tokens) == (ref_stats.base_tokens, ref_stats.branch_tokens)
+    assert (ours_stats.base_tokens, ours_stats.branch_tokens) \
+        == (ref_stats.base_tokens, ref_stats.branch_tokens)
 
 
 @pytest.mark.slow
@@ -146,7 +149,8 @@ def test_recorded_entropies_and_logprobs_match_a_full_forward(tiny_policy, warpe
             scores = sampler.warp(logits[start:start + len(s.tokens)])
             logp = torch.log_softmax(scores, -1)
             assert torch.allclose(torch.tensor(s.entropies), G.entropy_of(scores), atol=1e-4)
-            assert torch.allclose(torch.tensor(s.logprobs), logp[torch.arange(len(s.tokens)), s.tokens], atol=1e-4)
+            assert torch.allclose(torch.tensor(s.logprobs), logp[torch.arange(len(s.tokens)), s.tokens],
+                                  atol=1e-4)
             assert all(lp > -float("inf") for lp in s.logprobs)   # every token came from the warped support
             checked += 1
     assert checked == 2 * (2 + 3)
@@ -164,7 +168,8 @@ def test_same_seed_same_trees_and_different_seed_different_trees(tiny_policy):
 # ---- scheduling, ended rows, KV storage ------------------------------------------------------------------
 def test_branches_of_an_early_prompt_decode_while_another_prompts_bases_run(tiny_policy):
     """Greedy on the random model: stop prompt A's bases at their 3rd token (that token made a stop id);
-    prompt B's bases never produce it and run their full 12. A's branches must be decoding before B's bases end."""
+    prompt B's bases never produce it and run their full 12. A's branches must be decoding before B's
+    bases end."""
     tok = tiny_policy[1]
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
@@ -177,7 +182,8 @@ def test_branches_of_an_early_prompt_decode_while_another_prompts_bases_run(tiny
     engine.stop_ids.add(stop)
     requests = {0: [E.BranchRequest(0, 1, 2, 12)], 1: [E.BranchRequest(1, 4, 2, 12)]}
     results = run_to_end(engine, prompts, 2, 12, branches=lambda p, bases: requests[p])
-    assert [len(s.tokens) for s in results[0].bases] == [a_end, a_end] and len(results[1].bases[0].tokens) == 12
+    assert ([len(s.tokens) for s in results[0].bases] == [a_end, a_end]
+            and len(results[1].bases[0].tokens) == 12)
     step_of = {(kind, ev[2]): ev[0] for ev in engine.events if (kind := ev[1]) in ("bases_done", "tree_done")}
     rows_of = {}
     for ev in engine.events:
@@ -201,8 +207,8 @@ def test_no_decode_step_on_an_ended_row_and_kv_returned(tiny_policy):
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     requests = [E.BranchRequest(0, 1, 3, 7), E.BranchRequest(1, 3, 2, 4), E.BranchRequest(2, 2, 1, 9)]
     torch.manual_seed(2)
-    results = run_to_end(engine, prompts, 3, 9, branches=lambda p, bases: [r for r in requests
-                                                                        if r.fork < len(bases[r.base].tokens)])
+    results = run_to_end(engine, prompts, 3, 9, branches=lambda p, bases: [
+        r for r in requests if r.fork < len(bases[r.base].tokens)])
     end_step = {ev[2]: ev[0] for ev in engine.events if ev[1] == "end"}
     decoded: dict[int, list[int]] = {}
     for ev in engine.events:
@@ -213,14 +219,15 @@ def test_no_decode_step_on_an_ended_row_and_kv_returned(tiny_policy):
     assert all(max(steps) <= end_step[row] for row, steps in decoded.items())
     samples = [s for res in results for s in res.bases + [x for per in res.branches.values() for x in per]]
     # each token after a row's first takes exactly one decode step of that row: none is spent on ended rows
-    assert engine.stats["row_steps"] == sum(len(s.tokens) - 1 for s in samples) == sum(map(len, decoded.values()))
+    assert (engine.stats["row_steps"] == sum(len(s.tokens) - 1 for s in samples)
+            == sum(map(len, decoded.values())))
     assert len(end_step) == len(samples)
     # every slot is back; prefixes were shared, so fewer slots were ever held than the rows' contexts sum to
     assert engine.pool.used == 0 and set(engine.pool.refs) == {0}
     assert [ev[3] for ev in engine.events if ev[1] == "tree_done"][-1] == 0
-    contexts = sum(len(prompts[p]) + len(s.tokens) - 1 for p, res in enumerate(results) for s in res.bases) + \
-        sum(len(prompts[p]) + f + len(s.tokens) - 1 for p, res in enumerate(results)
-            for (j, f), per in res.branches.items() for s in per)
+    contexts = sum(len(prompts[p]) + len(s.tokens) - 1 for p, res in enumerate(results) for s in res.bases) \
+        + sum(len(prompts[p]) + f + len(s.tokens) - 1 for p, res in enumerate(results)
+              for (j, f), per in res.branches.items() for s in per)
     assert engine.pool.peak <= 400 and engine.pool.peak < contexts
 
 
@@ -274,7 +281,10 @@ def test_prefill_oom_beside_decoding_rows_waits_for_them(smollm_tokenizer, monke
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
-    requests = lambda p, bases: [E.BranchRequest(1, 3, 2, 6)]
+
+    def requests(p, bases):
+        return [E.BranchRequest(1, 3, 2, 6)]
+
     reference = run_to_end(engine_for(model, tok, cfg), prompts, 2, 8, branches=requests)
     real = kv.Forward.prefill_forward
     beside = []
@@ -289,8 +299,10 @@ def test_prefill_oom_beside_decoding_rows_waits_for_them(smollm_tokenizer, monke
     monkeypatch.setattr(kv.Forward, "prefill_forward", small_gpu)
     engine = engine_for(model, tok, cfg)
     results = run_to_end(engine, prompts, 2, 8, branches=requests)
-    assert [([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()}) for r in results] \
-        == [([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()}) for r in reference]
+    assert ([([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()})
+             for r in results]
+            == [([s.tokens for s in r.bases], {k: [s.tokens for s in v] for k, v in r.branches.items()})
+                for r in reference])
     assert engine.stats["oom_retries"] >= 2 and beside == [0, 0, 0] and engine.scheduler.prefill_chunk is None
     assert engine.pool.used == 0 and engine.scheduler.max_rows == 64
     prefills = [ev[2] for ev in engine.events if ev[1] == "prefill"]
@@ -298,8 +310,8 @@ def test_prefill_oom_beside_decoding_rows_waits_for_them(smollm_tokenizer, monke
 
 
 def test_more_samples_per_prompt_than_rows_take_turns(smollm_tokenizer):
-    """N = 5 samples per prompt with a budget of 2 rows (GRPO's G = 16 at a small max_batch_rows): the prompt is
-    prefilled once, its rows take turns, and the samples are those of an unconstrained run (greedy)."""
+    """N = 5 samples per prompt with a budget of 2 rows (GRPO's G = 16 at a small max_batch_rows): the prompt
+    is prefilled once, its rows take turns, and the samples are those of an unconstrained run (greedy)."""
     tok = smollm_tokenizer
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
@@ -319,7 +331,8 @@ def test_every_method_runs_on_the_engine(tiny_policy, monkeypatch):
     grpo, stats = rollout(model, tok, _cfg(group_size=4), "engine", method=M.METHODS["grpo"])
     assert all(t.leaves == 4 and not any(b.branch for b in t.blocks) for t in grpo)
     assert stats.branch_tokens == 0 and stats.ended_row_steps == 0
-    attnrl, stats = rollout(model, tok, _cfg(fork="atb", max_new_tokens=16), "engine", method=M.METHODS["attnrl"])
+    attnrl, stats = rollout(model, tok, _cfg(fork="atb", max_new_tokens=16), "engine",
+                            method=M.METHODS["attnrl"])
     assert stats.recomputed_prefix_tokens == 0 and len(attnrl) == 3
     for t in attnrl:
         for j, fs in enumerate(t.forks):
@@ -338,7 +351,8 @@ def test_branches_from_given_bases_equal_branches_on_its_own_bases(smollm_tokeni
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     requests = {0: [E.BranchRequest(0, 1, 2, 9), E.BranchRequest(1, 4, 1, 9)],
-                1: [E.BranchRequest(1, 2, 2, 5)], 2: [E.BranchRequest(0, 6, 1, 9), E.BranchRequest(1, 0, 1, 3)]}
+                1: [E.BranchRequest(1, 2, 2, 5)],
+                2: [E.BranchRequest(0, 6, 1, 9), E.BranchRequest(1, 0, 1, 3)]}
     sampled = run_to_end(engine_for(model, tok, cfg), prompts, 2, 9, branches=lambda p, bases: requests[p])
     given = {p: sampled[p].bases for p in (0, 2)}
     saved = copy.deepcopy(given)
@@ -400,7 +414,10 @@ def test_given_bases_wait_for_kv_room(smollm_tokenizer):
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
     given = {p: res.bases for p, res in enumerate(run_to_end(engine_for(model, tok, cfg), prompts, 2, 8))}
     fork, count, limit = 2, 3, 6
-    grow_at = lambda p, bases: [E.BranchRequest(0, fork, count, limit)]
+
+    def grow_at(p, bases):
+        return [E.BranchRequest(0, fork, count, limit)]
+
     roomy = engine_for(model, tok, cfg)
     wide = run_to_end(roomy, prompts, 2, 8, given_bases=given, branches=grow_at)
     need = [len(prompts[p]) + sum(len(s.tokens) - 1 for s in given[p]) for p in range(2)]
@@ -426,7 +443,10 @@ def test_keep_hidden_as_a_set_of_prompts(smollm_tokenizer):
     model = tiny_model("llama", len(tok))
     cfg = _cfg(top_k=1)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
-    grow_at = lambda p, bases: [E.BranchRequest(0, 1, 1, 1)] if p == 0 else []
+
+    def grow_at(p, bases):
+        return [E.BranchRequest(0, 1, 1, 1)] if p == 0 else []
+
     peaks, out = {}, {}
     for keep in (True, frozenset({0})):
         engine = engine_for(model, tok, cfg, max_rows=1)
@@ -454,7 +474,8 @@ def test_grow_from_forks_engine_equals_generate(smollm_tokenizer, monkeypatch):
     model = tiny_model("qwen3", len(tok))
     monkeypatch.setattr(R, "compute_reward", lambda text, answer, fallback=False: float(len(text) % 2))
     ids = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
-    samplers = {e: R.Sampler.from_config(model, tok, _cfg(top_k=1, rollout_engine=e)) for e in ("engine", "generate")}
+    samplers = {e: R.Sampler.from_config(model, tok, _cfg(top_k=1, rollout_engine=e))
+                for e in ("engine", "generate")}
     base = R.sample_base(samplers["generate"], ids, 2, 10, keep_cache=True)
     assert base.cache is not None
     forks = {0: [2, 5], 1: [1], 3: [4, 7, 8]}
@@ -467,7 +488,8 @@ def test_grow_from_forks_engine_equals_generate(smollm_tokenizer, monkeypatch):
                      for r, blocks in subtrees[e].items()} for e in subtrees}
         assert shape["engine"] == shape["generate"]
         assert sum(b.branch for blocks in subtrees["engine"].values() for b in blocks) == 2 * 6
-        assert len({t for blocks in subtrees["engine"].values() for b in blocks if b.branch for t in b.token_ids}) > 5
+        assert len({t for blocks in subtrees["engine"].values() for b in blocks if b.branch
+                    for t in b.token_ids}) > 5
     again = R.sample_base(samplers["engine"], ids, 2, 10, keep_cache=True)
     assert again.tokens == base.tokens and again.cache is None and len(again.logprobs) == 4
 
@@ -514,7 +536,8 @@ class _Terminal:
         pass
 
 
-@pytest.mark.parametrize("tty,progress,drawn", [(True, True, True), (True, False, False), (False, True, False)])
+@pytest.mark.parametrize("tty,progress,drawn",
+                         [(True, True, True), (True, False, False), (False, True, False)])
 def test_progress_bar_counts_tokens_rows_and_trees(tiny_policy, monkeypatch, tty, progress, drawn):
     import sys
 

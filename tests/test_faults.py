@@ -51,7 +51,8 @@ def test_train_bad_inputs_are_one_line(files, capsys, monkeypatch):
     monkeypatch.setattr(data, "hub_blocked", lambda *a, **k: "cannot reach huggingface.co (test)")
     out = ["--preset", "tiny", "--out_dir", str(files / "run")]
     cases = {
-        ("--train_data", str(files / "empty.jsonl")): "empty.jsonl: no problems in it; expected at least one row",
+        ("--train_data", str(files / "empty.jsonl")): "empty.jsonl: no problems in it; "
+                                                      "expected at least one row",
         ("--train_data", str(files / "bad.jsonl")): "bad.jsonl line 2: invalid JSON",
         ("--train_data", str(files / "none.jsonl")): "none.jsonl: no such file; expected",
         ("--model", "/no/such/folder"): "--model /no/such/folder: no such folder; expected",
@@ -148,11 +149,12 @@ def test_fresh_run_into_a_folder_holding_a_run_is_refused_or_replaced(tmp_path):
     (run / "trees").mkdir()
     with pytest.raises(faults.UserError) as err:
         faults.check_new_run(run, overwrite=False)
-    assert str(err.value) == (f"--out_dir {run}: already holds a run (metrics.jsonl with 2 records, checkpoints "
-                              f"up to step_000001); --resume {run} continues it, another --out_dir starts a new "
-                              f"one, --overwrite true replaces it")
+    assert str(err.value) == (f"--out_dir {run}: already holds a run (metrics.jsonl with 2 records, "
+                              f"checkpoints up to step_000001); --resume {run} continues it, another "
+                              f"--out_dir starts a new one, --overwrite true replaces it")
     assert (run / "metrics.jsonl").exists()                              # the refusal deletes nothing
-    faults.check_new_run(run, overwrite=True, delete=False)              # torchrun: ranks > 0 leave it to rank 0
+    # torchrun: ranks > 0 leave it to rank 0
+    faults.check_new_run(run, overwrite=True, delete=False)
     assert (run / "checkpoints").exists()
     faults.check_new_run(run, overwrite=True)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
@@ -175,7 +177,8 @@ def _rows(tokenizer):
     """Two GRPO groups (trees of depth one) of two 6-token responses: two mini-batches of 2 blocks."""
     prompt = tokenizer("What is 3 + 4?", add_special_tokens=False).input_ids
     gen = torch.Generator().manual_seed(0)
-    return [P.TrainTree(prompt, [None, None], [torch.randint(100, 1000, (6,), generator=gen).tolist() for _ in adv],
+    return [P.TrainTree(prompt, [None, None],
+                        [torch.randint(100, 1000, (6,), generator=gen).tolist() for _ in adv],
                         list(adv), [1.0, 1.0]) for adv in ((1.0, -1.0), (0.5, -0.5))]
 
 
@@ -239,7 +242,8 @@ def test_update_that_makes_weights_nonfinite_is_undone_bit_for_bit(smollm_tokeni
     guard.snapshot()
     for group in opt.param_groups:
         group["lr"] = float("inf")
-    stats = train.ppo_update(model, opt, _rows(tok), cfg, tok.pad_token_id, "cpu", random.Random(0), guard=guard)
+    stats = train.ppo_update(model, opt, _rows(tok), cfg, tok.pad_token_id, "cpu", random.Random(0),
+                             guard=guard)
     assert stats["nonfinite_updates"] == 1 and stats["nonfinite_minibatches"] == 0
     assert stats["optimizer_steps"] == 0                                 # the first bad step ends the update
     assert not all(torch.isfinite(p).all() for p in model.parameters())  # the step did break them ...
@@ -272,24 +276,25 @@ def test_run_whose_updates_break_the_weights_stops_with_finite_checkpoints(tmp_p
     counted, the run stops with exit 3 naming its last good checkpoint, whose weights are the initial ones."""
     monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
     adamw = torch.optim.AdamW
-    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "lr": float("inf")}))
+    monkeypatch.setattr(torch.optim, "AdamW",
+                        lambda params, **kw: adamw(params, **{**kw, "lr": float("inf")}))
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         faults.main_guard(train.main, ["--preset", "tiny", "--steps", "4", "--max_bad_steps", "2",
                                        "--out_dir", str(run)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 3, err
-    assert "step 1: the update made a weight or the policy's logits non-finite; weights and optimizer state " \
-           "restored to before it (1 step(s) in a row)" in err
+    assert "step 1: the update made a weight or the policy's logits non-finite; weights and optimizer " \
+           "state restored to before it (1 step(s) in a row)" in err
     assert err.strip().splitlines()[-1].endswith(
-        f"stopped at step 2: 2 steps in a row had non-finite losses, gradient norms or weights (--max_bad_steps "
-        f"2); last good checkpoint: {run / 'checkpoints' / 'step_000001'}; expected a lower --lr or a check of "
-        f"the data")
+        f"stopped at step 2: 2 steps in a row had non-finite losses, gradient norms or weights "
+        f"(--max_bad_steps 2); last good checkpoint: {run / 'checkpoints' / 'step_000001'}; expected a lower "
+        f"--lr or a check of the data")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["nonfinite_updates"] for r in rows] == [1, 1]
     initial = models.tiny_random_model(len(models.load_tokenizer("smollm2-135m")), seed=0).state_dict()
     saved = FI.final_weights(run)
-    assert all(torch.equal(saved[k], initial[k]) for k in saved)          # nothing of the bad updates was kept
+    assert all(torch.equal(saved[k], initial[k]) for k in saved)  # nothing of the bad updates was kept
     assert not (run / "checkpoints" / "step_000002").exists()
 
 
@@ -348,7 +353,8 @@ def test_branch_chunk_halves_on_out_of_memory(tiny_policy, monkeypatch, capsys):
     counters = {}
     out = G.sample_branches(sampler, base, requests, chunk_size=6, counters=counters)
     assert [len(per) for per in out] == [3, 3] and all(s.tokens for per in out for s in per)
-    assert sizes == [6, 3, 1, 1, 1, 1, 1, 1]       # 6 → 3 → 1 (3 // 2), then every branch once at the size that fits
+    # 6 → 3 → 1 (3 // 2), then every branch once at the size that fits
+    assert sizes == [6, 3, 1, 1, 1, 1, 1, 1]
     assert counters["oom_retries"] == 2
     assert "out of memory generating branches (6 at once): retrying at 3" in capsys.readouterr().err
 
@@ -407,8 +413,10 @@ def test_interrupted_evaluation_resumes_to_the_same_numbers(tmp_path, monkeypatc
     resumed = E.main(args + ["--resume", str(out)])["tiny-random"]["arith-test"]
     assert "reused the samples of an earlier run" in capsys.readouterr().out
     drop = ("seconds",)
-    assert {k: v for k, v in resumed.items() if k not in drop} == {k: v for k, v in clean.items() if k not in drop}
-    assert (out / "samples_arith-test.jsonl").read_text() == (tmp_path / "clean" / "samples_arith-test.jsonl").read_text()
+    assert {k: v for k, v in resumed.items() if k not in drop} \
+        == {k: v for k, v in clean.items() if k not in drop}
+    assert (out / "samples_arith-test.jsonl").read_text() \
+        == (tmp_path / "clean" / "samples_arith-test.jsonl").read_text()
     # the same command once more: nothing to sample, same numbers
     again = E.main(args + ["--out_dir", str(out)])["tiny-random"]["arith-test"]
     assert again["avg@k"] == clean["avg@k"] and again["pass@k"] == clean["pass@k"]
@@ -425,12 +433,14 @@ def test_killed_and_stopped_runs_end_identical_to_an_uninterrupted_one(tmp_path)
     assert report["chains"]["clean"][0]["returncode"] == 0, logs
     killed, stopped = report["killed"], report["stopped"]
     assert killed["returncodes"] == [-signal.SIGKILL] * 4 + [0], logs
-    assert killed["resumed_at"] == [0, 0, 1, 2, 2], logs   # no checkpoint, none complete, 1, 2, the 3rd half-written
+    # no checkpoint, none complete, 1, 2, the 3rd half-written
+    assert killed["resumed_at"] == [0, 0, 1, 2, 2], logs
     assert killed["same_metrics"] and killed["identical_weights"], logs
     assert stopped["returncodes"] == [0, 0] and stopped["resumed_at"] == [0, 2], logs
     assert stopped["same_metrics"] and stopped["identical_weights"], logs
     assert stopped["steps_computed"] == 3                     # SIGTERM loses no step
-    poisoned = report["poisoned"]                             # step 3's update with lr = inf: refused, bit for bit
+    # step 3's update with lr = inf: refused, bit for bit
+    poisoned = report["poisoned"]
     assert poisoned["returncodes"] == [0], logs
     assert poisoned["nonfinite_updates"] == [0, 0, 1], logs
     assert poisoned["earlier_steps_same"] and poisoned["weights_equal_before_refused_update"], logs

@@ -27,22 +27,23 @@ def test_gpu_smoke_harness_runs_train_loop_on_cpu(capsys):
     import train
 
     before = (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update)
-    gpu_smoke.main(["--cpu_check", "--presets", "grpo", "--prompts", "2", "--max_new_tokens", "6", "--ppo_epochs",
-                    "1", "--extra", "--precision", "fp32", "--group_size", "4", "--gen_batch_size", "8",
-                    "--max_tokens_per_micro_batch", "128"])
+    gpu_smoke.main(["--cpu_check", "--presets", "grpo", "--prompts", "2", "--max_new_tokens", "6",
+                    "--ppo_epochs", "1", "--extra", "--precision", "fp32", "--group_size", "4",
+                    "--gen_batch_size", "8", "--max_tokens_per_micro_batch", "128"])
     out = capsys.readouterr().out
     assert "--preset grpo: 2 step(s)" in out and "FAILED" not in out
     phases = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ") and
               line.split()[0] in ("rollout", "update")}
-    assert int(phases["rollout"][1]) == 2 and float(phases["rollout"][3]) > 0 and int(phases["update"][1]) == 2 and float(phases["update"][3]) > 0
+    assert (int(phases["rollout"][1]) == 2 and float(phases["rollout"][3]) > 0
+            and int(phases["update"][1]) == 2 and float(phases["update"][3]) > 0)
     assert "attention kernel: tree" in out
     assert before == (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update)   # restored
 
 
 def test_checkpointing_default_follows_the_memory_estimate():
     """At paper scale the update's computed peak without activation checkpointing leaves under 20 % of an
-    80 GB GPU free (the release's pure bf16, 8 B per parameter) or does not fit (fp32 states, 16 B); with it both
-    fit with room: so it is on by default there, and off at the CPU scales."""
+    80 GB GPU free (the release's pure bf16, 8 B per parameter) or does not fit (fp32 states, 16 B); with it
+    both fit with room: so it is on by default there, and off at the CPU scales."""
     import bench_update
 
     import config as C
@@ -53,4 +54,5 @@ def test_checkpointing_default_follows_the_memory_estimate():
     assert without == pytest.approx(24.7 + 8192 * 4.69e6 / 1e9 + 5.0, abs=0.3)    # the README's figures
     assert C.make_config("paper").gradient_checkpointing is True
     assert C.make_config("release").gradient_checkpointing is True
-    assert C.make_config("demo").gradient_checkpointing is False is C.make_config("tiny").gradient_checkpointing
+    assert (C.make_config("demo").gradient_checkpointing is False
+            is C.make_config("tiny").gradient_checkpointing)

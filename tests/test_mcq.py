@@ -16,7 +16,8 @@ def _write(path, rows):
 
 def _gpqa_rows(n):
     return [{"Question": f"Which value is right in case {i}?", "Correct Answer": f"right {i}",
-             "Incorrect Answer 1": f"wrong a{i}", "Incorrect Answer 2": f"wrong b{i}", "Incorrect Answer 3": f"wrong c{i}",
+             "Incorrect Answer 1": f"wrong a{i}", "Incorrect Answer 2": f"wrong b{i}",
+             "Incorrect Answer 3": f"wrong c{i}",
              "High-level domain": ["Physics", "Chemistry", "Biology"][i % 3]} for i in range(n)]
 
 
@@ -57,7 +58,8 @@ def test_extract_choice(text, n, letter):
 
 def test_format_question_lists_lettered_options():
     text = mcq.format_question(" Q? ", ["x", "y", "z", "w"])
-    assert text == "Q?\n\n(A) x\n(B) y\n(C) z\n(D) w\n\nAnswer with the letter of the correct option (A, B, C or D)."
+    assert text == ("Q?\n\n(A) x\n(B) y\n(C) z\n(D) w\n\n"
+                    "Answer with the letter of the correct option (A, B, C or D).")
     with pytest.raises(ValueError, match="2 to 10 options"):
         mcq.format_question("Q", ["only"])
 
@@ -81,9 +83,11 @@ def test_stratified_indices_by_hand():
     picked = mcq.stratified_indices(cats, 10, seed=0)
     assert collections.Counter(cats[i] for i in picked) == {"a": 5, "b": 3, "c": 2}
     # n = 7: exact quotas 3.5, 2.1, 1.4 → floors 3, 2, 1 (6); the largest remainder (a: .5) gets the 7th
-    assert collections.Counter(cats[i] for i in mcq.stratified_indices(cats, 7, seed=0)) == {"a": 4, "b": 2, "c": 1}
+    assert collections.Counter(cats[i] for i in mcq.stratified_indices(cats, 7, seed=0)) \
+        == {"a": 4, "b": 2, "c": 1}
     assert picked == sorted(picked) and len(set(picked)) == 10
-    assert mcq.stratified_indices(cats, 10, seed=0) == picked and mcq.stratified_indices(cats, 10, seed=1) != picked
+    assert (mcq.stratified_indices(cats, 10, seed=0) == picked
+            and mcq.stratified_indices(cats, 10, seed=1) != picked)
     with pytest.raises(ValueError):
         mcq.stratified_indices(cats, 101)
 
@@ -117,11 +121,13 @@ def test_bad_rows_and_missing_hub_are_clear_errors(tmp_path, monkeypatch):
     bad = _mmlu_rows()[:2]
     bad[0]["answer"] = "H"          # 7 options: A-G
     _write(tmp_path / "mmlu-pro.jsonl", bad)
-    with pytest.raises(ValueError, match=r"mmlu-pro.jsonl line 1: answer 'H' is not one of the 7 option letters"):
+    with pytest.raises(ValueError,
+                       match=r"mmlu-pro.jsonl line 1: answer 'H' is not one of the 7 option letters"):
         data.load_problems("mmlu-pro")
     (tmp_path / "gpqa.jsonl").unlink()
     monkeypatch.setattr(data, "hub_blocked", lambda *a, **k: "offline (test)")
-    with pytest.raises(FileNotFoundError, match=r"(?s)Idavidrein/gpqa.*gpqa_diamond.*gpqa.jsonl.*huggingface-cli login"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"(?s)Idavidrein/gpqa.*gpqa_diamond.*gpqa.jsonl.*huggingface-cli login"):
         data.load_problems("gpqa")
 
 
@@ -132,7 +138,8 @@ def test_grading_and_majority_vote_on_letters():
     assert E.grade(rf"\boxed{{{gold}}}", problem) == (gold, True)
     assert E.grade(f"the answer is ({other})", problem) == (other, False)
     assert E.grade("no idea", problem) == (None, False)
-    records = [{"index": 0, "run": 0, "gold": gold, "answer": a, "correct": a == gold} for a in [other, gold, gold, None]]
+    records = [{"index": 0, "run": 0, "gold": gold, "answer": a, "correct": a == gold}
+               for a in [other, gold, gold, None]]
     result = E.score_records(records, 4)
     assert (result["avg@k"], result["pass@k"], result["maj@k"]) == (0.5, 1.0, 1.0)
 
@@ -142,12 +149,12 @@ def test_cli_bench_gpqa_mmlu_pro(tmp_path, monkeypatch, capsys):
     _write(tmp_path / "gpqa.jsonl", _gpqa_rows(3))
     _write(tmp_path / "mmlu-pro.jsonl", _mmlu_rows())
     out = tmp_path / "ev"
-    E.main(["--preset", "tiny", "--bench", "gpqa", "mmlu-pro", "--limit", "2", "--k", "2", "--max_new_tokens", "4",
-            "--out_dir", str(out)])
+    E.main(["--preset", "tiny", "--bench", "gpqa", "mmlu-pro", "--limit", "2", "--k", "2",
+            "--max_new_tokens", "4", "--out_dir", str(out)])
     summary = json.loads((out / "results.json").read_text())["benchmarks"]
     assert set(summary) == {"gpqa", "mmlu-pro"} and summary["gpqa"]["n_samples"] == 4
     records = [json.loads(x) for x in (out / "samples_gpqa.jsonl").read_text().splitlines()]
     for r in records:
         assert r["gold"] in "ABCD" and r["answer"] in (None, *"ABCD")
         assert r["correct"] == (r["answer"] == r["gold"])
-    assert E.PAPER_K["gpqa"] == E.PAPER_K["mmlu-pro"] == 8                # avg@8 (App. E) when --k is not given
+    assert E.PAPER_K["gpqa"] == E.PAPER_K["mmlu-pro"] == 8  # avg@8 (App. E) when --k is not given

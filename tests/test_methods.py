@@ -1,4 +1,5 @@
-"""methods.py: each row's rollout shape, trained paths and filter by hand; harness.loop.RunState saves and restores whole."""
+"""methods.py: each row's rollout shape, trained paths and filter by hand; harness.loop.RunState saves and
+restores whole."""
 import math
 import random
 
@@ -43,7 +44,8 @@ def test_rollout_shapes_by_hand():
     for name in ("grpo", "drgrpo"):                                               # G parallel responses
         n, budget, expand = M.METHODS[name].rollout_shape(cfg)
         assert (n, budget(0.0), expand) == (7, (0, 0), None)
-    n, budget, expand = M.METHODS["attnrl"].rollout_shape(cfg)                    # always fixed, picks responses
+    # always fixed, picks responses
+    n, budget, expand = M.METHODS["attnrl"].rollout_shape(cfg)
     assert (n, budget(1.0), expand) == (5, (3, 4), T.attnrl_expansion)
 
 
@@ -51,7 +53,8 @@ def test_paths_weights_and_filter_by_hand():
     tr = _tree()
     assert M.METHODS["datpo"].paths is None and M.METHODS["grpo"].paths is None
     assert M.leaf_paths(tr) == [[0, 1], [0, 2], [3]]
-    assert M.branched_paths(tr) == [[0, 1], [0, 2]]                               # not the unbranched response
+    # not the unbranched response
+    assert M.branched_paths(tr) == [[0, 1], [0, 2]]
     assert train.train_tree(tr, [0.0] * 4, "treerl").weights == [2.0, 1.0, 1.0, 1.0]
     assert train.train_tree(tr, [0.0] * 4, "attnrl").weights == [2.0, 1.0, 1.0, 0.0]
     assert M.METHODS["attnrl"].trainable(tr) and M.METHODS["treerl"].trainable(tr)
@@ -59,7 +62,8 @@ def test_paths_weights_and_filter_by_hand():
                                   T.Block(None, [2], [0], reward=1.0, base=1, start=0)], 1.0, 0, 0, [[], []])
     assert not M.METHODS["attnrl"].trainable(flat) and M.METHODS["datpo"].trainable(flat)
     cfg = C.make_config("tiny", max_new_tokens=10)
-    assert M.METHODS["treerl"].max_row_targets(cfg) == M.METHODS["datpo"].longest_response(cfg) == 19   # 2·10 − 1
+    # 2·10 − 1
+    assert M.METHODS["treerl"].max_row_targets(cfg) == M.METHODS["datpo"].longest_response(cfg) == 19
     assert M.METHODS["datpo"].max_row_targets(cfg) == M.METHODS["grpo"].longest_response(cfg) == 10
 
 
@@ -77,16 +81,19 @@ def test_run_state_saves_and_restores_whole():
     expected = [run.rng.random() for _ in range(3)], torch.rand(2)
     back = loop.RunState(rng=random.Random(0))
     back.restore(saved)
-    assert (back.step, back.cursor, back.skipped_prompts, back.batch_size, back.bad_steps_in_a_row) == (3, 17, 2, 5, 1)
+    assert (back.step, back.cursor, back.skipped_prompts, back.batch_size, back.bad_steps_in_a_row) \
+        == (3, 17, 2, 5, 1)
     assert back.too_long == {2, 9}                  # a skipped problem is not named again after a resume
-    assert back.ahead == ahead                      # the next step's batch, its bases sampled (one-step off-policy)
+    # the next step's batch, its bases sampled (one-step off-policy)
+    assert back.ahead == ahead
     got = [back.rng.random() for _ in range(3)], torch.rand(2)
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])            # the same streams continue
 
 
 def test_release_sibling_groups_embed_whole_responses_and_match_the_release_formula():
     """--sibling_groups release: embed_blocks adds one row per base response (its whole text) after the block
-    rows, and advantage.tree_diversity reads them as advantage.release_sibling_diversity does (real MiniLM embedder)."""
+    rows, and advantage.tree_diversity reads them as advantage.release_sibling_diversity does (real MiniLM
+    embedder)."""
     import numpy as np
 
     import models
@@ -108,7 +115,7 @@ def test_release_sibling_groups_embed_whole_responses_and_match_the_release_form
     assert np.allclose(release[5:], whole, atol=1e-5)
     assert np.allclose(release[:5], embedder.encode([b.text for b in blocks]), atol=1e-5)
     div = A.tree_diversity(tr, release, "release")
-    assert div == pytest.approx(A.release_sibling_diversity(tr.parents, tr.rewards, tr.branch_flags, [0, 0, 0, 0, 1],
-                                                            release[:5], release[5:]))
-    assert div[1] == 0.0 and div[2] > 0 and div[3] > 0       # the base continuation is no sibling; branches are
+    assert div == pytest.approx(A.release_sibling_diversity(tr.parents, tr.rewards, tr.branch_flags,
+                                                            [0, 0, 0, 0, 1], release[:5], release[5:]))
+    assert div[1] == 0.0 and div[2] > 0 and div[3] > 0  # the base continuation is no sibling; branches are
     assert A.tree_diversity(tr, paper, "paper") == pytest.approx(A.sibling_diversity(tr.parents, paper))

@@ -50,7 +50,8 @@ def test_resolve_checkpoint_follows_latest(tmp_path):
 
 
 def test_precision_helpers():
-    assert models.policy_dtype("bf16") == torch.bfloat16 and models.policy_dtype("bf16-autocast") == torch.float32
+    assert (models.policy_dtype("bf16") == torch.bfloat16
+            and models.policy_dtype("bf16-autocast") == torch.float32)
     with models.autocast("cpu", "bf16-autocast"):
         assert torch.is_autocast_enabled("cpu")
     with models.autocast("cpu", "fp32"):

@@ -1,6 +1,7 @@
-"""offpolicy.py and --off_policy_steps 1: the in-flight batch's bookkeeping, the loss's old log-probs for stale
-tokens (the behaviour policy's), and whole tiny runs: which weights sampled which tokens (checked against the
-saved checkpoints), no stale data at the first step, no wasted batch at the last, resume exactness."""
+"""offpolicy.py and --off_policy_steps 1: the in-flight batch's bookkeeping, the loss's old log-probs for
+stale tokens (the behaviour policy's), and whole tiny runs: which weights sampled which tokens (checked
+against the saved checkpoints), no stale data at the first step, no wasted batch at the last, resume
+exactness."""
 import json
 import random
 
@@ -59,8 +60,10 @@ def test_config_refuses_other_lags_and_the_generate_engine_and_presets_turn_it_o
         C.make_config("tiny", off_policy_steps=2)
     with pytest.raises(ValueError, match="--rollout_engine engine"):
         C.make_config("tiny", off_policy_steps=1, rollout_engine="generate")
-    assert C.make_config("attnrl").off_policy_steps == 1 and C.make_config("datpo-off-policy").off_policy_steps == 1
-    assert C.make_config("attnrl", "demo").off_policy_steps == 1 and C.make_config("paper").off_policy_steps == 0
+    assert (C.make_config("attnrl").off_policy_steps == 1
+            and C.make_config("datpo-off-policy").off_policy_steps == 1)
+    assert (C.make_config("attnrl", "demo").off_policy_steps == 1
+            and C.make_config("paper").off_policy_steps == 0)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -68,7 +71,8 @@ def test_config_refuses_other_lags_and_the_generate_engine_and_presets_turn_it_o
 # --------------------------------------------------------------------------------------------------------
 def _update(tok, trees, seed=1):
     model = models.tiny_random_model(len(tok), seed=seed)
-    cfg = C.make_config("tiny", mini_batch_size=4, micro_batch_size=4, ppo_epochs=1, clip_low=0.2, clip_high=0.28)
+    cfg = C.make_config("tiny", mini_batch_size=4, micro_batch_size=4, ppo_epochs=1, clip_low=0.2,
+                        clip_high=0.28)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stats = train.ppo_update(model, opt, trees, cfg, tok.pad_token_id, "cpu", random.Random(0))
     return model, stats
@@ -98,7 +102,8 @@ def test_stale_tokens_ratio_is_against_the_behaviour_log_probs(smollm_tokenizer)
     for a, b in zip(plain.parameters(), same.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
-    # the sampler gave the stale tokens 1 nat less: ratio e > 1 + 0.28 with A > 0, so the clip cuts their gradient
+    # the sampler gave the stale tokens 1 nat less: ratio e > 1 + 0.28 with A > 0, so the clip cuts
+    # their gradient
     older, s_older = _update(tok, tree(1.0, [lp - 1.0 for lp in exact]))
     assert s_older["clip_frac"] == pytest.approx(len(stale) / (len(stale) + len(fresh)))
     no_signal, _ = _update(tok, tree(0.0, None))            # the same gradient: only the fresh block's
@@ -142,8 +147,9 @@ def _run(tmp_path, monkeypatch, name, *flags):
         return out
 
     monkeypatch.setattr(train, "tree_rollouts", keep)
-    run = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / name), "--steps", "3", "--save_every", "1",
-                      "--off_policy_steps", "1", "--lr", "3e-2", "--alpha_start", "0", *flags])
+    run = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / name), "--steps", "3",
+                      "--save_every", "1", "--off_policy_steps", "1", "--lr", "3e-2", "--alpha_start", "0",
+                      *flags])
     return run, grown
 
 
@@ -173,7 +179,8 @@ def _recorded_vs(tree, checkpoint):
     return base_gap, branch_gap
 
 
-def test_base_tokens_come_from_the_weights_one_update_back_and_branches_from_the_current(tmp_path, monkeypatch):
+def test_base_tokens_come_from_the_weights_one_update_back_and_branches_from_the_current(
+        tmp_path, monkeypatch):
     run, grown = _run(tmp_path, monkeypatch, "a")
     records = [r for r in _read(run / "metrics.jsonl") if "eval" not in r]
     # the first step samples its own bases (nothing stale); later steps train bases sampled one update back
@@ -200,12 +207,13 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(tmp_path, mo
     run, _ = _run(tmp_path, monkeypatch, "full")
     records = [r for r in _read(run / "metrics.jsonl") if "eval" not in r]
     resumed = train.main(["--preset", "tiny", "--out_dir", str(tmp_path / "resumed"), "--steps", "3",
-                          "--save_every", "1", "--off_policy_steps", "1", "--lr", "3e-2", "--alpha_start", "0",
-                          "--resume", str(run / "checkpoints" / "step_000001")])
+                          "--save_every", "1", "--off_policy_steps", "1", "--lr", "3e-2",
+                          "--alpha_start", "0", "--resume", str(run / "checkpoints" / "step_000001")])
     again = [r for r in _read(resumed / "metrics.jsonl") if "eval" not in r]
     assert [r["step"] for r in again] == [2, 3]
     for mine, theirs in zip(again, records[1:]):
-        for key in ("loss", "reward", "generated_tokens_per_prompt", "grad_norm", "policy_lag", "stale_tokens"):
+        for key in ("loss", "reward", "generated_tokens_per_prompt", "grad_norm", "policy_lag",
+                    "stale_tokens"):
             assert mine[key] == theirs[key], key
     a = models.load_policy(str(run / "checkpoints" / "step_000003"), "cpu", torch.float32)[0]
     b = models.load_policy(str(resumed / "checkpoints" / "step_000003"), "cpu", torch.float32)[0]

@@ -20,8 +20,8 @@ from harness import faults, inject, oom
 
 @pytest.fixture
 def oom_at(monkeypatch):
-    """DATPO_OOM_AT for one test: the harness's sites (harness/inject.py) wrapped with monkeypatch, so they are
-    undone after it. (What the engine learns from running out of memory stays in its Sampler's
+    """DATPO_OOM_AT for one test: the harness's sites (harness/inject.py) wrapped with monkeypatch, so they
+    are undone after it. (What the engine learns from running out of memory stays in its Sampler's
     engine.Backoff: nothing global.)"""
     def set_sites(spec: str):
         monkeypatch.setenv("DATPO_OOM_AT", spec)
@@ -31,8 +31,10 @@ def oom_at(monkeypatch):
 
 def test_is_oom_knows_cuda_and_cublas_allocation_failures():
     assert oom.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert oom.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
-    assert not oom.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`"))
+    assert oom.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                                   "`cublasCreate(handle)`"))
+    assert not oom.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling "
+                                       "`cublasGemmEx`"))
     assert not oom.is_oom(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
 
 
@@ -55,7 +57,8 @@ def test_an_injected_site_raises_the_cuda_error_once_and_names_unknown_sites(mon
     real = P.micro_logprobs
     assert inject.install("update", monkeypatch.setattr) == ["update"]
     assert P.micro_logprobs is not real and P.micro_logprobs.__wrapped__ is real   # the update's site
-    with pytest.raises(faults.UserError, match="DATPO_OOM_AT=updates: unknown site.*expected some of .*update"):
+    with pytest.raises(faults.UserError,
+                       match="DATPO_OOM_AT=updates: unknown site.*expected some of .*update"):
         inject.install("updates")
 
 
@@ -109,7 +112,8 @@ def test_eval_oom_generates_in_smaller_batches_with_a_valid_result(tiny_policy, 
     model, tok = tiny_policy
     calls = []
     real = R.sample_base
-    monkeypatch.setattr(R, "sample_base", lambda s, p, n, m, **kw: calls.append(len(p) * n) or real(s, p, n, m, **kw))
+    monkeypatch.setattr(R, "sample_base",
+                        lambda s, p, n, m, **kw: calls.append(len(p) * n) or real(s, p, n, m, **kw))
     cfg = config.make_config("tiny", gen_batch_size=4)
     problems = data.load_problems("arith-test", 3)
     inject.install("eval", monkeypatch.setattr)
@@ -117,7 +121,8 @@ def test_eval_oom_generates_in_smaller_batches_with_a_valid_result(tiny_policy, 
     res = E.evaluate_problems(model, tok, problems, cfg, k=2, max_new_tokens=4, runs=1, progress=False)
     assert res["oom_retries"] == 1
     assert calls[0] == 2 and max(calls) <= 2              # 4 rows per call ran out: 2 per call, kept after
-    assert sorted((r["index"], r["sample"]) for r in res["records"]) == [(i, s) for i in range(3) for s in range(2)]
+    assert sorted((r["index"], r["sample"]) for r in res["records"]) \
+        == [(i, s) for i in range(3) for s in range(2)]
     assert all(1 <= r["tokens"] <= 4 for r in res["records"]) and res["n_samples"] == 6
 
 
@@ -145,8 +150,12 @@ def test_prefill_oom_alone_feeds_the_prompt_in_halves_with_the_same_result(smoll
     sampler = R.Sampler.from_config(model, tok, config.make_config("tiny", temperature=0.8))
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     torch.manual_seed(0)
-    given = {1: run_to_end(sampler.make_engine(prompts, 8, 6, 2), prompts[1:2], 2, 8, progress=False)[0].bases}
-    requests = lambda p, bases: [engine.BranchRequest(j, 2, 2, 6) for j in range(2)]
+    given = {1: run_to_end(sampler.make_engine(prompts, 8, 6, 2), prompts[1:2], 2, 8,
+                           progress=False)[0].bases}
+
+    def requests(p, bases):
+        return [engine.BranchRequest(j, 2, 2, 6) for j in range(2)]
+
     out = {}
     for spec in ("", "prefill"):
         oom_at(spec)
@@ -159,7 +168,8 @@ def test_prefill_oom_alone_feeds_the_prompt_in_halves_with_the_same_result(smoll
     assert hit.scheduler.prefill_chunk == len(prompts[0]) // 2 == sampler.backoff.prefill_tokens["cpu"]
     assert [s.tokens for s in a] == [s.tokens for s in b] and len(a) == 3 * 2 + 3 * 4
     for x, y in zip(a, b):
-        assert x.entropies == pytest.approx(y.entropies, abs=1e-4) and x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+        assert (x.entropies == pytest.approx(y.entropies, abs=1e-4)
+                and x.logprobs == pytest.approx(y.logprobs, abs=1e-4))
     assert hit.stats["prefill_tokens"] == clean.stats["prefill_tokens"] == sum(map(len, prompts))
     assert hit.pool.used == 0 and \
         sampler.make_engine(prompts, 8, 6, 2).scheduler.prefill_chunk == hit.scheduler.prefill_chunk
@@ -180,7 +190,8 @@ def test_prefill_oom_in_a_rollout_never_kills_the_step(tiny_policy, oom_at, monk
 def test_base_oom_halves_the_engine_rows_and_reaches_the_generate_caller(smollm_tokenizer, oom_at):
     """DATPO_OOM_AT=base: the engine's first decode step of several base rows runs out of memory once; its row
     budget halves (kept in the sampler's Backoff) and the greedy samples are those of a run without the
-    fault. On the generate path a group's base call raises it (the base phase's degradation is the engine's)."""
+    fault. On the generate path a group's base call raises it (the base phase's degradation is
+    the engine's)."""
     from test_engine import PROMPTS, run_to_end, tiny_model
 
     tok = smollm_tokenizer
@@ -194,7 +205,8 @@ def test_base_oom_halves_the_engine_rows_and_reaches_the_generate_caller(smollm_
         out[spec] = run, sampler, [[s.tokens for s in r.bases] for r in run_to_end(run, prompts, 2, 6)]
     (clean, _, a), (hit, sampler, b) = out[""], out["base"]
     assert a == b and clean.stats["oom_retries"] == 0 and hit.stats["oom_retries"] == 1
-    assert clean.scheduler.max_rows == 8 and hit.scheduler.max_rows == 3 == sampler.backoff.rows["cpu"]   # 6 // 2
+    # 6 // 2
+    assert clean.scheduler.max_rows == 8 and hit.scheduler.max_rows == 3 == sampler.backoff.rows["cpu"]
     cfg = config.make_config("tiny", rollout_engine="generate")
     with pytest.raises(torch.OutOfMemoryError, match="DATPO_OOM_AT"):
         R.rollout_trees(model, tok, PROMPTS[:1], ["7"], cfg, random.Random(0))

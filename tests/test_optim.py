@@ -70,7 +70,8 @@ def test_small_updates_accumulate_only_with_fp32_master_weights():
 def test_bf16_second_moment_never_decays():
     """v·0.999 in bf16 rounds back to v (0.999 is within half a unit of 1.0 at 8 bits, 2^-9 ≈ 0.00195), so
     after the gradients vanish pure-bf16 AdamW keeps v where it was; fp32 states decay it by 0.999 a step."""
-    assert torch.equal(torch.tensor(0.37, dtype=torch.bfloat16) * 0.999, torch.tensor(0.37, dtype=torch.bfloat16))
+    assert torch.equal(torch.tensor(0.37, dtype=torch.bfloat16) * 0.999,
+                       torch.tensor(0.37, dtype=torch.bfloat16))
     ws = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)) for _ in range(2)]
     opts = [torch.optim.AdamW([ws[0]], lr=1e-6), O.AdamWFP32([ws[1]], lr=1e-6)]
     for step in range(51):
@@ -118,15 +119,18 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
     monkeypatch.setattr(attention, "_kernel_choice", {})
     monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
-    flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32", "--packed_attention", "flex",
-             "--steps", "1", "--out_dir", str(tmp_path / "run")]
+    flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32",
+             "--packed_attention", "flex", "--steps", "1", "--out_dir", str(tmp_path / "run")]
     real_install = inject.install     # the harness installs the sites at start-up: undone after this test
-    monkeypatch.setattr(inject, "install", lambda spec=None, patch=None: real_install(spec, monkeypatch.setattr))
+    monkeypatch.setattr(inject, "install",
+                        lambda spec=None, patch=None: real_install(spec, monkeypatch.setattr))
     run = train.main(flags)
     (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert record["attention_kernel"] == "tree" and record["oom_retries"] == 2 and record["optimizer_steps"] >= 1
+    assert (record["attention_kernel"] == "tree" and record["oom_retries"] == 2
+            and record["optimizer_steps"] >= 1)
     assert capsys.readouterr().err.count("flex_attention cannot run here") == 1
-    state = torch.load(run / "checkpoints" / "step_000001" / "trainer_state.pt", weights_only=False)["optimizer"]
+    state = torch.load(run / "checkpoints" / "step_000001" / "trainer_state.pt",
+                       weights_only=False)["optimizer"]
     moments = [v for st in state["state"].values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
     masters = [st["master"] for st in state["state"].values() if "master" in st]
     assert moments and all(v.dtype == torch.float32 for v in moments) and masters

@@ -55,8 +55,10 @@ GRADING_CASES = [
     ("-0.25", "-\\frac14", True, "negative decimal"),
     ("\\$5", "5", True, "dollar sign"),
     ("50\\%", "50", True, "percent"),
-    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True, "column vector"),
-    ("\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}", "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}", True, "matrix"),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True,
+     "column vector"),
+    ("\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}", "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}", True,
+     "matrix"),
     ("\\infty", "\\infty", True, "infinity"),
     ("1+i", "1 + i", True, "complex number"),
     ("\\text{Monday}", "\\text{Monday}", True, "text answer"),
@@ -164,14 +166,17 @@ def test_enough_labelled_cases_both_ways():
     assert sum(c[2] for c in GRADING_CASES) >= 25 and sum(not c[2] for c in GRADING_CASES) >= 25
 
 
-@pytest.mark.parametrize("pred,gold,expected", [c[:3] for c in GRADING_CASES], ids=[c[3] for c in GRADING_CASES])
+@pytest.mark.parametrize("pred,gold,expected", [c[:3] for c in GRADING_CASES],
+                         ids=[c[3] for c in GRADING_CASES])
 def test_is_equivalent(pred, gold, expected):
     assert reward.is_equivalent(pred, gold) is expected
 
 
-@pytest.mark.parametrize("pred,gold", [("\\sqrt{2}", "2"), ("\\sqrt{3}", "3"), ("\\text{5 apples}x", "5"), ("5\\pi", "5")])
+@pytest.mark.parametrize("pred,gold", [("\\sqrt{2}", "2"), ("\\sqrt{3}", "3"), ("\\text{5 apples}x", "5"),
+                                       ("5\\pi", "5")])
 def test_no_letter_stripping(pred, gold):
-    # The reference code's numeric fallback counted \sqrt{2} as 2; letters must never be dropped to find a number.
+    # The reference code's numeric fallback counted \sqrt{2} as 2; letters must never be dropped to find
+    # a number.
     assert reward.compute_reward(f"so \\boxed{{{pred}}}", gold) == 0.0
 
 
@@ -194,7 +199,8 @@ EXTRACT_CASES = [
     ("\\fbox{7}", "7", "fbox"),
     ("\\boxed {12}", "12", "space before brace"),
     ("\\boxed{\\{1,2\\}}", "\\{1,2\\}", "escaped braces inside"),
-    ("\\boxed{\\begin{pmatrix}1\\\\2\\end{pmatrix}}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", "matrix with \\\\"),
+    ("\\boxed{\\begin{pmatrix}1\\\\2\\end{pmatrix}}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}",
+     "matrix with \\\\"),
     ("\\boxed{}", "", "empty box"),
     ("\\boxedx{3}", None, "not a box command"),
     ("\x08oxed{\x0crac{1}{2}}", "\\frac{1}{2}", "non-raw Python string mangling"),
@@ -222,7 +228,8 @@ def test_extract_answer(text, expected):
 
 def test_join_boxes_false_reads_the_last_box_only():
     # How data.py reads MATH reference solutions: "\\boxed{x+11} or \\boxed{11+x}" offers two spellings.
-    assert reward.extract_answer("This yields $\\boxed{x+11}$ or $\\boxed{11+x}$.", join_boxes=False) == "11+x"
+    assert reward.extract_answer("This yields $\\boxed{x+11}$ or $\\boxed{11+x}$.",
+                                 join_boxes=False) == "11+x"
     assert reward.extract_answer("x = \\boxed{-2} or x = \\boxed{1}", join_boxes=False) == "1"
 
 
@@ -299,7 +306,8 @@ def test_compute_reward():
     assert reward.compute_reward(None, "5") == 0.0
 
 
-# (response, gold, reward): the multi-box policy. A split answer counts whole; boxing several candidates never wins.
+# (response, gold, reward): the multi-box policy. A split answer counts whole; boxing several candidates
+# never wins.
 MULTI_BOX_CASES = [
     ("so $x = \\boxed{-2}$ or $x = \\boxed{1}$.", "1, -2", 1.0),
     ("so $x = \\boxed{-2}$ or $x = \\boxed{1}$.", "\\{-2, 1\\}", 1.0),
@@ -454,5 +462,5 @@ def test_daemonic_worker_thread_can_use_a_helper():
     # multiprocessing.Pool workers are daemonic (as are torch DataLoader workers): they may not start
     # multiprocessing children, but a subprocess helper is fine.
     with multiprocessing.get_context("fork").Pool(1) as pool:
-        assert pool.map(_grade_in_a_thread, [("\\frac{1}{4}", "0.25"), ("9^{9^{9}}", "5"), ("\\sqrt{2}", "2")]) == [
-            True, False, False]
+        assert pool.map(_grade_in_a_thread, [("\\frac{1}{4}", "0.25"), ("9^{9^{9}}", "5"),
+                                             ("\\sqrt{2}", "2")]) == [True, False, False]

@@ -1,11 +1,12 @@
-"""reward.py against the labelled cases of public graders' test suites (Math-Verify, MARIO_EVAL, hendrycks/math).
+"""reward.py against the labelled cases of public graders' test suites (Math-Verify, MARIO_EVAL,
+hendrycks/math).
 
-The cases live outside the repository, beside it: ../shared/data/grader_peer_cases.json relative to the repo root
-(each: pred, gold, expect, source, mode "bare" = two bare answers / "response" = a full response and a gold
-answer, the strings math-verify alone is given (mv_pred, mv_gold), and a `skip` reason where the case is out of
-the project's scope). The bar: every graded case that math-verify alone gets right, reward.py gets right too,
-except the policy differences listed below with their reasons. math-verify alone is run here, live, as the
-independent path (its own parse + verify with its default settings and timeouts).
+The cases live outside the repository, beside it: ../shared/data/grader_peer_cases.json relative to the repo
+root (each: pred, gold, expect, source, mode "bare" = two bare answers / "response" = a full response and a
+gold answer, the strings math-verify alone is given (mv_pred, mv_gold), and a `skip` reason where the case is
+out of the project's scope). The bar: every graded case that math-verify alone gets right, reward.py gets
+right too, except the policy differences listed below with their reasons. math-verify alone is run here, live,
+as the independent path (its own parse + verify with its default settings and timeouts).
 """
 import json
 import os
@@ -21,15 +22,17 @@ CASES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 # (mode, pred, gold) -> why reward.py deliberately disagrees with math-verify alone (which gets these right).
 POLICY_DIFFERENCES = {
     ("bare", "1000,99", "1000.99"):
-        "a comma that is not thousands grouping separates a list: '1000,99' is the list 1000, 99 (math-verify "
-        "reads it so too inside \\boxed{}; only its free-text number reader takes a decimal comma). MATH writes "
-        "lists of answers as '2,3': a decimal-comma reading would grade 2.3 right against them",
+        "a comma that is not thousands grouping separates a list: '1000,99' is the list 1000, 99 "
+        "(math-verify reads it so too inside \\boxed{}; only its free-text number reader takes a decimal "
+        "comma). MATH writes lists of answers as '2,3': a decimal-comma reading would grade 2.3 right "
+        "against them",
     ("bare", "1.22", "1,22"):
         "same: the gold '1,22' is the list 1, 22, not 1.22",
     ("response", "$$\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 1)}$$", "(3, 3), (1, 1)"):
-        "boxes are joined only across connectors (spacing, ',', ';', 'and', 'or', a label 'x ='): prose between "
-        "them ('for part (a)') ends the answer, else an intermediate boxed value ('a = \\boxed{3}, so a + b = "
-        "\\boxed{7}') would be pulled into the final one. Only the last box, (1, 1), is read",
+        "boxes are joined only across connectors (spacing, ',', ';', 'and', 'or', a label 'x ='): prose "
+        "between them ('for part (a)') ends the answer, else an intermediate boxed value "
+        "('a = \\boxed{3}, so a + b = \\boxed{7}') would be pulled into the final one. Only the last box, "
+        "(1, 1), is read",
 }
 
 
@@ -67,9 +70,11 @@ def _key(case):
 @pytest.fixture(scope="module")
 def verdicts():
     if CASES is None:
-        pytest.skip(f"peer cases not found at {os.path.normpath(CASES_PATH)} (shared data beside the repository)")
+        pytest.skip(f"peer cases not found at {os.path.normpath(CASES_PATH)} "
+                    "(shared data beside the repository)")
     reward._timed_out.clear()
-    return [(case, _ours(case) == case["expect"], _math_verify_alone(case) == case["expect"]) for case in GRADED]
+    return [(case, _ours(case) == case["expect"], _math_verify_alone(case) == case["expect"])
+            for case in GRADED]
 
 
 def test_every_case_math_verify_gets_right_is_right_but_documented_policy(verdicts):

@@ -78,7 +78,8 @@ def test_blocks_partition_tokens_and_paths_rebuild_responses(tiny_policy, monkey
             assert [b.start for b in chain] == [0] + forks
             for b in t.blocks:
                 if b.base == j and b.branch:
-                    assert b.start in forks and t.blocks[b.parent].start + len(t.blocks[b.parent].token_ids) == b.start
+                    assert b.start in forks and (t.blocks[b.parent].start
+                                                 + len(t.blocks[b.parent].token_ids) == b.start)
     # every graded text is the decoding of exactly one root-to-leaf path rebuilt from the blocks, and back
     decoded = sorted((t.answer, tok.decode(T.path_token_ids(t.blocks, leaf), skip_special_tokens=True))
                      for t in trees for leaf, b in enumerate(t.blocks) if b.terminal)
@@ -197,7 +198,8 @@ def test_stop_ids_end_a_base_model_prompted_with_the_release_prompt(smollm_token
 
 
 def test_trim_keeps_the_stop_token_and_cuts_at_the_budget():
-    # pad = EOS = 2 (as in SmolLM2): generate pads a finished row with EOS; only the first one is the response's
+    # pad = EOS = 2 (as in SmolLM2): generate pads a finished row with EOS; only the first one is
+    # the response's
     new = torch.tensor([[5, 6, 2, 2, 2], [5, 7, 9, 9, 9], [5, 6, 8, 9, 4]])
     ents = torch.arange(15, dtype=torch.float).reshape(3, 5)
     tokens, entropies = G.trim([2, 7], new, ents, limits=[5, 5, 3])

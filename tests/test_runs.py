@@ -34,7 +34,8 @@ def folder_hash(path: Path) -> dict[str, str]:
 
 
 def run_cli(capsys, argv, code=None) -> list[str]:
-    """train.main as a command; returns stderr's lines; `code`: the SystemExit code expected (None: returns)."""
+    """train.main as a command; returns stderr's lines; `code`: the SystemExit code expected (None:
+    returns)."""
     if code is None:
         faults.main_guard(train.main, argv)
     else:
@@ -77,9 +78,9 @@ def test_second_run_into_a_locked_folder_stops_naming_the_holder(run, capsys):
         lock.write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "started": "then"}))
         before = folder_hash(run)
         lines = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)], code=2)
-        assert lines[-1].endswith(f"error: --out_dir {run}: another run is writing there (pid {holder.pid} on "
-                                  f"{socket.gethostname()}, since then, {lock}); wait for it, stop it, or use "
-                                  f"another --out_dir")
+        assert lines[-1].endswith(f"error: --out_dir {run}: another run is writing there (pid {holder.pid} "
+                                  f"on {socket.gethostname()}, since then, {lock}); wait for it, stop it, or "
+                                  f"use another --out_dir")
         assert sum("error:" in x for x in lines) == 1
         assert folder_hash(run) == before                                  # the holder's files untouched
         # --overwrite true does not get past a live holder either
@@ -108,7 +109,8 @@ def test_lock_is_exclusive_and_released(tmp_path):
             runs.RunLock(tmp_path).acquire()
         assert lock.held
     assert not (tmp_path / "run.lock").exists()
-    (tmp_path / "run.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere"}))   # another host: never guessed
+    # another host: never guessed
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
     with pytest.raises(faults.UserError, match="pid 1 on host elsewhere.*if that run is gone, delete"):
         runs.RunLock(tmp_path).acquire()
 
@@ -120,9 +122,10 @@ def test_resume_with_another_experiment_is_refused_listing_the_fields(run, capsy
     before = folder_hash(run)
     lines = run_cli(capsys, TINY + ["--steps", "3", "--method", "grpo", "--lr", "2e-3", "--out_dir", str(run),
                                     "--resume", str(run)], code=2)
-    assert lines[-1].endswith("error: --resume: the command line changes the experiment of the run it resumes "
-                              "(lr 0.001 -> 0.002, method 'datpo' -> 'grpo'); expected the run's own settings "
-                              "(its config.json), or --allow_config_change true to continue it as a mix")
+    assert lines[-1].endswith("error: --resume: the command line changes the experiment of the run it "
+                              "resumes (lr 0.001 -> 0.002, method 'datpo' -> 'grpo'); expected the run's "
+                              "own settings (its config.json), or --allow_config_change true to continue it "
+                              "as a mix")
     assert folder_hash(run) == before
 
 
@@ -130,9 +133,10 @@ def test_allowed_and_forced_changes_are_recorded_in_config_history(run, capsys):
     run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)])
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["steps"] == 3 and cfg["history"] == [{"resumed_at_step": 2, "changed": {
-        "steps": [2, 3], "resume": ["", str(run)], "out_dir": [cfg["history"][0]["changed"]["out_dir"][0], str(run)]}}]
-    run_cli(capsys, TINY + ["--steps", "4", "--lr", "2e-3", "--allow_config_change", "true", "--out_dir", str(run),
-                            "--resume", str(run)])
+        "steps": [2, 3], "resume": ["", str(run)],
+        "out_dir": [cfg["history"][0]["changed"]["out_dir"][0], str(run)]}}]
+    run_cli(capsys, TINY + ["--steps", "4", "--lr", "2e-3", "--allow_config_change", "true",
+                            "--out_dir", str(run), "--resume", str(run)])
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["lr"] == 2e-3 and cfg["history"][1] == {
         "resumed_at_step": 3, "changed": {"allow_config_change": [False, True], "lr": [0.001, 0.002],
@@ -142,7 +146,8 @@ def test_allowed_and_forced_changes_are_recorded_in_config_history(run, capsys):
 def test_check_resume_config_splits_allowed_from_experiment_fields():
     saved = {"method": "datpo", "steps": 10, "seed": 0, "report_to": ["none"], "added_later": 1}
     new = {"method": "datpo", "steps": 20, "seed": 0, "report_to": ["tensorboard"]}
-    assert runs.check_resume_config(saved, new) == {"report_to": (["none"], ["tensorboard"]), "steps": (10, 20)}
+    assert runs.check_resume_config(saved, new) == {"report_to": (["none"], ["tensorboard"]),
+                                                    "steps": (10, 20)}
     with pytest.raises(faults.UserError, match=r"\(seed 0 -> 1\)"):
         runs.check_resume_config(saved, {**new, "seed": 1})
     assert runs.check_resume_config(saved, {**new, "seed": 1}, allow=True)["seed"] == (0, 1)
@@ -154,17 +159,17 @@ def test_resume_into_a_folder_holding_another_run_is_refused(run, tmp_path, caps
     (other / "metrics.jsonl").write_text((other / "metrics.jsonl").read_text() + '{"step": 9, "mine": 1}\n')
     before = folder_hash(other)
     lines = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(other), "--resume", str(run)], code=2)
-    assert lines[-1].endswith(f"error: --resume {run} --out_dir {other}: {other} holds another run; continuing "
-                              f"run there would overwrite its records; use --out_dir {run} (or a new folder), or "
-                              f"--overwrite true to replace it")
+    assert lines[-1].endswith(f"error: --resume {run} --out_dir {other}: {other} holds another run; "
+                              f"continuing run there would overwrite its records; use --out_dir {run} "
+                              f"(or a new folder), or --overwrite true to replace it")
     assert folder_hash(other) == before
 
 
 def test_resume_of_a_finished_run_into_a_new_folder_has_nothing_to_run(run, tmp_path, capsys):
     before = folder_hash(run)
     lines = run_cli(capsys, TINY + ["--steps", "2", "--out_dir", str(tmp_path / "new"), "--resume", str(run)])
-    assert lines[-1] == (f"nothing left to run: {run / 'checkpoints' / 'step_000002'} is at step 2 of --steps 2; "
-                         f"raise --steps to train further")
+    assert lines[-1] == (f"nothing left to run: {run / 'checkpoints' / 'step_000002'} is at step 2 of "
+                         f"--steps 2; raise --steps to train further")
     assert folder_hash(run) == before
 
 
@@ -174,14 +179,17 @@ def test_resume_of_a_finished_run_into_a_new_folder_has_nothing_to_run(run, tmp_
 @pytest.mark.parametrize("damage", ["model.safetensors", "trainer_state.pt"])
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(run, capsys, damage):
     latest = run / "checkpoints" / "step_000002" / damage
-    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])      # truncated, as a full disk leaves it
+    # truncated, as a full disk leaves it
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
     lines = run_cli(capsys, TINY + ["--steps", "2", "--out_dir", str(run), "--resume", str(run)])
     warning = [x for x in lines if x.startswith("checkpoint ")]
     assert len(warning) == 1 and warning[0].startswith(f"checkpoint {run / 'checkpoints' / 'step_000002'} is "
                                                        f"damaged ({damage} ")
-    assert warning[0].endswith(f"resuming from the previous complete checkpoint {run / 'checkpoints' / 'step_000001'}")
+    assert warning[0].endswith(f"resuming from the previous complete checkpoint "
+                               f"{run / 'checkpoints' / 'step_000001'}")
     assert f"resumed from {run / 'checkpoints' / 'step_000001'} at step 1" in lines
-    assert runs.checkpoint_damage(run / "checkpoints" / "step_000002")[1] is None   # step 2 redone and rewritten
+    # step 2 redone and rewritten
+    assert runs.checkpoint_damage(run / "checkpoints" / "step_000002")[1] is None
 
 
 def test_no_usable_checkpoint_is_one_line_naming_them(run, capsys):
@@ -190,12 +198,14 @@ def test_no_usable_checkpoint_is_one_line_naming_them(run, capsys):
         path.write_bytes(path.read_bytes()[:100])
     before = folder_hash(run)
     lines = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)], code=2)
-    assert "error: --resume" in lines[-1] and "no usable checkpoint (step_000002: model.safetensors truncated" \
-        in lines[-1] and "step_000001: model.safetensors truncated" in lines[-1]
+    assert ("error: --resume" in lines[-1]
+            and "no usable checkpoint (step_000002: model.safetensors truncated" in lines[-1]
+            and "step_000001: model.safetensors truncated" in lines[-1])
     assert folder_hash(run) == before
 
 
-def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(run, capsys, monkeypatch):
+def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_previous_checkpoint(
+        run, capsys, monkeypatch):
     real = torch.save
 
     def full_disk(obj, f, *args, **kwargs):
@@ -207,9 +217,10 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_previous_checkp
     monkeypatch.setattr(torch, "save", full_disk)
     lines = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)], code=4)
     tmp = run / "checkpoints" / ".tmp_step_000003" / "trainer_state.pt"
-    assert lines[-1].endswith(f"error: writing checkpoint {run / 'checkpoints' / 'step_000003'}: disk full (No space "
-                              f"left on device) ({tmp}); previous checkpoint {run / 'checkpoints' / 'step_000002'} "
-                              f"intact; free space and resume with --resume {run}")
+    assert lines[-1].endswith(f"error: writing checkpoint {run / 'checkpoints' / 'step_000003'}: disk full "
+                              f"(No space left on device) ({tmp}); previous checkpoint "
+                              f"{run / 'checkpoints' / 'step_000002'} intact; free space and resume with "
+                              f"--resume {run}")
     assert sum("error:" in x for x in lines) == 1
     assert folder_hash(run / "checkpoints" / "step_000002") == previous
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
@@ -227,15 +238,17 @@ def test_disk_full_while_logging_is_one_line(run, capsys, monkeypatch):
     monkeypatch.setattr(tracking, "open", full_disk, raising=False)
     before = folder_hash(run)
     lines = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)], code=4)
-    assert lines[-1].endswith(f"error: writing {run / 'metrics.jsonl'}: disk full (No space left on device); the "
-                              f"step's record is lost, checkpoints are intact; free space and --resume {run}")
+    assert lines[-1].endswith(f"error: writing {run / 'metrics.jsonl'}: disk full (No space left on "
+                              f"device); the step's record is lost, checkpoints are intact; free space and "
+                              f"--resume {run}")
     assert sum("error:" in x for x in lines) == 1
     changed = {k for k in set(before) | set(folder_hash(run)) if before.get(k) != folder_hash(run).get(k)}
     assert changed == {"config.json"}                                      # --steps 3 recorded in its history
 
 
 def test_keep_checkpoints_keeps_the_newest(run, capsys):
-    run_cli(capsys, TINY + ["--steps", "4", "--keep_checkpoints", "2", "--out_dir", str(run), "--resume", str(run)])
+    run_cli(capsys, TINY + ["--steps", "4", "--keep_checkpoints", "2", "--out_dir", str(run),
+                            "--resume", str(run)])
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000003", "step_000004"]
     assert (run / "checkpoints" / "latest").read_text() == "step_000004"
 
@@ -249,8 +262,8 @@ def test_torn_middle_metrics_line_is_named_with_its_step(run, capsys):
     (run / "metrics.jsonl").write_text(lines[0][:30] + "\n" + lines[1] + "\n")   # line 1 torn
     out = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)])
     assert f"{run / 'metrics.jsonl'} line 1: torn (not a JSON record); dropped" in out
-    assert f"{run / 'metrics.jsonl'}: no record of step(s) 1 (lost before the checkpoint at step 2; those steps " \
-           f"are not redone)" in out
+    assert f"{run / 'metrics.jsonl'}: no record of step(s) 1 (lost before the checkpoint at step 2; those " \
+           f"steps are not redone)" in out
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [2, 3]
 
 
@@ -279,8 +292,9 @@ def test_oversized_prompt_is_skipped_before_tokenizing_with_one_line(tmp_path, c
     lines = run_cli(capsys, TINY + ["--steps", "3", "--max_prompt_tokens", "512", "--train_data", str(path),
                                     "--out_dir", str(tmp_path / "run")])
     skipped = [x for x in lines if "characters, more than --max_prompt_tokens" in x]
-    assert skipped == [f"{path} problem #1: {len(rows[1]['problem'])} characters, more than --max_prompt_tokens "
-                       f"512 tokens; skipped (each time it comes round)"]          # once, though it comes round
+    # once, though it comes round
+    assert skipped == [f"{path} problem #1: {len(rows[1]['problem'])} characters, more than "
+                       f"--max_prompt_tokens 512 tokens; skipped (each time it comes round)"]
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["skipped_prompts"] >= 2                                  # 3 steps of 2: it came round twice
     assert time.perf_counter() - t0 < 60                                  # tokenizing 8 MB alone takes longer
@@ -302,8 +316,8 @@ def test_stop_timeout_ends_a_step_that_never_reaches_a_safe_point(capsys):
         faults.main_guard(lambda argv: endless(), [])
     assert exit_info.value.code == 130 and time.perf_counter() - t0 < 5
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("error: stopped mid-step by SIGTERM: no safe point within --stop_timeout 0.3s; the step "
-                            "in progress is lost, --resume continues from the last checkpoint")
+    assert err[-1].endswith("error: stopped mid-step by SIGTERM: no safe point within --stop_timeout 0.3s; "
+                            "the step in progress is lost, --resume continues from the last checkpoint")
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0                    # alarm and handlers restored
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
@@ -324,10 +338,11 @@ def test_sampling_that_meets_nonfinite_probabilities_is_one_line(tmp_path):
         with guards.sampling_guard(5, tmp_path):
             torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)
     assert err.value.exit_code == 3
-    assert str(err.value) == ("step 5: sampling met non-finite probabilities (the policy's logits); the latest "
-                              "checkpoint (none) holds the weights that produced them; expected a resume from an "
-                              "earlier checkpoint with a lower --lr")
-    with pytest.raises(RuntimeError, match="shape"):                      # any other error keeps its traceback
+    assert str(err.value) == ("step 5: sampling met non-finite probabilities (the policy's logits); the "
+                              "latest checkpoint (none) holds the weights that produced them; expected a "
+                              "resume from an earlier checkpoint with a lower --lr")
+    # any other error keeps its traceback
+    with pytest.raises(RuntimeError, match="shape"):
         with guards.sampling_guard(5, tmp_path):
             raise RuntimeError("shape mismatch")
 
@@ -338,10 +353,12 @@ def test_resume_from_a_checkpoint_with_nonfinite_weights_is_refused(run, capsys)
     path = run / "checkpoints" / "step_000002" / "model.safetensors"
     weights = load_file(str(path))
     name = sorted(weights)[0]
-    weights[name].view(-1)[0] = float("inf")                              # written before the weight guard existed
+    # written before the weight guard existed
+    weights[name].view(-1)[0] = float("inf")
     save_file(weights, str(path), metadata={"format": "pt"})
     before = folder_hash(run)
     lines = run_cli(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)], code=2)
-    assert lines[-1].endswith(f"error: --resume {run / 'checkpoints' / 'step_000002'}: its weights hold non-finite "
-                              f"values; expected an earlier checkpoint of the run or a healthy model")
+    assert lines[-1].endswith(f"error: --resume {run / 'checkpoints' / 'step_000002'}: its weights hold "
+                              f"non-finite values; expected an earlier checkpoint of the run or a healthy "
+                              f"model")
     assert folder_hash(run) == before

@@ -71,7 +71,7 @@ def test_difficulty_split_subsamples_with_a_seed():
     assert small == difficulty.difficulty_split(counts, 12, size=2, seed=3)
 
 
-# ---- tracking.level_stats (each step record holds it) -----------------------------------------------------------------
+# ---- tracking.level_stats (each step record holds it) ------------------------------------------------------
 def _leaf(reward):
     return T.Block(None, [1], [0.0], reward=reward)
 
@@ -87,8 +87,8 @@ def test_level_stats_by_hand():
 
 def test_level_summary_weights_by_prompts():
     steps = [{"levels": {"1": {"prompts": 1, "leaves": 4.0, "pass_rate": 1.0}}},
-             {"levels": {"1": {"prompts": 3, "leaves": 8.0, "pass_rate": 0.0}, "2": {"prompts": 1, "leaves": 2.0,
-                                                                                 "pass_rate": 0.0}}}]
+             {"levels": {"1": {"prompts": 3, "leaves": 8.0, "pass_rate": 0.0},
+                         "2": {"prompts": 1, "leaves": 2.0, "pass_rate": 0.0}}}]
     assert dynamics.level_summary(steps) == {"1": {"prompts": 4, "leaves": 7.0, "pass_rate": 0.25},
                                              "2": {"prompts": 1, "leaves": 2.0, "pass_rate": 0.0}}
 
@@ -101,10 +101,12 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
     cfg = C.make_config("tiny", max_new_tokens=12)
     sampler = R.Sampler.from_config(model, tok, cfg)
     torch.manual_seed(0)
-    base = R.sample_base(sampler, [tok("What is 3 + 4?", add_special_tokens=False).input_ids], 2, 12, keep_cache=True)
+    base = R.sample_base(sampler, [tok("What is 3 + 4?", add_special_tokens=False).input_ids], 2, 12,
+                         keep_cache=True)
     saved = [list(t) for t in base.tokens]
     forks = {0: [3, 7], 1: [5]}
-    subtrees = growth.grow_from_forks(sampler, tok, base, forks, 3, ["7", "7"], 12, chunk_size=4, base_rewards=[1.0, 0.0])
+    subtrees = growth.grow_from_forks(sampler, tok, base, forks, 3, ["7", "7"], 12, chunk_size=4,
+                                      base_rewards=[1.0, 0.0])
     for r, fs in forks.items():
         blocks = subtrees[r]
         chain = [b for b in blocks if not b.branch]
@@ -116,7 +118,8 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
             parent = blocks[b.parent]
             assert parent.start + len(parent.token_ids) == b.start and len(b.token_ids) <= 12
             assert tok.decode(saved[r][:b.start] + b.token_ids, skip_special_tokens=True) in graded
-    again = growth.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4, budget="remaining")
+    again = growth.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4,
+                                   budget="remaining")
     assert base.tokens == saved and len(again[0]) == 2 + 2      # the base can be branched again
     assert all(2 + len(b.token_ids) <= 12 for b in again[0] if b.branch)   # "remaining": the path fits in 12
 
@@ -140,8 +143,8 @@ def test_train_command_rebuilds_the_config():
                         report_to=["tensorboard"])
     command = common.train_command("grpo-g8", "demo", cfg)
     assert "--steps 3" in command and "--few_shot false" in command and "'runs/x y'" in command
-    assert "--report_to tensorboard" in command                 # a list field: its items, not "['tensorboard']"
-    assert flags.parse_args(shlex.split(command)[2:]) == cfg        # train.py's own parser gives the same Config
+    assert "--report_to tensorboard" in command  # a list field: its items, not "['tensorboard']"
+    assert flags.parse_args(shlex.split(command)[2:]) == cfg  # train.py's own parser gives the same Config
 
 
 def test_config_has_the_g_sweep_rows():
@@ -172,7 +175,8 @@ def test_difficulty_split_trains_and_reports(tmp_path, monkeypatch):
         cfg = json.loads((run / "config.json").read_text())
         # tiny: 8 samples per step (G = 16 still needs one whole prompt); on-policy, one mini-batch per step
         assert (cfg["method"], cfg["group_size"], cfg["prompts_per_step"]) == ("grpo", g, max(1, 8 // g))
-        assert cfg["mini_batch_size"] == cfg["group_size"] * cfg["prompts_per_step"] and cfg["ppo_epochs"] == 1
+        assert (cfg["mini_batch_size"] == cfg["group_size"] * cfg["prompts_per_step"]
+                and cfg["ppo_epochs"] == 1)
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert all("levels" in x for x in lines)          # arithmetic problems carry levels
     report = tmp_path / "report"
@@ -195,7 +199,8 @@ def test_tree_vs_parallel_tiny(tmp_path):
     (rec,) = result["records"]
     assert rec["parallel/2"]["tokens"] <= rec["parallel/4"]["tokens"]          # nested samples
     for method in ("fixed-seg", "random"):
-        assert rec[f"{method}/1"]["leaves"] <= 5 and rec[f"{method}/2"]["tokens"] >= rec[f"{method}/1"]["tokens"]
+        assert (rec[f"{method}/1"]["leaves"] <= 5
+                and rec[f"{method}/2"]["tokens"] >= rec[f"{method}/1"]["tokens"])
     assert set(result["summary"]) == {"parallel", "tree fixed-seg", "tree random", "paired"}
     assert (out / "tree_vs_parallel.png").exists() and "PassRate" in (out / "table.md").read_text()
     table = (out / "table.md").read_text()
@@ -206,11 +211,13 @@ def test_tree_vs_parallel_tiny(tmp_path):
 
 def _tvp_records(parallel, tree):
     return [{"repeat": 0, "problem": i, "parallel/2": {"tokens": 10, "pass_rate": p, "leaves": 2},
-             "random/1": {"tokens": 8, "pass_rate": t, "leaves": 3}} for i, (p, t) in enumerate(zip(parallel, tree))]
+             "random/1": {"tokens": 8, "pass_rate": t, "leaves": 3}}
+            for i, (p, t) in enumerate(zip(parallel, tree))]
 
 
 def test_difficulty_report_intervals_over_problems_by_hand():
-    # 4 problems, k = 2: shares (1, 0.5, 0, 0.5) mean 0.5, sd √(1/6); any-correct (1, 1, 0, 1) mean 0.75, sd 0.5
+    # 4 problems, k = 2: shares (1, 0.5, 0, 0.5) mean 0.5, sd √(1/6);
+    # any-correct (1, 1, 0, 1) mean 0.75, sd 0.5
     scores = {"avg@k": 0.5, "pass@k": 0.75, "correct_per_problem": [2, 1, 0, 1]}
     cell = difficulty.problem_intervals(scores, 2)
     t3 = 3.182446
@@ -227,7 +234,8 @@ def test_tree_vs_parallel_intervals_and_paired_verdicts_by_hand():
     (point,) = summary["tree random"]
     # PassRate 3/4; sd of (1,1,1,0) = 0.5, t(0.975, 3) = 3.1824 → half-width 3.1824 · 0.5 / 2
     assert point["pass_rate"] == 0.75 and point["pass_rate_ci"] == pytest.approx(3.182446 * 0.5 / 2, rel=1e-5)
-    # paired differences (1, 1, 0, 0): mean 0.5, sd √(1/3), half-width 3.1824 · 0.57735 / 2 = 0.9187 → not shown
+    # paired differences (1, 1, 0, 0): mean 0.5, sd √(1/3), half-width 3.1824 · 0.57735 / 2 = 0.9187
+    # → not shown
     (pair,) = summary["paired"]
     assert pair[:3] == ["tree random N = 1", "M = 2", 0.8] and pair[3] == "50.0 ± 91.9"
     assert pair[4] == "no difference shown" and "no difference shown" in table
@@ -259,9 +267,9 @@ def test_forks_share_one_base_rollout_per_repeat(tmp_path):
 
 def test_fork_table_pairs_every_strategy_with_sent_entropy_on_the_same_rollouts():
     def rec(problem, strategy, passed, sib):
-        return {"repeat": 0, "problem": problem, "strategy": strategy, "forks": [1, 2], "length": 10, "leaves": 3,
-                "pass_rate": passed, "sib_div": sib, "branch_tokens": 5, "NND": 0.1, "MPD": 0.1, "WCR@5": 0.0,
-                "WCR@10": 0.0}
+        return {"repeat": 0, "problem": problem, "strategy": strategy, "forks": [1, 2], "length": 10,
+                "leaves": 3, "pass_rate": passed, "sib_div": sib, "branch_tokens": 5, "NND": 0.1, "MPD": 0.1,
+                "WCR@5": 0.0, "WCR@10": 0.0}
     records = [rec(i, "sent-entropy", 1.0, 0.5 + 0.1 * i) for i in range(3)] + \
         [rec(i, "tok-entropy", float(i == 0), 0.7 + 0.1 * i) for i in range(3)]
     strategies = [s for s in forks.FORK_STRATEGIES if s[0] in ("tok-entropy", "sent-entropy")]
@@ -321,19 +329,21 @@ def test_dynamics_and_main_table_name_a_torn_metrics_line_and_refuse_a_torn_conf
     (run / "config.json").write_text('{"method": "datpo"}')
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     assert main_table.step_records(run) == [good]
-    assert capsys.readouterr().err.strip().endswith("metrics.jsonl: line(s) 2 torn (not a JSON record); left out")
+    assert capsys.readouterr().err.strip().endswith("metrics.jsonl: line(s) 2 torn (not a JSON record); "
+                                                    "left out")
     out = tmp_path / "dyn"
     cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
     assert json.loads((out / "result.json").read_text())["runs"]["run (datpo)"]["levels"]["1"]["prompts"] == 2
     assert "line(s) 2 torn" in capsys.readouterr().err
     (run / "config.json").write_text('{"method": "da')
     with pytest.raises(SystemExit) as exit_info:
-        faults.main_guard(cli.main, ["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])
+        faults.main_guard(cli.main, ["dynamics", "--scale", "tiny", "--out_dir", str(out),
+                                     "--runs", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and "Traceback" not in "".join(err)
-    assert [line for line in err if "error:" in line] == [err[-1]]      # the torn metrics line is named first
-    assert re.search(r"error: dynamics: .*config.json: not JSON \(.*\); expected the config.json train.py writes",
-                     err[-1])
+    assert [line for line in err if "error:" in line] == [err[-1]]  # the torn metrics line is named first
+    assert re.search(r"error: dynamics: .*config.json: not JSON \(.*\); "
+                     r"expected the config.json train.py writes", err[-1])
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != "config.json"} == \
         {k: v for k, v in before.items() if k != "config.json"}
 
@@ -347,13 +357,14 @@ def test_cli_rejects_unknown_study_and_bad_flags(capsys):
         cli.main(["difficulty", "--scale", "tiny", "--g", "5"])
 
 
-# ---- main-table (Sec. 5.2 in miniature) ---------------------------------------------------------------------
+# ---- main-table (Sec. 5.2 in miniature) --------------------------------------------------------------------
 def test_t_interval_and_pass_curve_by_hand():
     mean, half = common.t_interval([1.0, 2.0, 3.0])
     # sd = 1, n = 3, t(0.975, df 2) = 4.302653 → half-width 4.302653 / √3
     assert mean == pytest.approx(2.0) and half == pytest.approx(4.302653 / 3 ** 0.5, rel=1e-6)
     assert common.t_interval([0.5]) == (0.5, None)
-    # two problems, n = 4 samples: 1 and 0 correct. pass@1 = (1/4 + 0)/2; pass@2 = (1 − C(3,2)/C(4,2))/2 = (1/2)/2
+    # two problems, n = 4 samples: 1 and 0 correct. pass@1 = (1/4 + 0)/2;
+    # pass@2 = (1 − C(3,2)/C(4,2))/2 = (1/2)/2
     curve = main_table.pass_curve([1, 0], 4)
     assert curve == pytest.approx({1: 0.125, 2: 0.25, 3: 0.375, 4: 0.5})
 
@@ -381,7 +392,8 @@ def test_main_table_tiny_trains_evaluates_and_resumes(tmp_path):
         assert len(cell["pass_curve"]) == 2 and 0 <= cell["avg@k"] <= 1
     paper = result["summary"]["paper"]
     assert paper["seeds"] == 2
-    assert paper["avg@k"][0] == pytest.approx(sum(result["cells"][f"paper_s{s}"]["avg@k"] for s in (0, 1)) / 2)
+    assert paper["avg@k"][0] == pytest.approx(
+        sum(result["cells"][f"paper_s{s}"]["avg@k"] for s in (0, 1)) / 2)
     assert (out / "pass_curves.png").stat().st_size > 0 and "± " in (out / "table.md").read_text()
     # a killed study resumes: a cell with only its first checkpoint trains one more step; finished cells and
     # their scores are left alone
@@ -411,13 +423,16 @@ def test_cli_unknown_or_missing_study_ends_with_an_error_line(capsys):
 
 
 def test_main_table_pairs_methods_by_problem_by_hand():
-    cells = {"paper_s0": {"preset": "paper", "correct": [2, 0]}, "paper_s1": {"preset": "paper", "correct": [1, 0]},
-             "grpo_s0": {"preset": "grpo", "correct": [0, 0]}, "grpo_s1": {"preset": "grpo", "correct": [1, 1]}}
+    cells = {"paper_s0": {"preset": "paper", "correct": [2, 0]},
+             "paper_s1": {"preset": "paper", "correct": [1, 0]},
+             "grpo_s0": {"preset": "grpo", "correct": [0, 0]},
+             "grpo_s1": {"preset": "grpo", "correct": [1, 1]}}
     text = main_table.paired_by_problem(cells, ["paper", "grpo"], 2)
     # avg shares per problem: paper (0.75, 0), grpo (0.25, 0.25) → differences (0.5, −0.25): mean 0.125,
     # sd 0.375·√2, t(0.975, 1) = 12.7062 → half-width 12.7062 · 0.53033 / √2 = 4.7648
     # any-correct per seed: paper (1, 0), grpo (0.5, 0.5) → differences (0.5, −0.5): mean 0, half 6.3531
-    assert "| paper − grpo | 2 | 12.5 ± 476.5 | no difference shown | 0.0 ± 635.3 | no difference shown |" in text
+    assert ("| paper − grpo | 2 | 12.5 ± 476.5 | no difference shown | 0.0 ± 635.3 | no difference shown |"
+            in text)
     cells["grpo_s0"]["correct"] = cells["grpo_s1"]["correct"] = [0, 0]
     cells["paper_s0"]["correct"] = cells["paper_s1"]["correct"] = [2, 2]
     assert "| paper − grpo | 2 | 100.0 ± 0.0 | paper higher | 100.0 ± 0.0 | paper higher |" in \

@@ -114,9 +114,10 @@ def test_blocks_cover_every_generated_token_once_and_values_match_the_functions(
             base = float(s["Â_base"])
             assert base == pytest.approx((rewards[i] or 0.0) + v_end[i] - v_start[i], abs=1e-4)      # Eq. 3
             bonus = alpha * float(s["Div_sib"]) if base > 0 else 0.0
-            assert float(s["Â"]) == pytest.approx(base + bonus, abs=2e-4)                               # Eq. 4
+            assert float(s["Â"]) == pytest.approx(base + bonus, abs=2e-4)                            # Eq. 4
         root = [float(s["V(s_start)"]) for s, p in zip(scores, parents) if p is None]
-        assert root and all(v == pytest.approx(sum(r for r in rewards if r is not None) / int(leaves), abs=1e-4)
+        assert root and all(v == pytest.approx(sum(r for r in rewards if r is not None) / int(leaves),
+                                               abs=1e-4)
                             for v in root)                  # V(root) averages every leaf of the tree
 
 

@@ -1,5 +1,5 @@
-"""tracking.py: metrics.jsonl and TensorBoard hold the same numbers, W&B offline, tree logs against the paper's
-formulas by hand, --report_to on the command line; models.enable_gradient_checkpointing gives the same
+"""tracking.py: metrics.jsonl and TensorBoard hold the same numbers, W&B offline, tree logs against the
+paper's formulas by hand, --report_to on the command line; models.enable_gradient_checkpointing gives the same
 gradients in the update."""
 import copy
 import dataclasses
@@ -29,24 +29,27 @@ def _records(path):
 # ---- --report_to on the command line --------------------------------------------------------------------
 def test_report_to_takes_several_trackers_and_rejects_bad_ones(monkeypatch):
     assert C.make_config("tiny").report_to == ["none"]
-    cfg = cli.parse_args(["--preset", "tiny", "--report_to", "tensorboard", "wandb"] if importlib.util.find_spec("wandb")
-                       else ["--preset", "tiny", "--report_to", "tensorboard"])
+    cfg = cli.parse_args(["--preset", "tiny", "--report_to", "tensorboard", "wandb"]
+                         if importlib.util.find_spec("wandb")
+                         else ["--preset", "tiny", "--report_to", "tensorboard"])
     assert cfg.report_to[0] == "tensorboard"
     with pytest.raises(SystemExit):
         cli.parse_args(["--preset", "tiny", "--report_to", "mlflow"])
     with pytest.raises(ValueError, match="'none' cannot be combined"):
         C.make_config("tiny", report_to=["none", "tensorboard"])
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ValueError, match=r"--report_to wandb: the Python package 'wandb' \(an optional dependency\) "
-                                         r"is not installed; run `pip install wandb`"):
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match=r"--report_to wandb: the Python package 'wandb' \(an optional "
+                                         r"dependency\) is not installed; run `pip install wandb`"):
         C.make_config("tiny", report_to=["wandb"])
 
 
 def test_tags_are_stable_names_of_numeric_fields():
     assert tracking.tags({"step": 3, "reward": 0.5, "prompts": 8, "note": "x", "flag": True,
                           "levels": {"2": {"leaves": 12.5, "prompts": 3}}}) == \
-        {"train/reward": 0.5, "train/prompts": 8.0, "train/levels/2/leaves": 12.5, "train/levels/2/prompts": 3.0}
+        {"train/reward": 0.5, "train/prompts": 8.0, "train/levels/2/leaves": 12.5,
+         "train/levels/2/prompts": 3.0}
     assert tracking.tags({"step": 0, "eval": "before", "data": "arith-test", "avg@4": 0.25}) == \
         {"eval/arith-test/avg@4": 0.25}
 
@@ -63,15 +66,17 @@ def test_disabled_log_writes_nothing(tmp_path):
 def tiny_run(tmp_path_factory):
     pytest.importorskip("tensorboard")
     out = tmp_path_factory.mktemp("run") / "tiny"
-    train.main(["--preset", "tiny", "--out_dir", str(out), "--report_to", "tensorboard", "--log_trees_every", "2",
-                "--steps", "3", "--eval_every", "3", "--eval_limit", "2", "--save_every", "0"])
+    train.main(["--preset", "tiny", "--out_dir", str(out), "--report_to", "tensorboard",
+                "--log_trees_every", "2", "--steps", "3", "--eval_every", "3", "--eval_limit", "2",
+                "--save_every", "0"])
     return out
 
 
 def test_tensorboard_holds_every_metrics_jsonl_number(tiny_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tiny_run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    events = EventAccumulator(str(tiny_run / "tensorboard"),
+                              size_guidance={"scalars": 0, "tensors": 0}).Reload()
     scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
     records = _records(tiny_run / "metrics.jsonl")
     assert [r["step"] for r in records if "eval" not in r] == [1, 2, 3]
@@ -86,13 +91,15 @@ def test_tensorboard_holds_every_metrics_jsonl_number(tiny_run):
     for tag, by_step in expected.items():
         assert set(scalars[tag]) == set(by_step), tag
         for step, value in by_step.items():
-            assert scalars[tag][step] == pytest.approx(value, rel=1e-6, abs=1e-6), (tag, step)  # float32 in events
+            # float32 in events
+            assert scalars[tag][step] == pytest.approx(value, rel=1e-6, abs=1e-6), (tag, step)
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert json.loads(config_text.strip("`\n")) == json.loads((tiny_run / "config.json").read_text())
 
 
 def test_tree_logs_at_step_one_and_every_n_hold_every_block(tiny_run):
-    assert sorted(p.name for p in (tiny_run / "trees").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]
+    assert sorted(p.name for p in (tiny_run / "trees").iterdir()) \
+        == ["step_000001.jsonl", "step_000002.jsonl"]
     assert [tracking.trees_due(s, 2) for s in range(1, 6)] == [True, True, False, True, False]
     assert not any(tracking.trees_due(s, 0) for s in range(1, 6))
     trees = tracking.read_trees(tiny_run, 2)
@@ -102,8 +109,10 @@ def test_tree_logs_at_step_one_and_every_n_hold_every_block(tiny_run):
         assert t["step"] == 2 and t["method"] == "datpo" and t["trained"]
         assert len(t["forks"]) == cfg.n_base and t["leaves"] == sum(b["terminal"] for b in t["blocks"])
         for b in t["blocks"]:
-            assert "".join(b["tokens"]) == b["text"] and len(b["token_ids"]) == len(b["entropies"]) == len(b["tokens"])
-            assert len(b["logprobs"]) == len(b["token_ids"]) and max(b["logprobs"]) <= 0   # log p, generation time
+            assert ("".join(b["tokens"]) == b["text"]
+                    and len(b["token_ids"]) == len(b["entropies"]) == len(b["tokens"]))
+            # log p, generation time
+            assert len(b["logprobs"]) == len(b["token_ids"]) and max(b["logprobs"]) <= 0
             assert (b["reward"] is not None) == b["terminal"]
             assert b["base_advantage"] == pytest.approx((b["reward"] or 0) + b["v_end"] - b["v_start"])
             assert b["div_sib"] is not None   # α ≠ 0 at step 2 of 3: embeddings were computed
@@ -155,8 +164,8 @@ def test_tree_record_by_hand(smollm_tokenizer):
     assert by["logprobs"] == [None, None, None, [-0.1235, -2.0, -0.0], None, None]   # rounded to 1e-4
     assert rec["forks"] == [[2, 4], []] and rec["leaves"] == 4 and rec["trained"]
     assert tracking.tree_record(tr, smollm_tokenizer, scores_of(tr))["blocks"][0]["div_sib"] is None
-    # --value_estimate release: V(root) = mean of the base responses (b2, b5: 0), V(fork) = mean of its branches
-    # only (end of b0: b3 = 1; end of b1: b4 = 1)
+    # --value_estimate release: V(root) = mean of the base responses (b2, b5: 0), V(fork) = mean of its
+    # branches only (end of b0: b3 = 1; end of b1: b4 = 1)
     rel = tracking.tree_record(tr, smollm_tokenizer, scores_of(tr, value_estimate="release"), "release")
     assert rel["value_estimate"] == "release"
     assert [(b["v_start"], b["v_end"], b["base_advantage"]) for b in rel["blocks"]] == pytest.approx(
@@ -202,7 +211,8 @@ def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     while b"eval/arith-test/avg@4" not in runs[0].read_bytes() and time.monotonic() < deadline:
         time.sleep(0.5)
     raw = runs[0].read_bytes()
-    assert re.search(rb"train/reward.{1,6}0\.25", raw, re.S) and re.search(rb"train/reward.{1,6}0\.75", raw, re.S)
+    assert (re.search(rb"train/reward.{1,6}0\.25", raw, re.S)
+            and re.search(rb"train/reward.{1,6}0\.75", raw, re.S))
     assert re.search(rb"eval/arith-test/avg@4.{1,6}0\.5", raw, re.S)
     assert re.search(rb"lr.{1,6}0\.00001", raw, re.S)                     # the config
     assert len(_records(tmp_path / "run" / "metrics.jsonl")) == 3
@@ -226,8 +236,8 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_poli
     """The recomputation in backward runs the same attention as the forward (the tree kernel's backend stays
     set until the backward is done)."""
     model, tok = tiny_policy
-    cfg = C.make_config("tiny", mini_batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=24, ppo_epochs=2,
-                        train_layout=layout, packed_attention=kernel)
+    cfg = C.make_config("tiny", mini_batch_size=8, micro_batch_size=2, max_tokens_per_micro_batch=24,
+                        ppo_epochs=2, train_layout=layout, packed_attention=kernel)
     gen = random.Random(1)
     ids = lambda n: [gen.randrange(5, 2000) for _ in range(n)]  # noqa: E731
     blocks = [T.Block(None, ids(4), [0.0] * 4, base=0, start=0),
@@ -253,7 +263,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_poli
         assert any(g.abs().sum() > 0 for g in plain)
         for a, b in zip(plain, ckpt):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
-    assert calls[1] > calls[0]                           # the checkpointed layers ran again in the backward passes
+    assert calls[1] > calls[0]  # the checkpointed layers ran again in the backward passes
 
 
 def test_gradient_checkpointing_leaves_generation_alone(tiny_policy):

@@ -1,5 +1,5 @@
-"""train.py: what each method trains, the clipped objective by hand, an update on a tiny model, skipping zero-advantage
-rows, checkpoints and resume equivalence, metrics."""
+"""train.py: what each method trains, the clipped objective by hand, an update on a tiny model, skipping
+zero-advantage rows, checkpoints and resume equivalence, metrics."""
 import hashlib
 import json
 import math
@@ -19,7 +19,8 @@ import tree as T
 
 
 def _tree():
-    """Prompt [1, 2]; base response 0 = [10..15] forked at 2 and 4, one branch at each fork; base 1 unforked."""
+    """Prompt [1, 2]; base response 0 = [10..15] forked at 2 and 4, one branch at each fork; base 1
+    unforked."""
     blocks = [
         T.Block(None, [10, 11], [0, 0], base=0, start=0),                    # 0
         T.Block(0, [12, 13], [0, 0], base=0, start=2),                       # 1
@@ -71,16 +72,19 @@ def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
     tr = T.Tree("p", [1, 2], "a", blocks, v_root=0.0, k_hat=1, b_hat=1, forks=[[3]])
     tt = train.train_tree(tr, [0.1, 0.2, 0.3], "datpo")
     rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
-    assert [(r.ids, r.n_context) for r in rows] == [([1, 2, 10, 11, 12, 13], 2), ([1, 2, 10, 11, 12, 20, 21, 22, 23], 5)]
+    assert [(r.ids, r.n_context) for r in rows] == [([1, 2, 10, 11, 12, 13], 2),
+                                                    ([1, 2, 10, 11, 12, 20, 21, 22, 23], 5)]
     flat = train.train_tree(tr, [0.1, 0.2, 0.3], "treerl")
     paths = P.unit_rows(flat, flat.trained, P.token_offsets([flat])[0])
     assert max(r.n_targets for r in paths) == 7 and paths[1].gidx == [0, 1, 2, 4, 5, 6, 7]
     cfg = C.make_config("tiny", max_new_tokens=4, loss_norm="constant")
     assert cfg.branch_budget == "full"
     # DATPO: 3 blocks of ≤ max_new_tokens each; TreeRL: 2 paths of up to 2·4 − 1 tokens
-    assert P.loss_normaliser([tt], [(0, (0, 1, 2))], cfg.loss_norm, 4, M.method_of(cfg).max_row_targets(cfg)) == 3 * 4
+    assert P.loss_normaliser([tt], [(0, (0, 1, 2))], cfg.loss_norm, 4,
+                             M.method_of(cfg).max_row_targets(cfg)) == 3 * 4
     cfg.method = "treerl"
-    assert P.loss_normaliser([flat], [(0, (0, 1, 2))], cfg.loss_norm, 4, M.method_of(cfg).max_row_targets(cfg)) == 2 * 7
+    assert P.loss_normaliser([flat], [(0, (0, 1, 2))], cfg.loss_norm, 4,
+                             M.method_of(cfg).max_row_targets(cfg)) == 2 * 7
     assert all(r.n_targets <= M.method_of(cfg).max_row_targets(cfg) for r in paths)
     cfg.branch_budget = "remaining"
     assert M.method_of(cfg).max_row_targets(cfg) == 4
@@ -91,7 +95,8 @@ def test_prompts_are_kept_unless_they_cannot_fit_the_context():
     assert cfg.max_prompt_tokens == 512                                  # the tiny scale's filter, unchanged
     assert C.make_config("paper").max_prompt_tokens == 0                 # paper scale: nothing skipped
     train.check_fits(1849, cfg, 2048, "x")                               # 1849 + (2·100 − 1) = 2048 fits
-    with pytest.raises(ValueError, match=r"arith problem #7: the prompt is 1850 tokens and up to 199 new tokens"):
+    with pytest.raises(ValueError,
+                       match=r"arith problem #7: the prompt is 1850 tokens and up to 199 new tokens"):
         train.check_fits(1850, cfg, 2048, "arith problem #7")
     cfg.branch_budget = "remaining"
     train.check_fits(1948, cfg, 2048, "x")                               # paths stay within 100
@@ -151,7 +156,7 @@ def test_update_changes_weights_and_lowers_the_surrogate_loss(tiny_policy):
     assert stats["optimizer_steps"] == 1 and stats["trained_blocks"] == 2
     assert stats["loss"] == pytest.approx(before, abs=1e-6)     # first step: ratio 1, loss = −mean(A)
     assert stats["unique_tokens"] == len(tt.prompt_ids) + n_tokens
-    assert stats["forwarded_tokens"] == len(tt.prompt_ids) + 5 + 6      # the zero-advantage response is skipped
+    assert stats["forwarded_tokens"] == len(tt.prompt_ids) + 5 + 6  # the zero-advantage response is skipped
     assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
     assert surrogate() < before - 1e-3
 
@@ -176,8 +181,8 @@ def test_zero_advantage_blocks_cost_no_forward(tiny_policy, monkeypatch):
     assert stats["loss"] == pytest.approx(-len(tt.tokens[0]) / sum(len(t) for t in tt.tokens), abs=1e-6)
     seen.clear()
     weights = [p.detach().clone() for p in model.parameters()]
-    stats = train.ppo_update(model, opt, [_group(tok, adv_sign=(0.0, 0.0, 0.0))], cfg, tok.pad_token_id, "cpu",
-                             random.Random(0))
+    stats = train.ppo_update(model, opt, [_group(tok, adv_sign=(0.0, 0.0, 0.0))], cfg, tok.pad_token_id,
+                             "cpu", random.Random(0))
     assert seen == [] and stats["optimizer_steps"] == 0
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
 
@@ -220,7 +225,8 @@ def test_tiny_run_writes_metrics_and_a_loadable_checkpoint_and_resumes_exactly(t
     assert json.loads((resumed / "config.json").read_text())["resume"].endswith("step_000001")
 
     # resuming in the run's own folder after a crash past the checkpoint: the redone step replaces its line
-    train.main(["--preset", "tiny", "--out_dir", str(run), "--resume", str(run / "checkpoints" / "step_000001")])
+    train.main(["--preset", "tiny", "--out_dir", str(run), "--resume",
+                str(run / "checkpoints" / "step_000001")])
     redone = _read(run / "metrics.jsonl")
     assert [r["step"] for r in redone] == [1, 2] and redone[1]["loss"] == records[1]["loss"]
 

@@ -40,9 +40,10 @@ def test_random_positions_distinct_in_range_and_seeded():
     assert T.select_forks("random", 9, [0.0] * 4, rng=random.Random(0)) == [1, 2, 3]
 
 
-# Fork placement (App. C Alg. "Tree Rollout": x_f = [q; τ_{1:f}], 1-indexed f = the chosen token). A hand-built
-# response of n = 10 tokens, three sentences, the last token a stop token. A fork f keeps RESPONSE[:f] and
-# the branch resamples RESPONSE[f] onward, so "kept" = RESPONSE[f-1], "resampled" = RESPONSE[f].
+# Fork placement (App. C Alg. "Tree Rollout": x_f = [q; τ_{1:f}], 1-indexed f = the chosen token). A
+# hand-built response of n = 10 tokens, three sentences, the last token a stop token. A fork f keeps
+# RESPONSE[:f] and the branch resamples RESPONSE[f] onward, so "kept" = RESPONSE[f-1],
+# "resampled" = RESPONSE[f].
 RESPONSE = ["A", "b", "c", ".", " D", "e", ".", " F", "g", "<eos>"]
 ENT = [0.1, 0.2, 0.3, 0.1, 9.0, 0.2, 0.1, 0.5, 0.4, 8.0]   # " D" highest; the stop token second
 SENTS = [(0, 4), (4, 7), (7, 10)]                          # means: 0.175, 3.1, 2.967

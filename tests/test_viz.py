@@ -23,7 +23,8 @@ def _trees(tokenizer):
         T.Block(None, base0[:f1], [0.5, 2.5], base=0, start=0),
         T.Block(0, base0[f1:f2], [3.0, 0.2], base=0, start=f1, logprobs=[-0.5, -1.25]),
         T.Block(1, base0[f2:], [0.1] * len(base0[f2:]), reward=0.0, base=0, start=f2),
-        T.Block(0, ids(" subtract: 23 - 4 = 19 </script>"), [1.0] * len(ids(" subtract: 23 - 4 = 19 </script>")),
+        T.Block(0, ids(" subtract: 23 - 4 = 19 </script>"),
+                [1.0] * len(ids(" subtract: 23 - 4 = 19 </script>")),
                 reward=1.0, base=0, start=f1, branch=True),
         T.Block(1, ids(" 27"), [0.4] * len(ids(" 27")), reward=1.0, base=0, start=f2, branch=True),
         T.Block(None, ids("It is 5."), [0.3] * len(ids("It is 5.")), reward=0.0, base=1, start=0),
@@ -32,7 +33,8 @@ def _trees(tokenizer):
     emb = np.eye(6)
     rec0 = tracking.tree_record(one, tokenizer, scores_of(one, [0.4, -0.3, -0.5, 0.6, 0.5, -0.5], emb))
     two = T.Tree("q", [1], "5", [T.Block(None, ids("5"), [0.2], reward=1.0, base=0),
-                                 T.Block(None, ids("6"), [0.9], reward=0.0, base=1)], 0.5, 1, 1, forks=[[], []])
+                                 T.Block(None, ids("6"), [0.9], reward=0.0, base=1)], 0.5, 1, 1,
+                 forks=[[], []])
     rec1 = tracking.tree_record(two, tokenizer, scores_of(two))
     for b in rec1["blocks"]:            # a tree log written before blocks carried log-probs
         del b["logprobs"]
@@ -52,11 +54,13 @@ def test_layout_by_hand(smollm_tokenizer):
     tree = _trees(smollm_tokenizer)[0]
     lay = viz.layout(tree)
     n0 = len(tree["blocks"][2]["token_ids"]) + 4
-    # row 0: base 0 (b0 b1 b2); row 1: the branch at the later fork (b4); row 2: the branch at 2 (b3); row 3: base 1
+    # row 0: base 0 (b0 b1 b2); row 1: the branch at the later fork (b4); row 2: the branch at 2 (b3);
+    # row 3: base 1
     assert {i: p["row"] for i, p in lay["blocks"].items()} == {0: 0, 1: 0, 2: 0, 4: 1, 3: 2, 5: 3}
     assert lay["rows"] == 4
     n4 = 4 + len(tree["blocks"][4]["token_ids"])
-    assert [(lay["blocks"][i]["x0"], lay["blocks"][i]["x1"]) for i in (0, 1, 2, 4)] == [(0, 2), (2, 4), (4, n0), (4, n4)]
+    assert [(lay["blocks"][i]["x0"], lay["blocks"][i]["x1"]) for i in (0, 1, 2, 4)] \
+        == [(0, 2), (2, 4), (4, n0), (4, n4)]
     assert lay["blocks"][3]["x0"] == 2
     assert lay["length"] == max(n0, 2 + len(tree["blocks"][3]["token_ids"]))
     broken = {**tree, "blocks": [{**b, "parent": 9} if b["id"] == 5 else b for b in tree["blocks"]]}
@@ -71,7 +75,8 @@ def test_page_and_png_are_self_contained(logged_run):
     # nothing to fetch: no src/href attributes, no URL other than the SVG namespace name
     assert not re.search(r"""(src|href)\s*=""", text)
     assert set(re.findall(r"https?://[^\s\"'`]+", text)) == {"http://www.w3.org/2000/svg"}
-    assert "</script> </" not in text and text.count("</script>") == 2   # the block text cannot close the script
+    # the block text cannot close the script
+    assert "</script> </" not in text and text.count("</script>") == 2
     page1, _ = viz.main([str(logged_run), "--tree", "1"])                # latest step by default
     assert page1.name == "step_000007_tree1.html"
     with pytest.raises(SystemExit):
@@ -99,10 +104,10 @@ def test_viewer_in_headless_chromium(logged_run, tmp_path):
                              return {x: r.left + scrollX, y: r.top + scrollY, w: r.width, h: r.height}; };
           return {
             rendered: document.body.dataset.rendered,
-            blocks: [...document.querySelectorAll('rect.block')].map(e => ({tree: +e.dataset.tree, id: +e.dataset.id,
-                      ...box(e)})),
-            forks: [...document.querySelectorAll('path.fork')].map(e => ({tree: +e.dataset.tree, base: +e.dataset.base,
-                      pos: +e.dataset.pos, ...box(e)})),
+            blocks: [...document.querySelectorAll('rect.block')].map(e => ({tree: +e.dataset.tree,
+                      id: +e.dataset.id, ...box(e)})),
+            forks: [...document.querySelectorAll('path.fork')].map(e => ({tree: +e.dataset.tree,
+                      base: +e.dataset.base, pos: +e.dataset.pos, ...box(e)})),
             rewards: [...document.querySelectorAll('circle.reward')].map(e => ({id: +e.dataset.id,
                       reward: +e.dataset.reward})),
           }; })()""")
@@ -113,10 +118,12 @@ def test_viewer_in_headless_chromium(logged_run, tmp_path):
                                    const d = document.getElementById('detail');
                                    return {text: d.textContent, toks: d.querySelectorAll('.tok').length,
                                            forks: d.querySelectorAll('.tok.fork').length,
-                                           titles: [...d.querySelectorAll('.tok')].map(e => e.title)}; })()""")
+                                           titles: [...d.querySelectorAll('.tok')].map(e => e.title)};
+                                 })()""")
         old = page.evaluate("""(() => { document.querySelector('rect.block[data-tree="1"][data-id="0"]')
                                 .dispatchEvent(new MouseEvent('click', {bubbles: true}));
-                                return [...document.querySelectorAll('#detail .tok')].map(e => e.title); })()""")
+                                return [...document.querySelectorAll('#detail .tok')].map(e => e.title);
+                              })()""")
         errors, requests = page.errors, page.requests
     assert drawn["rendered"] == "yes"
     assert errors == []
@@ -126,8 +133,8 @@ def test_viewer_in_headless_chromium(logged_run, tmp_path):
         sorted((t["tree"], b["id"]) for t in trees for b in t["blocks"])
     assert all(b["w"] > 0 and b["h"] > 0 for b in drawn["blocks"])
     rect = {(b["tree"], b["id"]): b for b in drawn["blocks"]}
-    # forks where the tree says: one marker per (base, position), on its response's row, and each branch starts
-    # at its fork's x
+    # forks where the tree says: one marker per (base, position), on its response's row, and each branch
+    # starts at its fork's x
     assert sorted((f["tree"], f["base"], f["pos"]) for f in drawn["forks"]) == \
         sorted((t["tree"], base, pos) for t in trees for base, ps in enumerate(t["forks"]) for pos in ps)
     for f in drawn["forks"]:
@@ -150,7 +157,8 @@ def test_viewer_in_headless_chromium(logged_run, tmp_path):
             if r["w"] >= 6:
                 pixel = image[int(r["y"] + r["h"] / 2), int(r["x"] + r["w"] / 2)]
                 assert np.abs(pixel - _hex_rgb(b["fill"])).max() <= 3, (t["tree"], b["id"], pixel, b["fill"])
-    assert detail["toks"] == len(trees[0]["blocks"][1]["token_ids"]) and detail["forks"] == 1   # fork at 2 = token 0
+    # fork at 2 = token 0
+    assert detail["toks"] == len(trees[0]["blocks"][1]["token_ids"]) and detail["forks"] == 1
     assert "Div_sib" in detail["text"] and "block 1" in detail["text"]
     # a token's tooltip: its entropy, its generation-time log-prob when the log has them, its id
     ids1 = trees[0]["blocks"][1]["token_ids"]
@@ -180,6 +188,6 @@ def test_torn_or_empty_tree_log_is_one_line(logged_run, capsys):
             viz.main([str(logged_run), "--step", "7"])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and "Traceback" not in "\n".join(err)
-        assert err[-1] == (f"viz.py: error: {log}: holds no readable tree (empty or torn); expected one JSON tree "
-                           f"a line, as train.py --log_trees_every writes")
+        assert err[-1] == (f"viz.py: error: {log}: holds no readable tree (empty or torn); expected one JSON "
+                           f"tree a line, as train.py --log_trees_every writes")
         assert _hash(logged_run) == before
