@@ -515,8 +515,9 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
                                    f"leave it out")
         by_model[label] = results
     out = Path("runs/eval/compare" if out_dir is None else out_dir)
-    owner = eval_files.folder_owner(out) or ("holds an evaluation (results.json): the comparison would replace its "
-                                  "figures" if (out / "results.json").exists() else None)
+    replaces = ("holds an evaluation (results.json): the comparison would replace its figures"
+                if (out / "results.json").exists() else None)
+    owner = eval_files.folder_owner(out) or replaces
     if owner:
         raise faults.UserError(f"--out_dir {out}: {owner}; expected a folder for the comparison's figures, "
                                f"e.g. runs/eval/compare (the default)")
@@ -556,8 +557,9 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
         torch.set_num_threads(cfg.threads)
     D.init(cfg.device)   # torchrun: problems are sharded over ranks and gathered (evaluate_problems)
     with eval_files.folder_lock(out, where, command):
-        earlier, redo = eval_files.check_output_folder(out, where, settings, planned, cfg.overwrite) if D.is_main() \
-            else ({}, [])
+        earlier, redo = ({}, [])
+        if D.is_main():
+            earlier, redo = eval_files.check_output_folder(out, where, settings, planned, cfg.overwrite)
         device = models.pick_device(cfg.device)
         t0 = time.perf_counter()
         model, tokenizer = load_finite_policy(cfg, device)
@@ -661,7 +663,8 @@ def benchmarks_and_ks(parser, args, cfg) -> tuple[list[str], list[int]]:
 def output_folder(cfg, label: str, out_dir_given: bool) -> tuple[Path, str]:
     """(folder, how a message names it): runs/eval/<model label>, or --out_dir; --resume names the folder of
     an earlier evaluation, and rerunning into it is the same as rerunning the command that wrote it (what
-    is saved is skipped). A training run, a checkpoint or a model folder is refused (eval_files.folder_owner)."""
+    is saved is skipped). A training run, a checkpoint or a model folder is refused
+    (eval_files.folder_owner)."""
     out = Path(cfg.out_dir) if out_dir_given else Path("runs") / "eval" / label
     where = f"--out_dir {out}" if out_dir_given else f"{out} (the default --out_dir)"
     if cfg.resume:
@@ -717,7 +720,8 @@ def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, out: Path, p
     journal = None if D.active() else Journal(samples, extra={"bench": bench}, settings=planned)
     kept = f"the samples saved before in {samples.name} are kept; a rerun continues from them"
     try:
-        with eval_files.write_errors(samples, kept), signals.GracefulStop("after the current batch of samples") as stop:
+        stop_after = "after the current batch of samples"
+        with eval_files.write_errors(samples, kept), signals.GracefulStop(stop_after) as stop:
             result = evaluate_problems(model, tokenizer, problems, cfg, planned["k"],
                                        planned["max_new_tokens"], planned["runs"], desc=bench,
                                        journal=journal, stop=stop if journal else None)

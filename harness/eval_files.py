@@ -1,4 +1,5 @@
-"""harness/eval_files.py — an evaluation's folder: one evaluation per folder, its files safe to read and write.
+"""harness/eval_files.py — an evaluation's folder: one evaluation per folder, its files safe to read
+and write.
 
 evaluate.py's commands keep their samples, state, results.json and figures here:
   writes        every write atomic (a temporary name, then a rename); a full disk is one line, exit 4
