@@ -33,12 +33,17 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import shlex
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+from harness import threads
+
+# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import config as C
 import data
 import mcq

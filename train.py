@@ -27,10 +27,16 @@ torchrun (`D.`, harness/distributed.py), out of memory (harness/oom.py), non-fin
 from __future__ import annotations
 
 import math
+import os
 import random
+import sys
 import time
 from pathlib import Path
 
+from harness import threads
+
+# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch
 from tqdm import tqdm
 

@@ -29,10 +29,14 @@ import random
 import sys
 import time
 
-import torch
-from transformers import DynamicCache
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import threads  # noqa: E402
+
+# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
+import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
 import config as C  # noqa: E402
 import data  # noqa: E402
 import methods as M  # noqa: E402

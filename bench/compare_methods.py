@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train  # noqa: E402
+import train  # noqa: E402  (sets the thread policy before torch loads)
 from harness import tracking  # noqa: E402
 
 

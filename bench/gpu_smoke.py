@@ -27,9 +27,12 @@ import time
 import zlib
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import threads  # noqa: E402
+
+# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
+import torch  # noqa: E402
 
 QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                  num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from harness import threads  # noqa: E402
 
+# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import advantage as A  # noqa: E402
 import config as C  # noqa: E402
 import packing as P  # noqa: E402

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -111,9 +112,15 @@ def thread_count(argv: Sequence[str], environ: Mapping[str, str], cores: int) ->
     return max(1, cores // local_ranks)
 
 
-def policy_env(argv: Sequence[str], environ: Mapping[str, str], cores: int | None = None) -> dict[str, str]:
+def policy_env(argv: Sequence[str], environ: Mapping[str, str], cores: int | None = None,
+               torch_loaded: bool | None = None) -> dict[str, str]:
     """The environment variables to set before `import torch` (module docstring): OMP_WAIT_POLICY=PASSIVE
-    unless set, and OMP_NUM_THREADS from thread_count. Pure: reads argv and environ, changes nothing."""
+    unless set, and OMP_NUM_THREADS from thread_count. Nothing where torch is already loaded (an entry point
+    imported by a test or a notebook): OpenMP has read its settings, and a change would only reach child
+    processes, such as torchrun's ranks, which choose their own. Pure: reads its arguments (torch_loaded:
+    by default whether sys.modules holds torch), changes nothing."""
+    if torch_loaded if torch_loaded is not None else "torch" in sys.modules:
+        return {}
     env = {"OMP_NUM_THREADS": str(thread_count(argv, environ, usable_cores() if cores is None else cores))}
     if not environ.get("OMP_WAIT_POLICY"):
         env["OMP_WAIT_POLICY"] = "PASSIVE"

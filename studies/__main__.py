@@ -8,9 +8,14 @@ the study's own flags (STUDY_FLAGS) override its scale's settings. `python -m st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from harness import threads
+
+# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import config as C
 from harness import cli, faults
 from studies import difficulty, dynamics, forks, main_table, tree_vs_parallel

@@ -33,11 +33,14 @@ def test_thread_count_prefers_the_flag_then_omp_num_threads_then_the_cores_per_l
 
 
 def test_policy_env_sets_passive_waiting_unless_the_user_chose():
-    assert threads.policy_env([], {}, cores=2) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
-    chosen = threads.policy_env(["--threads", "1"], {"OMP_WAIT_POLICY": "ACTIVE"}, cores=2)
+    assert threads.policy_env([], {}, cores=2, torch_loaded=True) == {}   # too late: changes nothing
+    fresh = threads.policy_env([], {}, cores=2, torch_loaded=False)
+    assert fresh == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    chosen = threads.policy_env(["--threads", "1"], {"OMP_WAIT_POLICY": "ACTIVE"}, cores=2,
+                                torch_loaded=False)
     assert chosen == {"OMP_NUM_THREADS": "1"}
     environ = {}
-    threads.policy_env([], environ, cores=2)
+    threads.policy_env([], environ, cores=2, torch_loaded=False)
     assert environ == {}                                           # pure: the caller applies it
 
 
@@ -81,3 +84,15 @@ def test_the_policy_reaches_torch_when_applied_before_import():
     assert _torch_threads(["--threads", "1"]) == {"threads": 1, "wait": "PASSIVE"}
     user_chose = _torch_threads([], OMP_NUM_THREADS="1", OMP_WAIT_POLICY="ACTIVE")
     assert user_chose == {"threads": 1, "wait": "ACTIVE"}
+
+
+@pytest.mark.parametrize("entry", ["train", "evaluate", "studies.__main__"])
+def test_each_entry_point_sets_the_policy_before_torch_loads(entry):
+    """Importing the entry point in a fresh process (as `python train.py --threads 1` would run it) leaves
+    torch with the policy's thread count and OpenMP with passive waiting."""
+    code = (f"import sys; sys.argv = ['{entry}', '--threads', '1']; import json, os, {entry}, torch; "
+            "print(json.dumps({'threads': torch.get_num_threads(), 'wait': os.environ['OMP_WAIT_POLICY']}))")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=base, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == {"threads": 1, "wait": "PASSIVE"}
