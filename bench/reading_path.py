@@ -6,9 +6,10 @@
 Starting at `train.train_step`, it follows every name the code uses that resolves to a definition of the
 project (a function, a class — and with a class, its methods — in the same module or through `import X` /
 `from X import Y`), the way a reader jumps to a definition, and counts the definitions and files reached.
-It also prints the longest functions and classes of those files, lines over 100 characters, and the files at
-the top level. Static: a call through an object whose type it cannot see (e.g. `s.guard.snapshot()`) is not
-followed, so the counts are a floor.
+It also prints the longest functions and classes of those files, lines over 100 and 110 characters, the
+size of the README's reading order, and the files at the top level. Static: a call through an object
+whose type it cannot see (e.g. `s.guard.snapshot()`) is not followed, so the counts are a floor. Harness:
+harness/, and the files it was split from (faults, runs, tracking, distributed, viz at the top level).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import subprocess
 from pathlib import Path
 
 SKIP = ("tests/", "bench/", "docs/")
+# README, "Read in this order": the files that hold one step
+READ_ORDER = ("config.py", "methods.py", "train.py", "rollout.py", "tree.py", "advantage.py", "packing.py")
 
 
 def project_modules(repo: Path) -> dict[str, Path]:
@@ -97,11 +100,19 @@ def lengths(path: Path) -> list[tuple[int, str]]:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
 
 
+def is_harness(module: str) -> bool:
+    return module.startswith("harness.") or module in ("faults", "runs", "tracking", "distributed", "viz")
+
+
 def report(repo: Path) -> None:
     reached = walk(repo, ("train", "train_step"))
     modules = project_modules(repo)
     files = sorted({m for m, _ in reached})
     print(f"{repo}: from train.train_step, {len(reached)} definitions in {len(files)} files")
+    harness = [m for m in files if is_harness(m)]
+    stage = sum(1 for m, _ in reached if not is_harness(m))
+    print(f"  outside the harness: {stage} definitions in {len(files) - len(harness)} files "
+          f"(harness: {len(reached) - stage} in {len(harness)})")
     for m in files:
         n = sum(1 for x, _ in reached if x == m)
         print(f"  {modules[m].relative_to(repo)}: {n} definitions, "
@@ -112,8 +123,13 @@ def report(repo: Path) -> None:
     tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=repo, capture_output=True,
                              text=True).stdout.split()
     lines = [line for f in tracked for line in (repo / f).read_text(encoding="utf-8").splitlines()]
-    print(f"  lines over 100 characters: {sum(len(x) > 100 for x in lines)} of {len(lines)} "
-          f"({100 * sum(len(x) > 100 for x in lines) / len(lines):.1f} %)")
+    for width in (100, 110):
+        over = sum(len(x) > width for x in lines)
+        print(f"  lines over {width} characters: {over} of {len(lines)} ({100 * over / len(lines):.1f} %)")
+    order = [f for f in READ_ORDER if (repo / f).exists()]
+    sizes = [len((repo / f).read_text(encoding="utf-8").splitlines()) for f in order]
+    print(f"  README's reading order, {len(order)} files, {sum(sizes)} lines: "
+          + ", ".join(f"{f} {n}" for f, n in zip(order, sizes)))
     top = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True).stdout.split()
     print("  top-level .py files: " + " ".join(sorted(f for f in top if "/" not in f and f.endswith(".py"))))
 
