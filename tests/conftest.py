@@ -24,3 +24,28 @@ def tiny_policy(smollm_tokenizer):
     model = models.tiny_random_model(len(smollm_tokenizer), seed=0)
     model.generation_config.pad_token_id = smollm_tokenizer.pad_token_id
     return model.eval(), smollm_tokenizer
+
+
+@pytest.fixture(scope="module")
+def finished(request, tmp_path_factory):
+    """A tiny run trained to its end (the module's TINY arguments, FINISHED_STEPS steps, a checkpoint at each
+    step) with the stand-in grader; shared by the module's tests, which copy it (`run`)."""
+    import fault_injection as FI
+
+    argv = request.module.TINY + ["--steps", str(request.module.FINISHED_STEPS)]
+    return FI.finished_run(tmp_path_factory.mktemp("finished") / "run", argv)
+
+
+@pytest.fixture
+def run(finished, tmp_path, monkeypatch):
+    """A copy of the module's finished run, graded by the stand-in as it was trained."""
+    import shutil
+
+    import fault_injection as FI
+
+    import rollout
+
+    monkeypatch.setattr(rollout, "compute_reward", FI.stand_in_reward)
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy)
+    return copy

@@ -56,6 +56,56 @@ def stand_in_reward(text, answer, fallback=False):
     return float(hashlib.sha256(text.encode()).digest()[0] % 2)
 
 
+def folder_hash(path) -> dict | None:
+    """{relative path: SHA-256} of every file under `path` (a file: {".": its hash}; missing: None), to
+    show that a refused command left a folder byte-identical."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {("." if p == path else str(p.relative_to(path))): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in files}
+
+
+def run_cli(capsys, argv, code=None, one_error_line=False) -> list[str]:
+    """train.main as a command (faults.main_guard, as `python train.py` runs it); stderr's lines, never a
+    traceback. `code`: the exit code expected (None: the command returns); with `one_error_line`, that
+    code's line must be the only error line and the last."""
+    import pytest
+
+    import train
+    from harness import faults
+
+    if code is None:
+        faults.main_guard(train.main, argv)
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            faults.main_guard(train.main, argv)
+        assert exit_info.value.code == code, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line.strip() for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    if code is not None and one_error_line:
+        assert sum("error:" in x for x in lines) == 1 and "error:" in lines[-1], lines
+    return lines
+
+
+def finished_run(run_dir: Path, argv: list[str]) -> Path:
+    """A tiny run trained to its end in this process with the stand-in grader (tests share one, copied)."""
+    import pytest
+
+    import rollout
+    import train
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(rollout, "compute_reward", stand_in_reward)
+    try:
+        train.main(argv + ["--out_dir", str(run_dir)])
+    finally:
+        patch.undo()
+    return run_dir
+
+
 def child(argv: list[str]) -> None:
     """The process that is killed: train.py's command line, optionally with the stand-in grader."""
     sys.path.insert(0, str(ROOT))

@@ -29,7 +29,6 @@ import models
 import offpolicy
 import optim as O
 import rollout as R
-import train
 from engine import Sample
 from harness import faults, journal, loop, runs, viz
 
@@ -41,26 +40,12 @@ TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"
 REFUSED = "not only tensors and plain values: refused unloaded, nothing in it ran"
 
 
-def folder_hash(path: Path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(path).rglob("*")) if p.is_file()}
-
-
 def run_cli(capsys, argv, code=None) -> list[str]:
-    """train.main as a command; stderr's lines. `code`: the exit code expected, whose line must be the
-    only error line and the last (None: the command returns)."""
-    if code is None:
-        faults.main_guard(train.main, argv)
-    else:
-        with pytest.raises(SystemExit) as exit_info:
-            faults.main_guard(train.main, argv)
-        assert exit_info.value.code == code, capsys.readouterr().err
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [line.strip() for line in err.replace("\r", "\n").splitlines() if line.strip()]
-    if code is not None:
-        assert sum("error:" in x for x in lines) == 1 and "error:" in lines[-1], lines
-    return lines
+    """train.main as a command: its exit code is `code`, its error line the only one and the last."""
+    return FI.run_cli(capsys, argv, code, one_error_line=True)
+
+
+folder_hash = FI.folder_hash
 
 
 class Payload:
@@ -81,25 +66,8 @@ def plant(path: Path, marker: Path) -> None:
     assert not marker.exists()
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 3-step tiny run, a checkpoint at each step (copied per test)."""
-    run = tmp_path_factory.mktemp("finished") / "run"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(R, "compute_reward", FI.stand_in_reward)
-    try:
-        train.main(TINY + ["--steps", "3", "--out_dir", str(run)])
-    finally:
-        mp.undo()
-    return run
-
-
-@pytest.fixture
-def run(finished, tmp_path, monkeypatch):
-    monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
-    copy = tmp_path / "run"
-    shutil.copytree(finished, copy)
-    return copy
+# the `finished` and `run` fixtures (tests/conftest.py): a tiny run of 3 steps, copied per test
+FINISHED_STEPS = 3
 
 
 # ------------------------------------------------------------------------------------------------------

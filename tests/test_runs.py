@@ -3,7 +3,6 @@ checkpoints skipped, a full disk is one line, --keep_checkpoints, torn metrics l
 skipped before tokenizing, --stop_timeout. Each refusal asserts its exit code, its one line, and that no file
 of the run was lost or changed (the run folder is hashed before and after)."""
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -12,14 +11,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import data
 import rollout as R
-import train
 from harness import faults, guards, runs, signals
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,44 +25,11 @@ import fault_injection as FI  # noqa: E402
 TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"]
 
 
-def folder_hash(path: Path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(path).rglob("*")) if p.is_file()}
+folder_hash, run_cli = FI.folder_hash, FI.run_cli
 
 
-def run_cli(capsys, argv, code=None) -> list[str]:
-    """train.main as a command; returns stderr's lines; `code`: the SystemExit code expected (None:
-    returns)."""
-    if code is None:
-        faults.main_guard(train.main, argv)
-    else:
-        with pytest.raises(SystemExit) as exit_info:
-            faults.main_guard(train.main, argv)
-        assert exit_info.value.code == code, capsys.readouterr().err
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    return [line.strip() for line in err.replace("\r", "\n").splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 2-step tiny run, a checkpoint at each step (copied per test)."""
-    run = tmp_path_factory.mktemp("finished") / "run"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(R, "compute_reward", FI.stand_in_reward)
-    try:
-        train.main(TINY + ["--steps", "2", "--out_dir", str(run)])
-    finally:
-        mp.undo()
-    return run
-
-
-@pytest.fixture
-def run(finished, tmp_path, monkeypatch):
-    monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
-    copy = tmp_path / "run"
-    shutil.copytree(finished, copy)
-    return copy
+# the `finished` and `run` fixtures (tests/conftest.py): a tiny run of 2 steps, copied per test
+FINISHED_STEPS = 2
 
 
 # ------------------------------------------------------------------------------------------------------
