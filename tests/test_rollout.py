@@ -2,6 +2,7 @@
 KV-cache reuse (engine/generate.py) checked against an independent re-prefilled path."""
 import random
 import types
+import warnings
 
 import pytest
 import torch
@@ -170,6 +171,25 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
     assert (max(path_lengths) > 10) == (budget == "full")
     # branches of one fork are different samples, not copies
     assert len({tuple(s.tokens) for s in cached[2]}) > 1
+
+
+@pytest.mark.parametrize("engine", ["engine", "generate"])
+def test_a_rollout_on_either_engine_warns_nothing_from_transformers(tiny_policy, monkeypatch, engine):
+    """Both engines pass the KV cache under the name the installed transformers takes (models.cache_arg),
+    so a rollout raises no FutureWarning: transformers' deprecations are FutureWarnings (on 5.24 every
+    forward given `past_key_values` warned that 5.40 removes it) — nor any other warning from inside it."""
+    model, tok = tiny_policy
+    monkeypatch.setattr(R, "compute_reward", RecordingReward({"7": 1}))
+    cfg = _cfg(rollout_engine=engine, n_base=2, k_max=1, b_max=2, max_new_tokens=6)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (tree,), _ = R.rollout_trees(model, tok, ["What is 3 + 4?"], ["7"], cfg, random.Random(0),
+                                     progress=False)
+    assert tree.leaves > 2                                     # the branches ran too, not just the bases
+    noisy = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+             if issubclass(w.category, FutureWarning) or "transformers" in w.filename]
+    assert not noisy, noisy
 
 
 def test_branch_limits_and_longest_path():
