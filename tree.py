@@ -5,7 +5,8 @@ Paper map:
   ForkPlan             Sec. 4.1: one prompt's V(root), K̂, B̂ and forks (rollout.plan_prompt)
   attnrl_expansion     the AttnRL baseline's adaptive sampling (which base responses get branches)
   select_forks         App. D, Algorithm "Forking Points Selection" (random, fixed-seg, ATB, tok-entropy,
-                       sent-entropy) and App. D.4 (distance-forced tok-entropy)
+                       sent-entropy) and App. D.4 (distance-forced tok-entropy); one function each:
+                       random_forks, fixed_segment_forks, tok_entropy_tokens, sent_entropy_tokens, atb_tokens
   sentence_spans       App. D.1: PySBD sentences aligned to tokens through the offset mapping
   step_spans           App. D.1 (ATB): steps delimited by blank lines
   step_attention, fci_step_scores
@@ -224,20 +225,9 @@ def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist:
     empty, and a branch never starts after the final stop token), so the candidate tokens are
     0 ≤ t ≤ n−2 when kept and 1 ≤ t ≤ n−1 when resampled (t = 0 resampled would only be another base
     response, which N already samples).
-
-    random        K prefix lengths uniformly from 1..n−1, without replacement (rng: a random.Random).
-    fixed-seg     prefix lengths ⌊i·n/(K+1)⌋ for i = 1..K.
-    tok-entropy   the K candidate tokens with the highest entropy H_t; with min_dist > 0 (App. D.4: 0.05,
-                  0.10) candidates are taken greedily in entropy order and one closer than min_dist·n tokens
-                  to an already chosen token is skipped.
-    sent-entropy  `spans` are sentences (token spans); H^S_m = mean token entropy of sentence m; the chosen
-                  token is the first token of each of the K highest sentences (with keep_token the first
-                  sentence is a candidate too: keeping its first token is not a new base response).
-    atb           `spans` are steps and `step_scores` their FCI; candidates are steps scoring at or above the
-                  `quantile` (0.8) quantile of all steps, and the K earliest candidates give the chosen tokens
-                  (each step's first token); too few candidates → earliest other steps.
-    random and fixed-seg choose prefix lengths directly, so keep_token does not change them.
-    Fewer than K positions come back when the response is too short or has too few sentences/steps.
+    One function per strategy below (App. D.1, Algorithm "Forking Points Selection"); random and
+    fixed-seg choose prefix lengths directly, so keep_token does not change them. Fewer than K positions
+    come back when the response is too short or has too few sentences/steps.
     """
     n = len(entropies)
     if k <= 0 or n < 2:
@@ -246,45 +236,77 @@ def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist:
     shift = 1 if keep_token else 0                   # f = t + shift
     lo, hi = 1 - shift, n - 1 - shift                # candidate tokens t: lo ≤ t ≤ hi  ⇔  1 ≤ f ≤ n−1
     if method == "random":
-        if rng is None:
-            raise ValueError("select_forks('random') needs rng (a random.Random)")
-        return sorted(rng.sample(range(1, n), k))
+        return random_forks(n, k, rng)
     if method == "fixed-seg":
-        return sorted({max(1, (i * n) // (k + 1)) for i in range(1, k + 1)})
+        return fixed_segment_forks(n, k)
     if method == "tok-entropy":
-        tokens = list(range(lo, hi + 1))
-        ranked = _top_positions([float(entropies[t]) for t in tokens], tokens, len(tokens))
-        chosen: list[int] = []
-        for t in ranked:
-            if min_dist > 0 and any(abs(t - q) < min_dist * n for q in chosen):
-                continue
-            chosen.append(t)
-            if len(chosen) == k:
-                break
-        return sorted(t + shift for t in chosen)
-    if method == "sent-entropy":
-        if spans is None:
-            raise ValueError("select_forks('sent-entropy') needs spans (sentence token spans)")
-        usable = [(a, b) for a, b in spans if lo <= a <= hi and b > a]
-        scores = [float(np.mean([float(entropies[t]) for t in range(a, b)])) for a, b in usable]
-        return sorted(a + shift for a in _top_positions(scores, [a for a, _ in usable], k))
-    if method == "atb":
-        if spans is None or step_scores is None or len(spans) != len(step_scores):
-            raise ValueError("select_forks('atb') needs spans (steps) and one step_scores value per step")
-        if not spans:
-            return []
-        scores = np.asarray(step_scores, dtype=float)
-        threshold = float(np.quantile(scores, quantile))
-        if threshold <= 0 and (scores > 0).any():   # AttnRL: a zero quantile falls back to the least positive
-            threshold = float(scores[scores > 0].min())
-        starts = [a for a, _ in spans if lo <= a <= hi]
-        candidates = [a for (a, _), s in zip(spans, scores) if s >= threshold and lo <= a <= hi]
-        # Fewer than K candidates: the earliest remaining steps fill the gap (AttnRL's code does the same), so
-        # ATB spends the same budget as the other strategies.
-        chosen = sorted(candidates)[:k]
-        chosen += [a for a in starts if a not in chosen][: k - len(chosen)]
-        return sorted(a + shift for a in chosen)
-    raise ValueError(f"unknown fork method {method!r}; expected one of {', '.join(FORK_METHODS)}")
+        tokens = tok_entropy_tokens(entropies, k, lo, hi, min_dist)
+    elif method == "sent-entropy":
+        tokens = sent_entropy_tokens(entropies, k, lo, hi, spans)
+    elif method == "atb":
+        tokens = atb_tokens(k, lo, hi, spans, step_scores, quantile)
+    else:
+        raise ValueError(f"unknown fork method {method!r}; expected one of {', '.join(FORK_METHODS)}")
+    return sorted(t + shift for t in tokens)
+
+
+def random_forks(n: int, k: int, rng) -> list[int]:
+    """random (App. D.1): K prefix lengths uniformly from 1..n−1, without replacement (rng: random.Random)."""
+    if rng is None:
+        raise ValueError("select_forks('random') needs rng (a random.Random)")
+    return sorted(rng.sample(range(1, n), k))
+
+
+def fixed_segment_forks(n: int, k: int) -> list[int]:
+    """fixed-seg (App. D.1): prefix lengths ⌊i·n/(K+1)⌋ for i = 1..K (K+1 equal segments)."""
+    return sorted({max(1, (i * n) // (k + 1)) for i in range(1, k + 1)})
+
+
+def tok_entropy_tokens(entropies, k: int, lo: int, hi: int, min_dist: float = 0.0) -> list[int]:
+    """tok-entropy (App. D.1): the K candidate tokens lo ≤ t ≤ hi with the highest entropy H_t. With
+    min_dist > 0 (App. D.4: 0.05, 0.10) candidates are taken greedily in entropy order and one closer than
+    min_dist·n tokens to an already chosen token is skipped."""
+    n = len(entropies)
+    tokens = list(range(lo, hi + 1))
+    chosen: list[int] = []
+    for t in _top_positions([float(entropies[t]) for t in tokens], tokens, len(tokens)):
+        if min_dist > 0 and any(abs(t - q) < min_dist * n for q in chosen):
+            continue
+        chosen.append(t)
+        if len(chosen) == k:
+            break
+    return chosen
+
+
+def sent_entropy_tokens(entropies, k: int, lo: int, hi: int, spans) -> list[int]:
+    """sent-entropy (Sec. 4.1, App. D.1): `spans` are sentences (token spans); H^S_m = the mean token entropy
+    of sentence m; the first tokens μ_m of the K highest sentences (with the token kept, the first sentence
+    is a candidate too: keeping its first token is not a new base response)."""
+    if spans is None:
+        raise ValueError("select_forks('sent-entropy') needs spans (sentence token spans)")
+    usable = [(a, b) for a, b in spans if lo <= a <= hi and b > a]
+    scores = [float(np.mean([float(entropies[t]) for t in range(a, b)])) for a, b in usable]
+    return _top_positions(scores, [a for a, _ in usable], k)
+
+
+def atb_tokens(k: int, lo: int, hi: int, spans, step_scores, quantile: float = 0.8) -> list[int]:
+    """atb (AttnRL; App. D.1): `spans` are steps and `step_scores` their FCI; candidates are steps scoring at
+    or above the `quantile` (0.8) quantile of all steps, and the K earliest candidates give the chosen
+    tokens (each step's first token); too few candidates → the earliest other steps."""
+    if spans is None or step_scores is None or len(spans) != len(step_scores):
+        raise ValueError("select_forks('atb') needs spans (steps) and one step_scores value per step")
+    if not spans:
+        return []
+    scores = np.asarray(step_scores, dtype=float)
+    threshold = float(np.quantile(scores, quantile))
+    if threshold <= 0 and (scores > 0).any():   # AttnRL: a zero quantile falls back to the least positive
+        threshold = float(scores[scores > 0].min())
+    starts = [a for a, _ in spans if lo <= a <= hi]
+    candidates = [a for (a, _), s in zip(spans, scores) if s >= threshold and lo <= a <= hi]
+    # Fewer than K candidates: the earliest remaining steps fill the gap (AttnRL's code does the same), so
+    # ATB spends the same budget as the other strategies.
+    chosen = sorted(candidates)[:k]
+    return chosen + [a for a in starts if a not in chosen][: k - len(chosen)]
 
 
 # --------------------------------------------------------------------------------------------------------
