@@ -1,7 +1,7 @@
 """bench/bench_threads.py — CPU threads under load (issue 30): the demo's first evaluation (a slice of it) and
 one demo training step, alone and beside two busy processes, under torch's default threads and under the
-thread policy of harness/threads.py (OMP_WAIT_POLICY=PASSIVE, threads from the usable cores). One run, one
-table of seconds and of loaded / alone ratios.
+thread policy of harness/threads.py (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000, threads from the usable
+cores). One run, one table of seconds and of loaded / alone ratios.
 
     python bench/bench_threads.py              # 16 eval problems × 4 samples, one demo step of 8 prompts
     python bench/bench_threads.py --quick      # 4 problems, a step of 2 prompts: a rough answer in minutes
@@ -65,14 +65,16 @@ def measure(threads: str, eval_problems: int, prompts: int) -> dict:
         t_step = time.perf_counter() - t0
         s.log.close()
     return {"eval_s": t_eval, "step_s": t_step, "torch_threads": torch.get_num_threads(),
-            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins a while, then sleeps)")}
+            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins a while, then sleeps)"),
+            "spin_count": os.environ.get("GOMP_SPINCOUNT", "unset")}
 
 
 # --------------------------------------------------------------------------------------------------------
 # The driver: every (threads, load) pair in its own process, busy neighbours started and stopped around it
 # --------------------------------------------------------------------------------------------------------
 def run_child(threads: str, args, timeout: float) -> dict | None:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    openmp = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # the caller's settings, left out
+    env = {k: v for k, v in os.environ.items() if k not in openmp}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", threads, "--eval_problems",
            str(args.eval_problems), "--prompts", str(args.prompts)]
     try:

@@ -14,8 +14,18 @@ torch:
 
 (ruff's E402 allows os.environ changes between imports, so `import torch` may follow that line.)
 
+Passive waiting alone costs speed on a quiet machine: a thread that sleeps at once is woken through the
+kernel at the next barrier, microseconds that add up over the many small operations of a decode step (the
+demo's evaluation slice 27 % slower, a demo step 20 %). libgomp, the OpenMP of torch's Linux wheels, takes
+a spin count that wins back most of it: GOMP_SPINCOUNT=1000 (about 10 µs of spinning, then sleep) was 7 %
+slower than torch's default alone, and beside two busy processes 2× its time alone, within the spread of
+PASSIVE's own runs there — where the default (300,000 spins, ~3 ms) and 100,000 collapsed (over 15× and 5×;
+docs/measurements.md). Other OpenMP runtimes read OMP_WAIT_POLICY only.
+
 The policy, each part only where the user has not chosen:
   OMP_WAIT_POLICY   PASSIVE
+  GOMP_SPINCOUNT    1000, unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (libgomp: it overrides
+                    the spin count that PASSIVE implies, 0)
   OMP_NUM_THREADS   --threads N (N > 0) on the command line, else OMP_NUM_THREADS as set, else the cores this
                     process may use (os.sched_getaffinity, hyperthreads of a core counted once, capped by a
                     cgroup CPU quota), shared among torchrun's processes on this machine (LOCAL_WORLD_SIZE;
@@ -32,6 +42,7 @@ from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
 SYSFS_CPU = Path("/sys/devices/system/cpu")
+SPIN_COUNT = "1000"   # libgomp: spins before a waiting thread sleeps (~10 µs; the module docstring says why)
 
 
 def threads_flag(argv: Sequence[str]) -> int | None:
@@ -115,13 +126,15 @@ def thread_count(argv: Sequence[str], environ: Mapping[str, str], cores: int) ->
 def policy_env(argv: Sequence[str], environ: Mapping[str, str], cores: int | None = None,
                torch_loaded: bool | None = None) -> dict[str, str]:
     """The environment variables to set before `import torch` (module docstring): OMP_WAIT_POLICY=PASSIVE
-    unless set, and OMP_NUM_THREADS from thread_count. Nothing where torch is already loaded (an entry point
-    imported by a test or a notebook): OpenMP has read its settings, and a change would only reach child
-    processes, such as torchrun's ranks, which choose their own. Pure: reads its arguments (torch_loaded:
-    by default whether sys.modules holds torch), changes nothing."""
+    and GOMP_SPINCOUNT=1000 unless the user chose, and OMP_NUM_THREADS from thread_count. Nothing where
+    torch is already loaded (an entry point imported by a test or a notebook): OpenMP has read its settings,
+    and a change would only reach child processes, such as torchrun's ranks, which choose their own. Pure:
+    reads its arguments (torch_loaded: by default whether sys.modules holds torch), changes nothing."""
     if torch_loaded if torch_loaded is not None else "torch" in sys.modules:
         return {}
     env = {"OMP_NUM_THREADS": str(thread_count(argv, environ, usable_cores() if cores is None else cores))}
     if not environ.get("OMP_WAIT_POLICY"):
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+        if not environ.get("GOMP_SPINCOUNT"):
+            env["GOMP_SPINCOUNT"] = SPIN_COUNT
     return env

@@ -11,6 +11,7 @@ import pytest
 from harness import threads
 
 ROOT = Path(__file__).resolve().parents[1]
+OPENMP_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # the user's, left out
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -32,13 +33,15 @@ def test_thread_count_prefers_the_flag_then_omp_num_threads_then_the_cores_per_l
     assert threads.thread_count([], {"LOCAL_WORLD_SIZE": "4"}, cores=2) == 1    # never 0
 
 
-def test_policy_env_sets_passive_waiting_unless_the_user_chose():
+def test_policy_env_sets_passive_waiting_and_a_short_spin_unless_the_user_chose():
     assert threads.policy_env([], {}, cores=2, torch_loaded=True) == {}   # too late: changes nothing
     fresh = threads.policy_env([], {}, cores=2, torch_loaded=False)
-    assert fresh == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert fresh == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
     chosen = threads.policy_env(["--threads", "1"], {"OMP_WAIT_POLICY": "ACTIVE"}, cores=2,
                                 torch_loaded=False)
-    assert chosen == {"OMP_NUM_THREADS": "1"}
+    assert chosen == {"OMP_NUM_THREADS": "1"}                      # ACTIVE's own spin count stays
+    spins = threads.policy_env([], {"GOMP_SPINCOUNT": "0"}, cores=2, torch_loaded=False)
+    assert spins == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}   # the user's spin count stays
     environ = {}
     threads.policy_env([], environ, cores=2, torch_loaded=False)
     assert environ == {}                                           # pure: the caller applies it
@@ -71,8 +74,9 @@ def _torch_threads(argv: list[str], **env: str) -> dict:
     """In a fresh process: apply the policy as an entry point does, then import torch and report."""
     code = ("import json, os, sys; from harness import threads; "
             "os.environ.update(threads.policy_env(sys.argv[1:], os.environ)); import torch; "
-            "print(json.dumps({'threads': torch.get_num_threads(), 'wait': os.environ['OMP_WAIT_POLICY']}))")
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+            "print(json.dumps({'threads': torch.get_num_threads(), 'wait': os.environ['OMP_WAIT_POLICY'], "
+            "'spin': os.environ.get('GOMP_SPINCOUNT')}))")
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP_VARIABLES}
     out = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env={**base, **env},
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return json.loads(out.splitlines()[-1])
@@ -80,10 +84,10 @@ def _torch_threads(argv: list[str], **env: str) -> dict:
 
 def test_the_policy_reaches_torch_when_applied_before_import():
     cores = threads.usable_cores()
-    assert _torch_threads([]) == {"threads": cores, "wait": "PASSIVE"}
-    assert _torch_threads(["--threads", "1"]) == {"threads": 1, "wait": "PASSIVE"}
+    assert _torch_threads([]) == {"threads": cores, "wait": "PASSIVE", "spin": "1000"}
+    assert _torch_threads(["--threads", "1"]) == {"threads": 1, "wait": "PASSIVE", "spin": "1000"}
     user_chose = _torch_threads([], OMP_NUM_THREADS="1", OMP_WAIT_POLICY="ACTIVE")
-    assert user_chose == {"threads": 1, "wait": "ACTIVE"}
+    assert user_chose == {"threads": 1, "wait": "ACTIVE", "spin": None}
 
 
 @pytest.mark.parametrize("entry", ["train", "evaluate", "studies.__main__"])
@@ -91,8 +95,9 @@ def test_each_entry_point_sets_the_policy_before_torch_loads(entry):
     """Importing the entry point in a fresh process (as `python train.py --threads 1` would run it) leaves
     torch with the policy's thread count and OpenMP with passive waiting."""
     code = (f"import sys; sys.argv = ['{entry}', '--threads', '1']; import json, os, {entry}, torch; "
-            "print(json.dumps({'threads': torch.get_num_threads(), 'wait': os.environ['OMP_WAIT_POLICY']}))")
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+            "print(json.dumps({'threads': torch.get_num_threads(), 'wait': os.environ['OMP_WAIT_POLICY'], "
+            "'spin': os.environ.get('GOMP_SPINCOUNT')}))")
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP_VARIABLES}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=base, capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    assert json.loads(out.splitlines()[-1]) == {"threads": 1, "wait": "PASSIVE"}
+    assert json.loads(out.splitlines()[-1]) == {"threads": 1, "wait": "PASSIVE", "spin": "1000"}
