@@ -3,7 +3,7 @@
 A tree is two parallel lists (see tree.py): `parents[i]` is the block that block i continues (None = it
 starts at the prompt) and `rewards[i]` is the 0/1 reward of a terminal block (None for inner blocks).
 
-DATPO (Sec. 4.2, App. F):
+DATPO (Sec. 4.2, App. E):
   mc_values          V_MC(s) = mean reward of all terminal blocks descending from s (Eq. "Monte Carlo State
                      Value"); V(after a terminal block) = 0; V(root) = mean over every terminal block.
   release_values     the authors' release's estimates (an ablation, --value_estimate release): a fork's value
@@ -14,7 +14,7 @@ DATPO (Sec. 4.2, App. F):
   diversity_bonus    Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
   datpo_advantages   the same from the tree's lists in one call
   alpha_at           α linearly annealed from start to end over the run (Table "alpha")
-Baselines (Sec. 5.1, App. E.2):
+Baselines (Sec. 5.1, App. F.2):
   grpo_advantages    (r − mean) / std within a group (GRPO)
   drgrpo_advantages  r − mean (Dr.GRPO: no std division)
   treerl_advantages  TreeRL / AttnRL process advantage per segment ending at node s:
@@ -73,7 +73,7 @@ def _leaf_rewards(parents: list[int | None], rewards: list[float | None]) -> lis
 
 
 def mc_values(parents: list[int | None], rewards: list[float | None]) -> tuple[list[float], list[float]]:
-    """(V(s_start), V(s_end)) of every block, by Monte-Carlo averaging (App. F.1).
+    """(V(s_start), V(s_end)) of every block, by Monte-Carlo averaging (App. E.1).
 
     The state at the end of an inner block is a forking point: its value averages every terminal block
     below it — the base response's own continuation as well as the new branches. The state after a terminal
@@ -130,7 +130,7 @@ VALUE_ESTIMATES = ("paper", "release")
 
 def block_values(parents: list[int | None], rewards: list[float | None], value_estimate: str = "paper",
                  branch: list[bool] | None = None) -> tuple[list[float], list[float]]:
-    """(V(s_start), V(s_end)) of every block by --value_estimate: "paper" = V_MC (mc_values, App. F.1);
+    """(V(s_start), V(s_end)) of every block by --value_estimate: "paper" = V_MC (mc_values, App. E.1);
     "release" = the authors' code's estimates (release_values, needs the branch flags)."""
     if value_estimate == "paper":
         return mc_values(parents, rewards)
@@ -151,7 +151,7 @@ def base_advantages(parents: list[int | None], rewards: list[float | None], valu
 
 def sibling_diversity(parents: list[int | None], embeddings) -> list[float]:
     """Div_sib(b) = 1 − mean cosine similarity between b and each other block with the same parent, i.e. the
-    same start state (App. F.1, Eq. 10); 0 when b has no sibling. Blocks starting at the prompt are siblings
+    same start state (App. E.1, Eq. 10); 0 when b has no sibling. Blocks starting at the prompt are siblings
     of each other. Embeddings need not be normalised."""
     emb = np.asarray(embeddings, dtype=float)
     if emb.ndim != 2 or emb.shape[0] != len(parents):
@@ -317,11 +317,11 @@ def treerl_advantages(parents: list[int | None], rewards: list[float | None]) ->
 
 
 # --------------------------------------------------------------------------------------------------------
-# Phase 3 of a training step: the numbers of every block of every tree (Alg. DATPO, App. F)
+# Phase 3 of a training step: the numbers of every block of every tree (Alg. DATPO, App. E)
 # --------------------------------------------------------------------------------------------------------
 @dataclass
 class BlockScore:
-    """Phase 3's numbers for one block (App. F.1): what the update trains and what the tree log shows."""
+    """Phase 3's numbers for one block (App. E.1): what the update trains and what the tree log shows."""
     v_start: float              # V(s_start): the value of the state the block starts from
                                 # (V(root) at the prompt)
     v_end: float                # V(s_end): 0 after a terminal block

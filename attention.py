@@ -1,5 +1,5 @@
 """attention.py — the packed update's attention kernels, and which one runs (the update is a third of a
-DATPO step: App. E.3, Table "runtime breakdown", 102 of 300 s).
+DATPO step: App. F.3, Table "runtime breakdown", 102 of 300 s).
 
 packing.py packs a tree into one sequence whose mask is one integer per token: depth-first order keeps a
 subtree's tokens contiguous, so key k is visible from query q iff k ≤ q < subtree_end[k]. This file runs that

@@ -1,6 +1,6 @@
 """config.py — every knob of a run in one dataclass, and named presets: the rows of the paper's tables.
 
-Defaults are the paper's DATPO run on Qwen2.5-3B-Base (Appendix E.2 "Implementation Details" and
+Defaults are the paper's DATPO run on Qwen2.5-3B-Base (Appendix F.2 "Implementation Details" and
 "Training Hyperparameters"). Where the paper is silent we take the authors' released config
 (colin31472/DATPO, config.yaml) and say so next to the field.
 
@@ -25,7 +25,7 @@ class Config:
     # ---- what to train -------------------------------------------------------------------------------
     method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines")
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
-    train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. E.1)
+    train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. F.1)
     prompt_style: str = "release"           # release: the authors' plain-text prompt (system text, Problem:,
                                             # instruction, Reasoning:), what their runs used (their
                                             # chat-template path is never taken); chat: tokenizer chat
@@ -49,21 +49,21 @@ class Config:
                                             # (App. D.1)
     atb_gap: int = 4                        # FCI counts attention from steps ≥ this many steps later
                                             # (AttnRL Δ)
-    group_size: int = 16                    # G for grpo / drgrpo (parallel sampling, App. E.2)
-    attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. E.2)
+    group_size: int = 16                    # G for grpo / drgrpo (parallel sampling, App. F.2)
+    attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. F.2)
 
     # ---- sampling ------------------------------------------------------------------------------------
     temperature: float = 1.0
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
-    max_new_tokens: int = 1024              # per generation, base or branch (App. E.2)
-    branch_budget: str = "full"             # full: a branch may add max_new_tokens (App. E.2, the release),
+    max_new_tokens: int = 1024              # per generation, base or branch (App. F.2)
+    branch_budget: str = "full"             # full: a branch may add max_new_tokens (App. F.2, the release),
                                             # so a root-to-leaf path can reach f + max_new_tokens;
                                             # remaining: max − f
     max_prompt_tokens: int = 0              # >0: longer prompts are skipped and counted; 0 = keep all (the
                                             # release defines max_prompt_len 256 but never reads it)
     gen_batch_size: int = 64                # base responses generated per generate() call
-    branch_chunk_size: int = 384            # branch rollouts per generate() call (App. E.2: 384 for 3B)
+    branch_chunk_size: int = 384            # branch rollouts per generate() call (App. F.2: 384 for 3B)
     naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
     rollout_engine: str = "engine"          # engine: engine/ (rows leave when they end, branches start when
                                             # their prompt's bases end, prefixes shared in a slot pool);
@@ -77,16 +77,16 @@ class Config:
     compile_decode: bool = False            # engine: decode steps through torch.compile(dynamic=True); on the
                                             # 2-core CPU 1.13× tokens/s after a ~36 s compile
                                             # (measurements.md)
-    off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. E runtime table,
+    off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. F runtime table,
                                             # offpolicy.py): step t+1's N base responses decode inside step
                                             # t's rollout with step t's weights (before its update);
                                             # 0: on-policy
 
-    # ---- advantage (Sec. 4.2, App. F) ----------------------------------------------------------------
+    # ---- advantage (Sec. 4.2, App. E) ----------------------------------------------------------------
     alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
     alpha_end: float = 0.0                  # ... to this value over the run (Table "alpha")
     alpha_scope: str = "positive"           # bonus only where A_base > 0 ("all" = the ablation)
-    value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. F.1);
+    value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. E.1);
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
                                             # release = the authors' code's groups
@@ -97,7 +97,7 @@ class Config:
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line
 
-    # ---- optimisation (App. E.2 "Training Hyperparameters") ------------------------------------------
+    # ---- optimisation (App. F.2 "Training Hyperparameters") ------------------------------------------
     lr: float = 5e-6                        # constant
     beta1: float = 0.9
     beta2: float = 0.999
@@ -113,13 +113,13 @@ class Config:
     ppo_epochs: int = 2                     # paper silent; authors' release uses 2
     prompts_per_step: int = 16
     mini_batch_size: int = 64               # blocks per optimizer step
-                                            # (App. E.2 counts contiguous blocks: 64)
+                                            # (App. F.2 counts contiguous blocks: 64)
     mini_batch_grouping: str = "trees"      # trees: whole trees shuffled per epoch, ~mini_batch_size blocks;
                                             # blocks: random blocks (the release; re-forwards shared context)
     train_layout: str = "packed"            # packed: each tree once under a tree mask; rows: a row per leaf
     max_tokens_per_micro_batch: int = 8192  # packed layout: tokens per forward/backward
                                             # (gradient accumulation)
-    micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. E.2: 2)
+    micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. F.2: 2)
     packed_attention: str = "auto"          # auto: flex_attention on CUDA, else tree (SDPA per segment over
                                             # its ancestors); dense: one [L, L] mask (the reference path)
     precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
@@ -136,7 +136,7 @@ class Config:
     eval_every: int = 40                    # steps; 0 = never (authors' release: 40)
     eval_limit: int = 0                     # problems; 0 = all
     eval_k: int = 8                         # samples per problem for avg@k during training
-    eval_max_new_tokens: int = 2048         # App. E.1
+    eval_max_new_tokens: int = 2048         # App. F.1
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     seed: int = 0
@@ -209,8 +209,8 @@ SCALES: dict[str, dict] = {
 }
 
 # Rows of the paper's tables: algorithm settings only (the scale comes from SCALES).
-_GRPO = dict(method="grpo", clip_high=0.28)                             # App. E.2: clip-higher 0.2/0.28
-_TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                       # App. E.2: original papers' (6,2,2)
+_GRPO = dict(method="grpo", clip_high=0.28)                             # App. F.2: clip-higher 0.2/0.28
+_TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                       # App. F.2: original papers' (6,2,2)
 ROWS: dict[str, dict] = {
     # Table "main results" (Sec. 5.2)
     "paper": {},                                                        # DATPO (4,3,4), sent-entropy, α 0.2→0
@@ -223,7 +223,7 @@ ROWS: dict[str, dict] = {
     "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),
     # AttnRL: one-step off-policy
     "attnrl": dict(method="attnrl", fork="atb", off_policy_steps=1, **_TREE_BASELINE),
-    # Table "wall clock" (App. E.3): "DATPO w/ one-step off-policy", AttnRL's pipeline (offpolicy.py)
+    # Table "wall clock" (App. F.3): "DATPO w/ one-step off-policy", AttnRL's pipeline (offpolicy.py)
     "datpo-off-policy": dict(off_policy_steps=1),
     # Table "forking strategies" (Sec. 5.4) and App. D.4 (distance-forced token entropy)
     "datpo-fork-random": dict(fork="random"),
@@ -238,9 +238,9 @@ ROWS: dict[str, dict] = {
     "datpo-alpha-0.2-0-all": dict(alpha_scope="all"),
     "datpo-alpha-0.2-0.2": dict(alpha_start=0.2, alpha_end=0.2),
     "datpo-alpha-0.2-neg0.2": dict(alpha_start=0.2, alpha_end=-0.2),
-    # Table "difficulty-adaptive" (App. E.5): fixed (N, K, B) = (6, 2, 2)
+    # Table "difficulty-adaptive" (App. F.5): fixed (N, K, B) = (6, 2, 2)
     "datpo-nonadaptive": dict(adaptive=False, **_TREE_BASELINE),
-    # Table "wider topology" (App. E.6): the baselines with DATPO's (4, 3, 4)
+    # Table "wider topology" (App. F.6): the baselines with DATPO's (4, 3, 4)
     "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
     "attnrl-434": dict(method="attnrl", fork="atb", off_policy_steps=1, n_base=4, k_max=3, b_max=4),
     # Sec. 3.1 / App. B: the difficulty study's G sweep (python -m studies difficulty). GRPO-Zero style:
@@ -251,7 +251,7 @@ ROWS: dict[str, dict] = {
     **{f"grpo-g{g}": dict(method="grpo", group_size=g, ppo_epochs=1, eval_every=0, at_paper_scale=dict(
         prompts_per_step=256 // g, mini_batch_size=256, steps=math.ceil(5 * 1400 / (256 // g))))
        for g in (4, 8, 16)},
-    # Table "embedding models" (App. E.5)
+    # Table "embedding models" (App. F.5)
     "datpo-embed-mpnet": dict(embed_model="sentence-transformers/all-mpnet-base-v2"),
     "datpo-embed-bge-m3": dict(embed_model="BAAI/bge-m3"),
     "datpo-embed-gte-base": dict(embed_model="Alibaba-NLP/gte-base-en-v1.5"),

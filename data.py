@@ -1,4 +1,4 @@
-"""Problems and prompts for DATPO (paper Section 5.1 and Appendix E.1 "Models and Datasets").
+"""Problems and prompts for DATPO (paper Section 5.1 and Appendix F.1 "Models and Datasets").
 
 A problem is a plain dict: {"problem": str, "answer": str, "level": int | None}
 (answer = the gold final answer as a string, e.g. "\\frac{1}{2}"; level = MATH level 1-5 when known).
@@ -69,7 +69,7 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
       the problem stripped of surrounding whitespace, as theirs; with few_shot=True one solved
       Problem/Reasoning block comes first (not in the release; for small models).
 
-    style "plain" (base models such as Qwen2.5-3B-Base, Appendix E.1):
+    style "plain" (base models such as Qwen2.5-3B-Base, Appendix F.1):
         Question: <problem>
         Please reason step by step, and put your final answer within \\boxed{}.
         Answer:
@@ -135,7 +135,7 @@ def surely_too_long(text: str, max_tokens, tokenizer) -> int:
 
 def last_boxed(text):
     """Content of the last brace-balanced \\boxed{...} (or \\fbox{...}, or "\\boxed 2" without braces) in
-    text, stripped; None if there is none. MATH solutions mark the final answer this way (Appendix E.1 trains
+    text, stripped; None if there is none. MATH solutions mark the final answer this way (Appendix F.1 trains
     on MATH). The gold answers are read with the grader's own extractor, so gold and prediction agree on what
     a box is (identical on all 12,500 MATH solutions to the extractor this file had before). Only the last
     box: a solution's "\\boxed{x+11} or \\boxed{11+x}" offers two spellings of one answer."""
@@ -364,7 +364,7 @@ MATH_EMPTY_BOX_FIXES = {
 
 
 def load_math_train():
-    """The training set of Appendix E.1: MATH train (7,500) + MATH test (5,000) minus the 500 of MATH500.
+    """The training set of Appendix F.1: MATH train (7,500) + MATH test (5,000) minus the 500 of MATH500.
 
     MATH500 problems are matched by whitespace-normalised problem text. Gold answer = last \\boxed{} of the
     reference solution (204 solutions box more than once; the last box is the conventional final answer).
@@ -389,7 +389,7 @@ def load_math_train():
 
 
 # -----------------------------------------------------------------------------
-# Evaluation benchmarks (Section 5.1 / Appendix E.1): a local file first, else the HF hub.
+# Evaluation benchmarks (Section 5.1 / Appendix F.1): a local file first, else the HF hub.
 # Dataset ids are the commonly used ones; aime26's id and split are a guess to be confirmed.
 
 BENCHMARKS = {  # name -> (HF dataset id, split; None = take "test" if present, else "train")
@@ -581,7 +581,7 @@ def load_problems(source, limit=None, skip_unmatchable=None):
         problems = make_arithmetic(limit if limit is not None else ARITH_DEFAULT_SIZE[split], split=split)
     elif source in BENCHMARKS:
         problems = load_benchmark(source, skip_unmatchable)
-    elif source in mcq.HUB:   # out-of-domain multiple choice (App. E): mcq.py
+    elif source in mcq.HUB:   # out-of-domain multiple choice (App. F): mcq.py
         problems = load_multiple_choice(source)
     elif source.endswith((".jsonl", ".json", ".parquet")):
         problems = read_file(source, skip_unmatchable)

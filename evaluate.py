@@ -1,6 +1,6 @@
-"""evaluate.py — avg@k, pass@k and maj@k of a policy on math benchmarks (Sec. 5.1, 5.3, App. A, App. E.1).
+"""evaluate.py — avg@k, pass@k and maj@k of a policy on math benchmarks (Sec. 5.1, 5.3, App. A, App. F.1).
 
-Protocol of the paper (App. E.1 "Evaluation"): temperature 1.0, at most 2048 new tokens, k = 8 samples per
+Protocol of the paper (App. F.1 "Evaluation"): temperature 1.0, at most 2048 new tokens, k = 8 samples per
 problem for MATH500 and k = 64 for AIME24/25/26 and AMC23; pass@k and maj@k are averaged over three
 independent evaluation runs (`--runs 3`; the default here is 1 because a CPU pays for every sample).
 
@@ -53,7 +53,7 @@ from harness import distributed as D
 from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
 
-# App. E.1: k = 8 for MATH500 (App. E: avg@8 out of domain) ...
+# App. F.1: k = 8 for MATH500 (App. F: avg@8 out of domain) ...
 PAPER_K = {"math500": 8, "gpqa": 8, "mmlu-pro": 8}
 DEFAULT_K = 64             # ... and 64 for the other benchmarks
 
@@ -181,7 +181,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     """Sample k responses per problem in each of `runs` runs, grade them, score them (score_records).
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
-    and cfg.few_shot); max_new_tokens defaults to cfg.eval_max_new_tokens (App. E.1: 2048). Returns the
+    and cfg.few_shot); max_new_tokens defaults to cfg.eval_max_new_tokens (App. F.1: 2048). Returns the
     metrics plus "seconds", "oom_retries" (sample_rows) and "records" (one dict per sample). The caller
     seeds torch.
     journal: samples are appended to it as each generate call finishes, and the calls it already holds are
@@ -429,7 +429,7 @@ SETTING_KEYS = ("model", "prompt_style", "few_shot", "answer_fallback", "tempera
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. E.1). Every "
+    parser = cli.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. F.1). Every "
                               "config field is a flag; --max_new_tokens sets the evaluation length "
                               "(else --eval_max_new_tokens, paper 2048). Output: runs/eval/<model label> (or "
                               "--out_dir): one evaluation per folder, locked while it runs; more benchmarks "
@@ -535,7 +535,7 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
 
 
 def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") -> dict:
-    """Evaluate one model on benchmarks (App. E.1): k samples per problem in --runs runs, into the output
+    """Evaluate one model on benchmarks (App. F.1): k samples per problem in --runs runs, into the output
     folder (runs/eval/<model label>, --out_dir, or the --resume folder): samples_<bench>.jsonl, results.json
     after each benchmark, the two figures and the table at the end. Every benchmark, the model name and the
     folder (whose it is, its lock, its earlier evaluation's settings) are checked before the model loads,

@@ -1,5 +1,5 @@
 """mcq.py — the paper's out-of-domain multiple-choice benchmarks
-(App. E "Generalization to Out-Of-Domain Tasks").
+(App. F "Generalization to Out-Of-Domain Tasks").
 
     python evaluate.py --model runs/paper --bench gpqa mmlu-pro  # avg@8 on both, as Table "OOD results"
 
@@ -121,7 +121,7 @@ def mmlu_pro_problem(where: str, row: dict) -> dict:
 
 
 def stratified_indices(categories: list[str], n: int, seed: int = SEED) -> list[int]:
-    """n indices keeping each category's share of `categories` (App. E, Fig. "MMLU-Pro distribution").
+    """n indices keeping each category's share of `categories` (App. F, Fig. "MMLU-Pro distribution").
 
     Quotas n·share are rounded by largest remainder (ties: the larger category, then its name), so they sum to
     n; each category's quota is drawn with Random(seed) from its indices; the result is in index order."""

@@ -1,4 +1,4 @@
-"""methods.py — the table of methods: DATPO and the paper's baselines (Sec. 5.1 "Baselines", App. E.2),
+"""methods.py — the table of methods: DATPO and the paper's baselines (Sec. 5.1 "Baselines", App. F.2),
 one row each.
 
 A row says everything that differs between methods; train.py, rollout.py and config.py read the row and never
@@ -11,7 +11,7 @@ test a method's name. A new method or ablation is one more row (and `--method NA
   expand      which base responses get forks: None = all; AttnRL picks them (tree.attnrl_expansion)
   advantages  one advantage per block (advantage.py)
   paths       how the loss weighs tokens: None = every tree token once (Eq. DATPO); a function giving the
-              trained root-to-leaf paths = TreeRL/AttnRL's flattening (App. F.4): a token counts once per path
+              trained root-to-leaf paths = TreeRL/AttnRL's flattening (App. E.4): a token counts once per path
               through it
   embeds      DATPO's sibling-diversity bonus α·Div_sib: α is annealed and blocks are embedded (Sec. 4.2)
   filters     drop trees whose leaves all share one reward before the update (AttnRL)
@@ -52,7 +52,7 @@ def treerl_advantages(tr: T.Tree, base: list[float], diversity, alpha: float, sc
 
 
 def leaf_paths(tr: T.Tree) -> list[list[int]]:
-    """Every root-to-leaf path of the tree (TreeRL's training sequences, App. F.4)."""
+    """Every root-to-leaf path of the tree (TreeRL's training sequences, App. E.4)."""
     return [T.path_to(tr.blocks, leaf) for leaf, b in enumerate(tr.blocks) if b.terminal]
 
 

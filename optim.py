@@ -1,6 +1,6 @@
 """optim.py — the optimizer: AdamW with its states in the weights' dtype (the release) or in fp32.
 
-App. E.2 trains with AdamW at a constant lr 5e-6. The authors' release keeps pure bf16 weights and runs
+App. F.2 trains with AdamW at a constant lr 5e-6. The authors' release keeps pure bf16 weights and runs
 torch's AdamW on them, so its moments are bf16 too (`--optimizer_dtype param`, what the paper's presets run).
 bench/bench_optimizer.py measures what that does (README "Decisions"): in bf16, v·β₂ = v·0.999 rounds back to
 v (bf16 keeps 8 significant bits, 0.999 is within half a unit of 1), so the second moment never decays and
@@ -86,7 +86,7 @@ class AdamWFP32(torch.optim.Optimizer):
 
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
-    """The run's AdamW (App. E.2: lr, betas, weight decay from cfg): `cfg.optimizer_dtype` param = torch's
+    """The run's AdamW (App. F.2: lr, betas, weight decay from cfg): `cfg.optimizer_dtype` param = torch's
     AdamW, states in the weights' dtype (the release: bf16 states for bf16 weights); fp32 = AdamWFP32 with
     fp32 states and fp32 master copies of low-precision weights."""
     if cfg.optimizer_dtype == "param":

@@ -9,9 +9,9 @@ token at the root): with DATPO's mid-response forks that is not the token before
 targets are gathered through `pred_index`, never a plain shift.
 
 Paper map:
-  TrainTree, path_multiplicity   Sec. 4.2 / App. F (block advantages); App. F.4 (TreeRL/AttnRL flatten
+  TrainTree, path_multiplicity   Sec. 4.2 / App. E (block advantages); App. E.4 (TreeRL/AttnRL flatten
                                  root-to-leaf paths: a token counts once per path through it)
-  minibatches, loss_normaliser   App. E.2: mini-batches counted in contiguous blocks (64 in the paper),
+  minibatches, loss_normaliser   App. F.2: mini-batches counted in contiguous blocks (64 in the paper),
                                  re-shuffled every PPO epoch; Eq. DATPO's 1/Σ|b| normaliser (Dr.GRPO:
                                  constant)
   split_items, micro_batches, pack, packed_logprobs
@@ -93,7 +93,7 @@ def ancestors(parents: list[int | None], block: int) -> list[int]:
 
 
 def path_multiplicity(parents: list[int | None], paths: list[list[int]]) -> list[int]:
-    """Number of the given root-to-leaf paths that pass through each block (App. F.4: the flattened
+    """Number of the given root-to-leaf paths that pass through each block (App. E.4: the flattened
     objective of TreeRL/AttnRL sums a shared token once per path; weighting it by this count reproduces that
     sum with one forward of the token)."""
     count = [0] * len(parents)
@@ -117,13 +117,13 @@ def token_offsets(trees: list[TrainTree]) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Mini-batches: counted in blocks (App. E.2), re-shuffled every epoch, normaliser per mini-batch
+# Mini-batches: counted in blocks (App. F.2), re-shuffled every epoch, normaliser per mini-batch
 # --------------------------------------------------------------------------------------------------------
 Unit = tuple[int, tuple[int, ...]]     # (tree index, trained blocks of that tree in this mini-batch)
 
 
 def minibatches(trees: list[TrainTree], size: int, grouping: str, rng) -> list[list[Unit]]:
-    """One epoch's mini-batches, freshly shuffled (App. E.2 counts mini-batches in blocks; the release
+    """One epoch's mini-batches, freshly shuffled (App. F.2 counts mini-batches in blocks; the release
     re-shuffles every PPO epoch).
 
     trees:  whole trees, shuffled at the tree level, added to a mini-batch while that brings its block count
@@ -461,7 +461,7 @@ class Row:
 
 def unit_rows(tr: TrainTree, blocks, offsets: list[int]) -> list[Row]:
     """Rows of one unit. The flattened methods' whole trees: their root-to-leaf paths, shared prefixes
-    trained again in every path (TreeRL/AttnRL's own objective, App. F.4). Otherwise each live block once: a
+    trained again in every path (TreeRL/AttnRL's own objective, App. E.4). Otherwise each live block once: a
     row trains a chain of blocks (a base response's blocks, one after the other) with its ancestors as
     context — a branch is its one block after the shared prefix."""
     live = set(live_blocks(tr, blocks))

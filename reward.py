@@ -1,7 +1,7 @@
 """Binary verifiable reward for math answers.
 
 The paper trains with a binary verifiable reward: 1 if the final answer is correct, 0 otherwise
-(DATPO, Section 5.1 and Appendix E.1 "Training Hyperparameters"; the same r(b) in {0, 1} scores the
+(DATPO, Section 5.1 and Appendix F.1 "Training Hyperparameters"; the same r(b) in {0, 1} scores the
 terminal blocks of a tree, Section 4). This module turns a model response into that number:
 
     extract_answer(text)         -> the final answer: the last brace-balanced \\boxed{...} (or \\fbox{...})

@@ -1,4 +1,4 @@
-"""train.py — Algorithm DATPO (App. F): one training step, and the policy update it ends with.
+"""train.py — Algorithm DATPO (App. E): one training step, and the policy update it ends with.
 
     python train.py --model Qwen/Qwen2.5-3B          # the paper's run on one GPU (preset "paper")
     python train.py --preset demo                    # 2 CPU cores, offline, SmolLM2-135M on arithmetic
@@ -15,7 +15,7 @@ One step (`train_step`, Algorithm DATPO):
 What differs between DATPO and the baselines is one row of methods.py (rollout shape, advantages, path
 weighting, embeddings). The update forwards each tree once as a packed sequence under a tree attention mask
 (packing.py): the prompt once, every block once, each token attending to its own root-to-leaf path, so every
-token of the tree is trained exactly once. TreeRL/AttnRL's root-to-leaf flattening (App. F.4) is reproduced by
+token of the tree is trained exactly once. TreeRL/AttnRL's root-to-leaf flattening (App. E.4) is reproduced by
 weighting each token by the number of trained paths through it. `--train_layout rows` forwards each leaf's new
 tokens as a row with its whole prefix as context instead (the simple path, and the tests' oracle).
 
@@ -59,7 +59,7 @@ from harness.loop import RunState, Setup
 # One step of Algorithm DATPO
 # --------------------------------------------------------------------------------------------------------
 def train_step(s: Setup, run: RunState) -> dict:
-    """One step of Algorithm DATPO (App. F), or of the method's baseline; returns its metrics record."""
+    """One step of Algorithm DATPO (App. E), or of the method's baseline; returns its metrics record."""
     cfg, method, step, t_step = s.cfg, s.method, run.step, time.perf_counter()
     # q ~ Q (off-policy: drawn, bases sampled, last step)
     batch = run.ahead or offpolicy.Batch(*sample_prompts(s, run))
@@ -187,7 +187,7 @@ def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:
 # --------------------------------------------------------------------------------------------------------
 def train_tree(tr: T.Tree, adv: list[float], method: str) -> P.TrainTree:
     """The tree with one advantage per block. DATPO and the parallel baselines train every tree token once
-    (weight 1). TreeRL/AttnRL train root-to-leaf paths (App. F.4): a block counts once per trained path
+    (weight 1). TreeRL/AttnRL train root-to-leaf paths (App. E.4): a block counts once per trained path
     through it — AttnRL's paths are the branched ones only; unbranched responses still count in V(root)."""
     paths_of = M.METHODS[method].paths
     paths = paths_of(tr) if paths_of else None
@@ -223,7 +223,7 @@ def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
 
 def ppo_update(policy, optimizer, trees: list[P.TrainTree], cfg, pad_id: int, device, rng: random.Random,
                guard: guards.WeightGuard | None = None) -> dict:
-    """Phase 4 (Alg. DATPO; App. E.2): PPO epochs over mini-batches of blocks, each mini-batch's gradient
+    """Phase 4 (Alg. DATPO; App. F.2): PPO epochs over mini-batches of blocks, each mini-batch's gradient
     accumulated over micro-batches, its loss −Σ w·min(ρA, clip(ρ)A) / normaliser (Eq. DATPO) with the
     normaliser from its own units, then grad-norm clip and one AdamW step. Each epoch re-shuffles the
     mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping). Blocks whose advantage is zero

@@ -12,7 +12,7 @@ Paper map:
   step_attention, fci_step_scores
                        App. D.1 (ATB): Forward Context Influence of each step (AttnRL)
   branch_limit, max_path_tokens
-                       App. E.2: how many new tokens a branch may add (the 1024-token limit per generation)
+                       App. F.2: how many new tokens a branch may add (the 1024-token limit per generation)
   split_at_forks, Block, Tree
                        Sec. 4.2 and App. C.2: contiguous blocks bounded by forking points or the end of a
                        trajectory; every generated token is in exactly one block
@@ -66,7 +66,7 @@ class ForkPlan:
 
 
 def attnrl_expansion(rewards: list[float], rng) -> list[int]:
-    """AttnRL's difficulty-adaptive sampling (Liu et al. 2025, used by the `attnrl` baseline, App. E.2):
+    """AttnRL's difficulty-adaptive sampling (Liu et al. 2025, used by the `attnrl` baseline, App. F.2):
     of the N base responses, ⌈N·exp(−acc)⌉ are expanded (acc = mean reward) — responses of the minority
     class (correct or wrong, correct on a tie) first, then random ones of the other class. An all-correct
     prompt expands nothing (AttnRL filters it out; the rare exception its code makes for prompts with high
@@ -195,7 +195,7 @@ def fci_step_scores(step_attn: np.ndarray, gap: int = 4) -> list[float]:
 
     step_attn: [layers·heads, S, S] step-level attention (step_attention of every layer, stacked).
     y_k = max over (layer, head) of Σ_{j ≥ k+gap} α[j, k]: how much the steps at least `gap` steps later
-    attend to step k. AttnRL's released code uses gap Δ = 4 (which DATPO's App. E.2 lists as "Δ = 4").
+    attend to step k. AttnRL's released code uses gap Δ = 4 (which DATPO's App. F.2 lists as "Δ = 4").
     """
     steps = step_attn.shape[-1]
     later = np.tril(np.ones((steps, steps), dtype=bool), k=-gap)       # query j ≥ key k + gap
@@ -310,13 +310,13 @@ def atb_tokens(k: int, lo: int, hi: int, spans, step_scores, quantile: float = 0
 
 
 # --------------------------------------------------------------------------------------------------------
-# Branch budget (App. E.2 "maximum generation length of 1024 tokens")
+# Branch budget (App. F.2 "maximum generation length of 1024 tokens")
 # --------------------------------------------------------------------------------------------------------
 BRANCH_BUDGETS = ("full", "remaining")
 
 
 def branch_limit(max_new_tokens: int, fork: int, budget: str = "full") -> int:
-    """New tokens a branch at fork f may generate. "full": max_new_tokens — App. E.2's limit applies to every
+    """New tokens a branch at fork f may generate. "full": max_new_tokens — App. F.2's limit applies to every
     generation, and the release generates each branch with max_gen_len new tokens; "remaining":
     max_new_tokens − f, so that every root-to-leaf response stays within max_new_tokens."""
     if budget == "full":

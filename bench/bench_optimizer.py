@@ -1,7 +1,7 @@
 """What pure-bf16 AdamW (the release, --optimizer_dtype param) does to the second moment and to small updates,
 against fp32 moments (with and without an fp32 master copy, --optimizer_dtype fp32) — README "Decisions".
 
-    python bench/bench_optimizer.py                       # 2,000 steps, lr 5e-6 (App. E.2)
+    python bench/bench_optimizer.py                       # 2,000 steps, lr 5e-6 (App. F.2)
     python bench/bench_optimizer.py --steps 500 --numel 65536
 
 One synthetic tensor per kind of weight, bf16, trained by AdamW from the same start with the same gradients

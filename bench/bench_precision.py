@@ -4,7 +4,7 @@
     python bench/bench_precision.py --models tiny-random --lr 5e-6
 
 The authors' release trains pure bf16 weights with plain AdamW (bf16 optimizer states) at lr 5e-6
-(App. E.2). Adam's first step moves every weight with a non-zero gradient by about lr, but a bf16 weight w
+(App. F.2). Adam's first step moves every weight with a non-zero gradient by about lr, but a bf16 weight w
 only changes when the update reaches half a unit in its last place, |w|·2^-9: at lr 5e-6 that needs
 |w| < ~2.6e-3, so most updates round to zero. With fp32 master weights (--precision bf16-autocast / fp32)
 every such weight moves. This script runs one identical training step (same batch: a prompt and one sampled

@@ -10,7 +10,7 @@ the decode loop's mean rows per step (occupancy: row-steps / decode steps, of --
 step's share of them. Runs already finished in --out_dir (all --steps in their metrics.jsonl) are read, not
 redone.
 
-Per method: generated tokens per prompt (the paper's fairness control, App. E.3), leaves per prompt,
+Per method: generated tokens per prompt (the paper's fairness control, App. F.3), leaves per prompt,
 trained blocks, and seconds per step (mean over the steps; the first step includes warm-up).
 """
 import argparse

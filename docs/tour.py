@@ -6,7 +6,7 @@ docs/tour.py — a guided tour of one real DATPO step: docs/tour.md, written fro
 
 It runs `train.train_step` once — the real step, not a copy of it — with the stage functions it calls wrapped
 so that each records what it was given and what it gave back (`Trace`). The page then follows Algorithm DATPO
-(App. F) phase by phase with those numbers, naming the function that produced each one: the prompts, the N
+(App. E) phase by phase with those numbers, naming the function that produced each one: the prompts, the N
 base responses with their token entropies and sentences, V(root), K̂ and B̂, the forks, the tree's blocks,
 the Monte-Carlo values, Â_base, Div_sib and α, the final advantages, and the clipped loss of the update.
 tests/test_tour.py regenerates it at tiny scale and checks every number it prints against the formulas.
@@ -114,7 +114,7 @@ def num(x, digits: int = 4) -> str:
 def intro(cfg: C.Config, commit: str) -> str:
     return f"""# A guided tour of one DATPO step
 
-Algorithm DATPO (paper App. F) with real numbers: one training step of `{cfg.model}` on `{cfg.train_data}`,
+Algorithm DATPO (paper App. E) with real numbers: one training step of `{cfg.model}` on `{cfg.train_data}`,
 {cfg.prompts_per_step} prompts, N = {cfg.n_base} base responses each, K_max = {cfg.k_max}, \
 B_max = {cfg.b_max},
 {cfg.fork} forks, α from {cfg.alpha_start} to {cfg.alpha_end} over {cfg.steps} steps, seed {cfg.seed}.
@@ -253,7 +253,7 @@ def section_blocks(trees: list[T.Tree]) -> str:
 def section_advantages(trace: Trace, trees: list[T.Tree]) -> str:
     (_, args, _, alpha), = trace.of("alpha_at")
     out = ["\n## 6. Phase 3: values, advantages and sibling diversity — `advantage.score_tree` "
-           "(Sec. 4.2, App. F.1)\n\n",
+           "(Sec. 4.2, App. E.1)\n\n",
            f"α = `advantage.alpha_at`({args[0]}, {args[1]}, {args[2]}, {args[3]}) = {num(alpha, 4)} "
            "(annealed linearly over the run). For each block b from state s_start to s_end: V_MC(s) is the "
            "mean reward of every terminal block below s (V after a terminal block is 0; V(root) averages "
@@ -282,7 +282,7 @@ def section_update(trace: Trace, record: dict, cfg: C.Config) -> str:
     norm = trace.of("loss_normaliser")[0][3]
     rows = [[t, num(float(a), 4), num(float(r), 4), num(float(o), 4), "yes" if c else ""]
             for t, (a, r, o, c) in enumerate(zip(adv, ratio, objective, active)) if t < 12]
-    return ("\n## 7. Phase 4: the clipped token-level loss — `train.ppo_update` (Eq. DATPO, App. E.2)\n\n"
+    return ("\n## 7. Phase 4: the clipped token-level loss — `train.ppo_update` (Eq. DATPO, App. F.2)\n\n"
             "Every block's tokens carry its Â. The update forwards each tree once under a tree attention "
             "mask (`packing.py`), takes ρ = π_θ/π_θold per token and minimises "
             "−Σ min(ρÂ, clip(ρ, 1−ε_low, 1+ε_high)Â) / (tokens of the mini-batch), then clips the gradient "

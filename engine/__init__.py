@@ -1,6 +1,6 @@
 """engine/ — a small tree rollout engine: our own decode loop over the HF model's forward.
 
-Paper: App. C (Algorithm "Tree Rollout"), Sec. 4.1 (difficulty-adaptive budget), App. E (the runtime table:
+Paper: App. C (Algorithm "Tree Rollout"), Sec. 4.1 (difficulty-adaptive budget), App. F (the runtime table:
 "branch rollouts cannot commence until the base rollouts are fully generated" is what this engine removes).
 
     import engine as E

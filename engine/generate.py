@@ -1,7 +1,7 @@
 """engine/generate.py — the reference path: HF `generate`, group by group (cfg.rollout_engine "generate").
 
 It stays the reference and the test oracle: under greedy decoding it grows the same trees as the Engine, token
-for token. Paper: App. C (Algorithm "Tree Rollout"), App. E.2 (branch rollouts generated in chunks).
+for token. Paper: App. C (Algorithm "Tree Rollout"), App. F.2 (branch rollouts generated in chunks).
 
   Phase 1  N base responses per prompt (generate_bases). Each prompt is prefilled once and its KV cache copied
            to its N samples. For every sampled token the entropy H_t of the distribution it was drawn from is

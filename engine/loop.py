@@ -1,5 +1,5 @@
 """engine/loop.py — the decode loop: every prompt's rows in one running batch (App. C, Algorithm "Tree
-Rollout"; Sec. 4.1; App. E's runtime: "branch rollouts cannot commence until the base rollouts are fully
+Rollout"; Sec. 4.1; App. F's runtime: "branch rollouts cannot commence until the base rollouts are fully
 generated" is what this loop removes).
 
     engine = Engine(model, stop_ids, warp, max_rows, max_kv_tokens)

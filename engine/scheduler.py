@@ -4,7 +4,7 @@ engine does when the device runs out of memory.
 A row is one sequence being decoded (a base response or a branch). Work waits in two queues: rows created
 but not decoding (`waiting`: branches, rows that took turns) go first, then prompts not yet admitted
 (`waiting_prompts`). A row is admitted only when at most `max_rows` rows decode and the KV pool can hold every
-running row's remaining budget plus its own, so the pool never runs out mid-step (App. E: no barrier between
+running row's remaining budget plus its own, so the pool never runs out mid-step (App. F: no barrier between
 a prompt's bases and its branches; ended rows make room at once).
 
 Out of memory (the Backoff): a decode step of several rows halves the row budget and the rows beyond it wait

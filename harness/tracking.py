@@ -17,7 +17,7 @@ multi-process run).
 Tree logs (`--log_trees_every N`: step 1 and every N-th step; 0 = never): RUN/trees/step_XXXXXX.jsonl, one
 tree a line with its prompt, gold answer, V(root), K̂/B̂ and forks, and for each block its parent, text, token
 ids and pieces, token entropies, reward, V(s_start)/V(s_end), Â_base, Div_sib and the advantage the update
-used (Sec. 4.1-4.2, App. F: Phase 3's records, advantage.score_tree, written as they are).
+used (Sec. 4.1-4.2, App. E: Phase 3's records, advantage.score_tree, written as they are).
 `python -m harness.viz RUN --step N` draws them.
 """
 from __future__ import annotations
@@ -269,7 +269,7 @@ def trees_due(step: int, every: int) -> bool:
 
 def tree_record(tr: T.Tree, tokenizer, scores: list[A.BlockScore], value_estimate: str = "paper",
                 sibling_groups: str = "paper") -> dict:
-    """One tree as a JSON-able dict: the quantities of Sec. 4.1-4.2 / App. F for every block, as Phase 3
+    """One tree as a JSON-able dict: the quantities of Sec. 4.1-4.2 / App. E for every block, as Phase 3
     computed them (advantage.score_tree: nothing is recomputed here).
 
     v_start/v_end: V at the block's start and end state (V_MC, or the release's with value_estimate

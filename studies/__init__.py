@@ -10,8 +10,8 @@ algorithm (the stage files at the top level), one file per study. Each writes ru
     tree-vs-parallel    tree_vs_parallel.py  Sec. 3.2 / App. C.2: PassRate vs generated tokens
     forks               forks.py             Sec. 3.3 / App. D.2–D.5: fork table, localization table
     show-forks          forks.py             App. D.2 figures "localization" / "case study"
-    dynamics            dynamics.py          Sec. 5.2 "learning curve", "leaf count"; App. E.5 checkpoints
-    main-table          main_table.py        Sec. 5.2 main table, App. E.3 tokens and wall clock, ± 95 %
+    dynamics            dynamics.py          Sec. 5.2 "learning curve", "leaf count"; App. F.5 checkpoints
+    main-table          main_table.py        Sec. 5.2 main table, App. F.3 tokens and wall clock, ± 95 %
 
 growth.py holds grow_from_forks (K forks × B branches on given base responses), which tree-vs-parallel and
 forks use.

@@ -35,9 +35,9 @@ STUDIES = {
     "show-forks": (forks.run_show_forks,
                    "App. D.2 figures: one response, entropy shading, each strategy's forks"),
     "dynamics": (dynamics.run_dynamics,
-                 "Sec. 5.2 / App. E.5: learning curves, leaves and PassRate per level, checkpoints"),
+                 "Sec. 5.2 / App. F.5: learning curves, leaves and PassRate per level, checkpoints"),
     "main-table": (main_table.run_main_table,
-                   "Sec. 5.2 / App. E.3: methods × seeds trained and evaluated, 95 % intervals"),
+                   "Sec. 5.2 / App. F.3: methods × seeds trained and evaluated, 95 % intervals"),
 }
 STUDY_SCALES: dict[str, dict[str, dict]] = {
     "difficulty": difficulty.DIFFICULTY_SCALES,

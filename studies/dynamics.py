@@ -1,6 +1,6 @@
-"""studies/dynamics.py — Sec. 5.2 / App. E.5: how training went, read from train.py run folders: the learning
+"""studies/dynamics.py — Sec. 5.2 / App. F.5: how training went, read from train.py run folders: the learning
 curve (Sec. 5.2 "learning curve"), leaves and PassRate per difficulty level ("leaf count"), and pass@k of each
-saved checkpoint (App. E.5 "pass@64 across checkpoints").
+saved checkpoint (App. F.5 "pass@64 across checkpoints").
 
     python -m studies dynamics --runs runs/paper runs/treerl runs/attnrl
 
@@ -27,7 +27,7 @@ from studies.common import (
     write_outputs,
 )
 
-DYNAMICS_SCALES = {   # Sec. 5.2 / App. E.5: MATH500 curves, leaf count per MATH level, pass@64 on AIME26
+DYNAMICS_SCALES = {   # Sec. 5.2 / App. F.5: MATH500 curves, leaf count per MATH level, pass@64 on AIME26
     "paper": dict(config=dict(max_new_tokens=2048), bench="aime26", k=64, limit=0, checkpoints=True),
     "demo": dict(config=DEMO_CONFIG, bench="arith-test", k=4, limit=6, checkpoints=True),
     "tiny": dict(config=TINY_CONFIG, bench="arith-test", k=2, limit=2, checkpoints=True),

@@ -1,4 +1,4 @@
-"""studies/main_table.py — Sec. 5.2 main table in miniature, with App. E.3's generated-tokens and wall-clock
+"""studies/main_table.py — Sec. 5.2 main table in miniature, with App. F.3's generated-tokens and wall-clock
 tables: every method × seed trained (train.py) and its last checkpoint evaluated; means with 95 % t-intervals
 over seeds, and the methods paired by held-out problem.
 
@@ -36,7 +36,7 @@ from studies.common import (
     write_outputs,
 )
 
-MAIN_TABLE_SCALES = {   # Sec. 5.2 main table (MATH500 k = 8), App. E.3 token and wall-clock tables
+MAIN_TABLE_SCALES = {   # Sec. 5.2 main table (MATH500 k = 8), App. F.3 token and wall-clock tables
     "paper": dict(config={}, methods=["paper", "grpo", "drgrpo", "treerl", "attnrl"], seeds=[0, 1, 2],
                   bench="math500", k=8, limit=0, equal_tokens=False),
     "demo": dict(config={}, methods=["paper", "grpo"], seeds=[0, 1, 2], bench="arith-test", k=8,
@@ -57,7 +57,7 @@ def pass_curve(correct: list[int], n: int) -> dict[int, float]:
 
 
 def equal_token_group_size(tokens_per_problem: float, tokens_per_response: float) -> int:
-    """GRPO's G for the paper's equal-token control (App. E.3): the number of parallel responses whose tokens
+    """GRPO's G for the paper's equal-token control (App. F.3): the number of parallel responses whose tokens
     match a tree method's measured generated tokens per problem; at least 2 (a group needs a mean)."""
     if tokens_per_response <= 0:
         raise ValueError(f"tokens_per_response must be > 0, got {tokens_per_response}")
@@ -139,7 +139,7 @@ def run_cell(study: Study, preset: str, seed: int, overrides: dict) -> tuple[str
 
 
 def run_main_table(study: Study) -> None:
-    """Sec. 5.2 main table, avg-tokens and wall-clock tables (App. E.3), pass@k figure, in miniature: every
+    """Sec. 5.2 main table, avg-tokens and wall-clock tables (App. F.3), pass@k figure, in miniature: every
     method × seed is trained (train.py) and its last checkpoint evaluated; means with 95 % t-intervals over
     seeds. With --equal_tokens, GRPO/Dr.GRPO's G is set from DATPO's measured tokens per problem and a
     one-step GRPO pilot's tokens per response (the paper's equal-token comparison). Resumable: rerun the
@@ -210,7 +210,7 @@ def main_table_markdown(summary: dict, o: dict, group_size: int | None) -> str:
              + markdown_table(["method", "seeds", f"avg@{k}", *[f"pass@{j}" for j in ks]], rows))
     rows = [[m, pm(*s["tokens_per_problem"], digits=0), pm(*s["seconds_step"]), *[pm(*s[p]) for p in PHASES]]
             for m, s in summary.items()]
-    table += ("\nGenerated tokens per problem per step (App. E.3) and seconds per step by phase\n\n"
+    table += ("\nGenerated tokens per problem per step (App. F.3) and seconds per step by phase\n\n"
               + markdown_table(["method", "tokens / problem", "s / step", "generation", "embedding", "update",
                                 "other"], rows))
     if group_size is not None:

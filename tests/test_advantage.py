@@ -1,4 +1,4 @@
-"""advantage.py against hand computations from the paper's formulas (Sec. 4.2, App. F) and the baselines'."""
+"""advantage.py against hand computations from the paper's formulas (Sec. 4.2, App. E) and the baselines'."""
 import math
 
 import numpy as np

@@ -9,7 +9,7 @@ from harness import checks, cli
 
 def test_paper_preset_matches_the_paper():
     cfg = C.make_config("paper")
-    # Sec. 4.1 / App. E.2 "Implementation Details": (N, K_max, B_max) = (4, 3, 4), sent-entropy, adaptive
+    # Sec. 4.1 / App. F.2 "Implementation Details": (N, K_max, B_max) = (4, 3, 4), sent-entropy, adaptive
     assert (cfg.method, cfg.n_base, cfg.k_max, cfg.b_max, cfg.adaptive) == ("datpo", 4, 3, 4, True)
     assert cfg.fork == "sent-entropy"
     # α linearly annealed 0.2 → 0 on positive blocks; gte-large-en-v1.5 embeddings
@@ -23,7 +23,7 @@ def test_paper_preset_matches_the_paper():
     assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.2)
     assert (cfg.prompts_per_step, cfg.mini_batch_size, cfg.micro_batch_size) == (16, 64, 2)
     assert not any("kl" in f.name for f in dataclasses.fields(C.Config))
-    # GRPO baseline group size (App. E.2) and evaluation (App. E.1: MATH500, 2048 tokens)
+    # GRPO baseline group size (App. F.2) and evaluation (App. F.1: MATH500, 2048 tokens)
     assert cfg.group_size == 16 and cfg.eval_data == "math500" and cfg.eval_max_new_tokens == 2048
     assert cfg.model == "Qwen/Qwen2.5-3B" and cfg.train_data == "math-train"
 
@@ -31,7 +31,7 @@ def test_paper_preset_matches_the_paper():
 def test_paper_preset_runs_what_the_release_ran_where_the_paper_is_silent():
     cfg = C.make_config("paper")
     assert cfg.fork_keeps_token is True                    # App. C: x_f = [q; τ_{1:f}]
-    assert cfg.branch_budget == "full"                     # App. E.2: 1024 tokens per generation
+    assert cfg.branch_budget == "full"                     # App. F.2: 1024 tokens per generation
     assert cfg.prompt_style == "release" and cfg.precision == "bf16"
     assert cfg.max_prompt_tokens == 0 and cfg.value_estimate == "paper"
     # the demo and tiny scales keep the prompt and precision their measured numbers were taken with
@@ -91,7 +91,7 @@ def test_scales_and_rows_compose():
     assert cfg.out_dir == "runs/treerl-tiny"
     assert C.make_config("demo").out_dir == "runs/demo" and C.make_config("grpo").out_dir == "runs/grpo"
     grpo = C.make_config("grpo")
-    assert (grpo.group_size, grpo.clip_low, grpo.clip_high) == (16, 0.2, 0.28)   # clip-higher, App. E.2
+    assert (grpo.group_size, grpo.clip_low, grpo.clip_high) == (16, 0.2, 0.28)   # clip-higher, App. F.2
     assert C.make_config("drgrpo").loss_norm == "constant"
     assert C.make_config("datpo-alpha-0.2-neg0.2").alpha_end == -0.2
     assert C.make_config("datpo-nonadaptive").adaptive is False

@@ -1,4 +1,4 @@
-"""Tests for data.py: datasets (Appendix E.1), loaders, synthetic arithmetic, prompts. Offline, a few
+"""Tests for data.py: datasets (Appendix F.1), loaders, synthetic arithmetic, prompts. Offline, a few
 seconds."""
 import json
 import os

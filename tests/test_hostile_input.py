@@ -110,13 +110,13 @@ def test_model_code_never_runs_without_trust_remote_code(model_dir, tmp_path, ca
     refused(capsys, TINY + ["--out_dir", str(out), "--embed_model", str(embedder)],
             re.escape(f"--embed_model {embedder}: loading it runs Python code shipped with the model "
                       f"(config.json's auto_map (evil.py)); pass --trust_remote_code true only for a model "
-                      f"you trust, or use all-minilm-l6-v2 (offline; App. E.5: small embedders give the same "
+                      f"you trust, or use all-minilm-l6-v2 (offline; App. F.5: small embedders give the same "
                       f"results)"))
     # the paper's embedder says which flag it needs, without the hub
     refused(capsys, TINY + ["--out_dir", str(out), "--embed_model", "Alibaba-NLP/gte-large-en-v1.5"],
             re.escape("--embed_model Alibaba-NLP/gte-large-en-v1.5: runs its own Python code from the HF "
                       "hub; pass --trust_remote_code true to allow it, or use all-minilm-l6-v2 (offline; "
-                      "App. E.5: small embedders give the same results)"))
+                      "App. F.5: small embedders give the same results)"))
     # the loaders refuse too (evaluate.py and the studies call them directly)
     with pytest.raises(faults.UserError, match="--trust_remote_code true"):
         models.load_policy(str(policy))

@@ -157,4 +157,4 @@ def test_cli_bench_gpqa_mmlu_pro(tmp_path, monkeypatch, capsys):
     for r in records:
         assert r["gold"] in "ABCD" and r["answer"] in (None, *"ABCD")
         assert r["correct"] == (r["answer"] == r["gold"])
-    assert E.PAPER_K["gpqa"] == E.PAPER_K["mmlu-pro"] == 8  # avg@8 (App. E) when --k is not given
+    assert E.PAPER_K["gpqa"] == E.PAPER_K["mmlu-pro"] == 8  # avg@8 (App. F) when --k is not given

@@ -252,7 +252,7 @@ def _flattened_tree():
 
 @pytest.mark.parametrize("method", ["treerl", "attnrl"])
 def test_multiplicity_weighting_reproduces_the_flattened_path_loss(method):
-    """TreeRL/AttnRL train root-to-leaf paths (App. F.4). One packed forward per token, weighted by the number
+    """TreeRL/AttnRL train root-to-leaf paths (App. E.4). One packed forward per token, weighted by the number
     of trained paths through it, gives the loss and the gradient of explicitly flattened paths."""
     tree = _flattened_tree()
     adv = [b.advantage for b in A.score_tree(tree, M.METHODS[method], 0.0, None)]

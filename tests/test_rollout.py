@@ -161,7 +161,7 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
             assert c.tokens == nv.tokens
             # the cached path's first token comes from the saved hidden state, the naive one's from generate
             assert len(c.logprobs) == len(c.tokens) and c.logprobs == pytest.approx(nv.logprobs, abs=1e-4)
-            # full: every branch may add 10 new tokens (App. E.2); remaining: the path stays within 10
+            # full: every branch may add 10 new tokens (App. F.2); remaining: the path stays within 10
             assert len(c.tokens) <= (10 if budget == "full" else 10 - q.fork)
             assert c.entropies == pytest.approx(nv.entropies, abs=1e-4)
             path_lengths.append(q.fork + len(c.tokens))
