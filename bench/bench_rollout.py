@@ -4,6 +4,9 @@
     python bench/bench_rollout.py --shapes c --threads 1   # one shape, one thread
     python bench/bench_rollout.py --model Qwen/Qwen2.5-3B --device cuda --precision bf16 --shapes a,b
     python bench/bench_rollout.py --shapes c --compile_decode   # the engine eager vs --compile_decode instead
+    python bench/bench_rollout.py --model random-qwen2.5-3b --device cuda --precision bf16 --shapes a
+        # Qwen2.5-3B's shape with random weights (bench/gpu_smoke.py; no hub): it never samples EOS, so
+        # every row runs to max_new_tokens; the embedded SmolLM2 tokenizer
 
 Shapes, both engines on the same prompts (arith-train, the demo's chat prompt with its worked example):
   (a) 16 prompts × 4 base responses × 256 new tokens, no branches (parallel sampling, GRPO-like)
@@ -130,7 +133,14 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
-    model, tokenizer = models.load_policy(args.model, device, models.policy_dtype(args.precision))
+    if args.model == "random-qwen2.5-3b":
+        from bench.gpu_smoke import random_qwen25_3b
+
+        model = random_qwen25_3b(models.policy_dtype(args.precision), device)
+        tokenizer = models.load_tokenizer("smollm2-135m")
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    else:
+        model, tokenizer = models.load_policy(args.model, device, models.policy_dtype(args.precision))
     model.eval()
     print(f"model {args.model}, device {device}, {args.threads} threads, precision {args.precision}, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)

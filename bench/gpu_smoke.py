@@ -3,6 +3,7 @@
     python bench/gpu_smoke.py                                  # --preset paper and grpo, 2 steps each
     python bench/gpu_smoke.py --presets paper --prompts 4 --max_new_tokens 512   # a quicker look
     python bench/gpu_smoke.py --extra --optimizer_dtype fp32   # any train.py flags after --extra
+    python bench/gpu_smoke.py --presets paper --steps 1        # the paper's scale, one step
 
 Builds Qwen2.5-3B's architecture from a config written here (36 layers, hidden 2,048, 16 query / 2 KV heads of
 128, MLP 11,008, vocab 151,936, tied embeddings — no hub, random weights) directly on the GPU, and runs
@@ -129,7 +130,8 @@ def smoke(preset: str, args) -> list[str]:
                                              lambda r: sum(x["tokens"] for x in r["records"]))
     out_dir = Path(tempfile.mkdtemp(prefix=f"gpu_smoke_{preset}_"))
     argv = ["--preset", preset, "--model", "tiny-random", "--train_data", "arith-train",
-            "--eval_data", "arith-test", "--steps", "2", "--save_every", "0", "--out_dir", str(out_dir),
+            "--eval_data", "arith-test", "--steps", str(args.steps), "--save_every", "0",
+            "--out_dir", str(out_dir),
             "--device", "cpu" if args.cpu_check else "cuda",
             "--prompts_per_step", str(args.prompts), "--max_new_tokens", str(args.max_new_tokens),
             "--ppo_epochs", str(args.ppo_epochs), "--embed_model", "all-minilm-l6-v2",
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (the paper: 16)")
     parser.add_argument("--max_new_tokens", type=int, default=1024, help="the paper: 1024")
     parser.add_argument("--ppo_epochs", type=int, default=2, help="the paper's release: 2")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per preset")
     parser.add_argument("--eval", action="store_true",
                         help="also time evaluations before and after "
                              "(8 problems × 2 samples, max_new_tokens)")

@@ -56,3 +56,20 @@ def test_checkpointing_default_follows_the_memory_estimate():
     assert C.make_config("release").gradient_checkpointing is True
     assert (C.make_config("demo").gradient_checkpointing is False
             is C.make_config("tiny").gradient_checkpointing)
+
+
+@pytest.mark.slow
+def test_bench_attention_cpu_check_prints_the_tree_kernel_equal_to_dense(capsys):
+    """bench/bench_attention.py's own code on CPU (tree and dense; flex is CUDA's): one packed micro-batch of
+    paper-shaped trees, forward + backward per kernel; the tree kernel's log-probs and gradients match the
+    dense reference to float32 rounding, and the dense row differs from itself by nothing."""
+    import bench_attention
+
+    bench_attention.main(["--cpu_check", "--budget", "512", "--repeats", "1"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith("  ") and line.split()[0] in ("tree", "dense")}
+    assert set(rows) == {"tree", "dense"}
+    assert [float(x) for x in rows["dense"][4:7]] == [0.0, 0.0, 0.0]
+    assert float(rows["tree"][4]) < 1e-4 and max(float(x) for x in rows["tree"][5:7]) < 1e-4
+    assert "one packed micro-batch of" in out and float(rows["tree"][1]) > 0
