@@ -13,9 +13,10 @@ samples EOS, so every response runs to its token budget: the worst case for time
 never right, so rewards are a coin flip per response (hash of the text; not a grader) to give the update work.
 Prints per preset and phase (rollout — base responses and branches decode together in the engine, with no
 barrier between them; their split is metrics.jsonl's seconds_base/seconds_branches — update, evaluation if
-asked): calls, seconds,
-tokens/s and the peak GPU memory allocated / reserved during the phase; then the packed attention kernel in
-use (metrics.jsonl) and any flex fallback with its reason. On a machine without CUDA it says so and exits 0.
+asked, and the checkpoint, written at the run's end: weights and AdamW state, tens of GB for the 3B model):
+calls, seconds, tokens/s and the peak GPU memory allocated / reserved during the phase; then the packed
+attention kernel in use (metrics.jsonl) and any flex fallback with its reason. On a machine without CUDA it
+says so and exits 0.
 """
 from __future__ import annotations
 
@@ -104,10 +105,11 @@ def smoke(preset: str, args) -> list[str]:
     import models
     import rollout as R
     import train
+    from harness import loop
 
     phases = Phases()
     real = {"load": models.load_policy, "reward": R.compute_reward, "rollout": R.rollout_trees,
-            "update": train.ppo_update, "eval": evaluate.evaluate_problems}
+            "update": train.ppo_update, "eval": evaluate.evaluate_problems, "save": loop.save_checkpoint}
 
     def load_policy(name, device, dtype, seed=0, trust_remote_code=False):
         model = random_qwen25_3b(dtype, device, seed, TINY if args.cpu_check else QWEN25_3B)
@@ -128,6 +130,7 @@ def smoke(preset: str, args) -> list[str]:
                                    lambda s: int(s["forwarded_tokens"]) * args.ppo_epochs)
     evaluate.evaluate_problems = phases.wrap("eval", real["eval"],
                                              lambda r: sum(x["tokens"] for x in r["records"]))
+    loop.save_checkpoint = phases.wrap("checkpoint", real["save"], lambda path: 0)
     out_dir = Path(tempfile.mkdtemp(prefix=f"gpu_smoke_{preset}_"))
     argv = ["--preset", preset, "--model", "tiny-random", "--train_data", "arith-train",
             "--eval_data", "arith-test", "--steps", str(args.steps), "--save_every", "0",
@@ -147,6 +150,7 @@ def smoke(preset: str, args) -> list[str]:
         models.load_policy, R.rollout_trees = real["load"], real["rollout"]
         R.compute_reward = real["reward"]
         train.ppo_update, evaluate.evaluate_problems = real["update"], real["eval"]
+        loop.save_checkpoint = real["save"]
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] \
         if (out_dir / "metrics.jsonl").exists() else []
     steps = [r for r in records if "attention_kernel" in r]

@@ -25,19 +25,22 @@ def test_gpu_smoke_harness_runs_train_loop_on_cpu(capsys):
     import models
     import rollout as R
     import train
+    from harness import loop
 
-    before = (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update)
+    before = (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update, loop.save_checkpoint)
     gpu_smoke.main(["--cpu_check", "--presets", "grpo", "--prompts", "2", "--max_new_tokens", "6",
                     "--ppo_epochs", "1", "--extra", "--precision", "fp32", "--group_size", "4",
                     "--gen_batch_size", "8", "--max_tokens_per_micro_batch", "128"])
     out = capsys.readouterr().out
     assert "--preset grpo: 2 step(s)" in out and "FAILED" not in out
     phases = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ") and
-              line.split()[0] in ("rollout", "update")}
+              line.split()[0] in ("rollout", "update", "checkpoint")}
     assert (int(phases["rollout"][1]) == 2 and float(phases["rollout"][3]) > 0
             and int(phases["update"][1]) == 2 and float(phases["update"][3]) > 0)
+    assert int(phases["checkpoint"][1]) == 1 and float(phases["checkpoint"][2]) > 0   # only at the end
     assert "attention kernel: tree" in out
-    assert before == (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update)   # restored
+    assert before == (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update,
+                      loop.save_checkpoint)                                                 # restored
 
 
 def test_checkpointing_default_follows_the_memory_estimate():
