@@ -95,8 +95,8 @@ def test_flex_mask_is_the_dense_mask():
 
 @pytest.mark.slow
 def test_flex_forward_equals_dense_on_cpu():
-    """The flex_attention path through the HF model (compiled on CPU: about a minute). GPU speed is
-    untested."""
+    """The flex_attention path through the HF model (compiled on CPU: about a minute). On CUDA, forward and
+    backward: bench/bench_attention.py (docs/measurements.md, "First figures on a GPU")."""
     model = tiny("qwen3")
     trees = [datpo_tree(), grpo_group(), deep_tree()]
     (items,) = P.micro_batches(trees, [(t, tuple(tr.trained)) for t, tr in enumerate(trees)], 1000)
