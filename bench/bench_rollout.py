@@ -134,11 +134,9 @@ def main():
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
     if args.model == "random-qwen2.5-3b":
-        from bench.gpu_smoke import random_qwen25_3b
+        from bench.gpu_smoke import random_policy
 
-        model = random_qwen25_3b(models.policy_dtype(args.precision), device)
-        tokenizer = models.load_tokenizer("smollm2-135m")
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model, tokenizer = random_policy(models.policy_dtype(args.precision), device)
     else:
         model, tokenizer = models.load_policy(args.model, device, models.policy_dtype(args.precision))
     model.eval()

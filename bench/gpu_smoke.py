@@ -56,6 +56,17 @@ def random_qwen25_3b(dtype: torch.dtype, device, seed: int = 0, shape: dict = QW
     return model
 
 
+def random_policy(dtype: torch.dtype, device, seed: int = 0, shape: dict = QWEN25_3B):
+    """(model, tokenizer) as models.load_policy returns them: random_qwen25_3b with the embedded SmolLM2
+    tokenizer (ids it lacks decode to nothing, harmless for a random model)."""
+    import models
+
+    model = random_qwen25_3b(dtype, device, seed, shape)
+    tokenizer = models.load_tokenizer("smollm2-135m")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
 class Phases:
     """Wraps stage functions: seconds, generated/forwarded tokens and peak CUDA memory of every call."""
 
@@ -112,10 +123,7 @@ def smoke(preset: str, args) -> list[str]:
             "update": train.ppo_update, "eval": evaluate.evaluate_problems, "save": loop.save_checkpoint}
 
     def load_policy(name, device, dtype, seed=0, trust_remote_code=False):
-        model = random_qwen25_3b(dtype, device, seed, TINY if args.cpu_check else QWEN25_3B)
-        tokenizer = models.load_tokenizer("smollm2-135m")
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        return model, tokenizer
+        return random_policy(dtype, device, seed, TINY if args.cpu_check else QWEN25_3B)
 
     def coin_flip_reward(text, answer, fallback=False):
         """A random model is never right, and all-zero rewards give no update to time: a seeded coin flip
