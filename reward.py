@@ -11,9 +11,10 @@ terminal blocks of a tree, Section 4). This module turns a model response into t
 
 Grading is math-verify (the grader of TRL, open-r1 and lm-eval) with strict=True: \\frac12 = 0.5,
 \\sqrt2/2 = 1/\\sqrt2, 1,000 = 1000, "x = 5" = 5, 30^\\circ = 30, "5 \\text{ cm}" = 5, sets are unordered,
-tuples and interval endpoints are not. Thousands are also written 11,\\! 111 (MATH), 1{,}000 and 1 000; a
-group never starts a number with 0 ("0,111" is 0.111, as math-verify reads it); any other comma between
-digits separates a list ("1,22" is 1 and 22: MATH writes lists of answers so, never decimal commas).
+tuples and interval endpoints are not; but "5 m" is wrong for "5 cm" (both name a unit: _units_differ), and a
+response cut off inside its last \\boxed{ has no answer. Thousands are also written 11,\\! 111 (MATH), 1{,}000
+and 1 000; a group never starts a number with 0 ("0,111" is 0.111, as math-verify reads it); any other comma
+between digits separates a list ("1,22" is 1 and 22: MATH writes lists of answers so, never decimal commas).
 
 Several boxes (the multi-box policy; README "The grader's multi-box policy"). An answer split over
 boxes of one final phrase ("x = \\boxed{1} or x = \\boxed{-2}", "\\boxed{(1,2)}, \\boxed{(2,1)}") is read
