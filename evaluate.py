@@ -50,6 +50,7 @@ import mcq
 import models
 from harness import cli, eval_files, faults, guards, inject, oom, signals, tracking
 from harness import distributed as D
+from harness.figures import literal
 from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
 
@@ -338,11 +339,11 @@ def plot_pass_curves(results_by_model: dict[str, dict[str, dict]], path) -> None
         for name, res in results_by_model.items():
             if bench in res:
                 xs, ys = _curve(res[bench])
-                ax.plot(xs, ys, marker="o", label=name)
+                ax.plot(xs, ys, marker="o", label=literal(name))
                 ticks.update(xs)
         ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])  # 1, 2, 4, … rather than 2^0, 2^1, …
         ax.minorticks_off()
-        ax.set_title(bench)
+        ax.set_title(literal(bench))   # names are drawn as written, never as math text
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
         ax.grid(alpha=0.3)
@@ -372,10 +373,10 @@ def plot_maj_vs_avg(results_by_model: dict[str, dict[str, dict]], path) -> None:
                     arrowprops=dict(arrowstyle="->", color="green", lw=1.5))
         ax.text(i, max(a, m) + 1, f"{m - a:+.1f}", ha="center", va="bottom", color="green", fontsize=9)
     benches = sorted({b for r in results_by_model.values() for b in r})
-    ax.set_xticks(range(len(names)), names, rotation=15 if len(names) > 3 else 0)
+    ax.set_xticks(range(len(names)), [literal(n) for n in names], rotation=15 if len(names) > 3 else 0)
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, max(avg + maj + [1.0]) * 1.2 + 2)
-    ax.set_title("avg@k vs maj@k, mean over " + ", ".join(benches), fontsize=9)
+    ax.set_title("avg@k vs maj@k, mean over " + ", ".join(map(literal, benches)), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     eval_files.save_figure(fig, path)
