@@ -544,6 +544,7 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
     import torch
 
     cfg = evaluation_config(parser, args, given)
+    D.launched()   # WORLD_SIZE= or WORLD_SIZE=2 outside torchrun: one line before any folder is made
     benches, ks = benchmarks_and_ks(parser, args, cfg)
     limit = (args.limit if args.limit is not None else cfg.eval_limit) or None  # 0 = all, as in config.py
     max_new_tokens = given.get("max_new_tokens", cfg.eval_max_new_tokens)
