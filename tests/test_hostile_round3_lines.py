@@ -32,6 +32,7 @@ from harness import faults, figures, loop, runs, viz
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_injection as FI  # noqa: E402
 from fault_injection import folder_hash, run_cli  # noqa: E402
+from test_hostile_eval import refused as evaluate_refused  # noqa: E402
 
 TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"]
 FINISHED_STEPS = 2     # conftest's `finished` / `run`: a 2-step run, a checkpoint each step
@@ -42,21 +43,6 @@ MATH_TEXT = ["${M}_${S}", "$x \\le 5$", "$$", "$\\frac{$", "cost $5 and $6", "a\
 def program_name(monkeypatch):
     """The program name the user sees in a line: `python train.py` runs these commands."""
     monkeypatch.setattr(sys, "argv", ["train.py"])
-
-
-def evaluate_refused(capsys, argv, code=2) -> str:
-    """evaluate.py's command as `python evaluate.py` runs it: its exit code, one error line, no traceback."""
-    program, sys.argv[0] = sys.argv[0], "evaluate.py"
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            faults.main_guard(E.main, argv)
-    finally:
-        sys.argv[0] = program
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert exit_info.value.code == code and "Traceback" not in err, err
-    assert len(lines) == 1 and "error:" in lines[0], lines
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------------------
