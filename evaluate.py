@@ -48,8 +48,9 @@ import config as C
 import data
 import mcq
 import models
-from harness import cli, eval_files, faults, guards, inject, oom, signals, tracking
+from harness import checks, cli, eval_files, faults, guards, inject, oom, signals, tracking
 from harness import distributed as D
+from harness.figures import literal, printable
 from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
 
@@ -338,11 +339,11 @@ def plot_pass_curves(results_by_model: dict[str, dict[str, dict]], path) -> None
         for name, res in results_by_model.items():
             if bench in res:
                 xs, ys = _curve(res[bench])
-                ax.plot(xs, ys, marker="o", label=name)
+                ax.plot(xs, ys, marker="o", label=literal(name))
                 ticks.update(xs)
         ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])  # 1, 2, 4, … rather than 2^0, 2^1, …
         ax.minorticks_off()
-        ax.set_title(bench)
+        ax.set_title(literal(bench))   # names are drawn as written, never as math text
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k (%)")
         ax.grid(alpha=0.3)
@@ -372,10 +373,10 @@ def plot_maj_vs_avg(results_by_model: dict[str, dict[str, dict]], path) -> None:
                     arrowprops=dict(arrowstyle="->", color="green", lw=1.5))
         ax.text(i, max(a, m) + 1, f"{m - a:+.1f}", ha="center", va="bottom", color="green", fontsize=9)
     benches = sorted({b for r in results_by_model.values() for b in r})
-    ax.set_xticks(range(len(names)), names, rotation=15 if len(names) > 3 else 0)
+    ax.set_xticks(range(len(names)), [literal(n) for n in names], rotation=15 if len(names) > 3 else 0)
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, max(avg + maj + [1.0]) * 1.2 + 2)
-    ax.set_title("avg@k vs maj@k, mean over " + ", ".join(benches), fontsize=9)
+    ax.set_title("avg@k vs maj@k, mean over " + ", ".join(map(literal, benches)), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     eval_files.save_figure(fig, path)
@@ -424,6 +425,8 @@ def model_label(model: str) -> str:
 # --------------------------------------------------------------------------------------------------------
 MAX_K = 1 << 16       # samples per problem (the paper's largest is 64)
 MAX_RUNS = 1000       # independent runs (the paper's is 3)
+MAX_FILE_NAME_BYTES = 255   # NAME_MAX of ext4, xfs, btrfs, tmpfs: samples_<bench>.jsonl must fit in it
+TEMPORARY_NAME_ROOM = 24    # ... with room for a temporary name's prefix and suffix (".NAME.XXXXXXXX.tmp")
 SETTING_KEYS = ("model", "prompt_style", "few_shot", "answer_fallback", "temperature", "top_p", "top_k",
                 "precision", "seed")   # with max_new_tokens and runs: results.json's "settings"
 
@@ -543,6 +546,7 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
     import torch
 
     cfg = evaluation_config(parser, args, given)
+    D.launched()   # WORLD_SIZE= or WORLD_SIZE=2 outside torchrun: one line before any folder is made
     benches, ks = benchmarks_and_ks(parser, args, cfg)
     limit = (args.limit if args.limit is not None else cfg.eval_limit) or None  # 0 = all, as in config.py
     max_new_tokens = given.get("max_new_tokens", cfg.eval_max_new_tokens)
@@ -658,6 +662,20 @@ def benchmarks_and_ks(parser, args, cfg) -> tuple[list[str], list[int]]:
     if args.limit is not None and args.limit < 0:
         parser.error(f"--limit: got {args.limit}, expected a number of problems >= 0 (0 = all)")
     names = [eval_files.samples_path(Path(), b).name for b in benches]
+    for bench, name in zip(benches, names):
+        why = checks.not_utf8(bench)
+        if why:
+            parser.error(f"--bench {printable(bench)}: {why}; expected a UTF-8 name (rename the file): its "
+                         f"samples file and results.json are UTF-8 files that record it")
+        longest = len(os.fsencode(name + ".state")) + TEMPORARY_NAME_ROOM
+        if longest > MAX_FILE_NAME_BYTES:
+            file = os.fsencode(Path(bench).name)
+            shown = bench if len(bench) <= 60 else f"{bench[:28]}...{bench[-28:]}"
+            parser.error(f"--bench {shown}: a name of {len(file)} bytes; its samples are saved as "
+                         f"samples_<name>.jsonl, {longest} bytes with the journal's .state and a temporary "
+                         f"name's room, more than the {MAX_FILE_NAME_BYTES} a file name may have; expected a "
+                         f"name of at most {len(file) - longest + MAX_FILE_NAME_BYTES} bytes (rename the "
+                         f"file, or link it under a shorter name)")
     twice = next((b for i, b in enumerate(benches) if names[i] in names[:i]), None)
     if twice:
         parser.error(f"--bench: {twice} is given twice (or two files share its name: both would be saved in "

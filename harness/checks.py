@@ -13,6 +13,7 @@ import methods as M
 import optim as O
 import release
 import tree as T
+from harness import figures
 
 # The stages own their choice lists (one source each): methods.py's table, tree.py's forking strategies and
 # branch lengths, release.py's value estimates and sibling groups, optim.py's optimizer state dtypes.
@@ -249,8 +250,36 @@ def missing_tracker(report_to) -> str | None:
     return None
 
 
+def not_utf8(text: str) -> str | None:
+    """Why a name from the command line cannot be written into a UTF-8 file (config.json, metrics.jsonl,
+    results.json, a checkpoint's tokenizer files), or None: a byte that is not UTF-8 (Python keeps it as a
+    lone surrogate, os.fsdecode), e.g. a folder named on a Latin-1 system."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        return f"{what} at character {err.start + 1} is not UTF-8"
+
+
+def check_texts(cfg) -> None:
+    """Every name (a path, a model, a data source) UTF-8, so the run can record it: a run folder named with a
+    Latin-1 byte failed at its first checkpoint, after a step had run (the tokenizer's files are UTF-8)."""
+    for f in dataclasses.fields(cfg):
+        values = getattr(cfg, f.name)
+        for value in values if isinstance(values, (list, tuple)) else [values]:
+            why = not_utf8(value) if isinstance(value, str) else None
+            if why:
+                raise ValueError(f"--{f.name} {figures.printable(value)}: {why}; expected a UTF-8 name "
+                                 f"(rename the file or folder): a run records its settings in UTF-8 files "
+                                 f"(config.json)")
+
+
 def validate(cfg) -> None:
-    """Config.validate: choices, ranges, then combinations; the first problem raises ValueError."""
+    """Config.validate: names in UTF-8, choices, ranges, then combinations; the first problem raises
+    ValueError."""
+    check_texts(cfg)
     check_choices(cfg)
     check_ranges(cfg)
     check_combinations(cfg)

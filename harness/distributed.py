@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import os
 import random
+import sys
 
 import torch
 import torch.distributed as dist
@@ -42,9 +43,40 @@ _OWNED = False    # did init() start the process group (then shutdown() ends it)
 # --------------------------------------------------------------------------------------------------------
 # Process group
 # --------------------------------------------------------------------------------------------------------
+# What env:// (torch.distributed's rendezvous from the environment) needs besides WORLD_SIZE; torchrun sets
+# them all, with LOCAL_RANK, for every process it starts.
+LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launched() -> bool:
-    """True when torchrun (or another launcher) set the env:// variables for more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True when torchrun (or another launcher) set the env:// variables for more than one process. A
+    launcher's variable that cannot be one (WORLD_SIZE empty or not a number; WORLD_SIZE=2 with no RANK,
+    MASTER_ADDR, MASTER_PORT: set by hand outside torchrun) is one line (UserError), not torch's ValueError
+    from inside init_process_group."""
+    from harness.faults import UserError
+
+    env = os.environ
+    value = env.get("WORLD_SIZE")
+    if value is None:
+        return False
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "train.py"
+    expected = (f"expected a command started by torchrun (`torchrun --nproc_per_node N {script} ...` sets "
+                f"WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT), or WORLD_SIZE unset (or 1) for one process")
+    if not (value.strip().isascii() and value.strip().isdigit() and int(value) >= 1):
+        raise UserError(f"WORLD_SIZE={value!r} in the environment: not a number of processes >= 1; "
+                        f"{expected}")
+    world = int(value)
+    if world == 1:
+        return False
+    missing = [name for name in LAUNCH_VARIABLES if not env.get(name, "").strip()]
+    if missing:
+        raise UserError(f"WORLD_SIZE={world} in the environment but {', '.join(missing)} not set: this "
+                        f"process was not started by torchrun; {expected}")
+    rank = env["RANK"].strip()
+    if not (rank.isascii() and rank.isdigit() and int(rank) < world):
+        raise UserError(f"RANK={env['RANK']!r} in the environment: expected a number 0 to {world - 1} "
+                        f"(WORLD_SIZE={world}), as torchrun sets it")
+    return True
 
 
 def init(device: str = "auto") -> None:

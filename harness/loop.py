@@ -41,7 +41,7 @@ import methods as M
 import models
 import release
 from harness import distributed as D
-from harness import faults, guards, inject, runs, signals, tracking
+from harness import faults, figures, guards, inject, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
 from prompts import PromptStream
@@ -560,7 +560,7 @@ def plot_run(run_dir: Path) -> Path:
     if evals:
         key = next(k for k in evals[0] if k.startswith("avg@"))
         left.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", color="black",
-                  label=f"held-out {key} ({evals[0]['data']})")
+                  label=f"held-out {key} ({figures.literal(evals[0]['data'])})")
     left.set_xlabel("step")
     left.set_ylim(0, 1)
     left.legend()
@@ -572,7 +572,7 @@ def plot_run(run_dir: Path) -> Path:
               label="generated tokens / prompt")
     twin.set_ylabel("generated tokens / prompt", color="tab:red")
     right.legend(loc="upper left")
-    fig.suptitle(run_dir.name)
+    fig.suptitle(figures.literal(run_dir.name))   # a run name is drawn as written, never as math text
     fig.tight_layout()
     path, tmp = run_dir / "training.png", run_dir / ".training.png.tmp"
     try:   # whole or not at all: a full disk leaves the previous figure

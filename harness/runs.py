@@ -390,12 +390,48 @@ def safetensors_damage(path: Path) -> str | None:
             if n > size - 8:
                 return f"{path.name} truncated (header of {n} bytes, file of {size})"
             header = json.loads(f.read(n))
-    except (OSError, ValueError) as err:
-        return f"{path.name} unreadable ({err})"
+    except (OSError, ValueError, RecursionError) as err:   # RecursionError: JSON nested 100,000 deep
+        return f"{path.name} unreadable ({type(err).__name__ if isinstance(err, RecursionError) else err})"
+    why = safetensors_header_problem(header)
+    if why:
+        return f"{path.name} has a damaged header ({why})"
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
         return f"{path.name} truncated ({size} bytes, expected {8 + n + end})"
     return None
+
+
+def safetensors_header_problem(header) -> str | None:
+    """Why a safetensors header (its JSON) is not one: an object of tensor name -> {"dtype": str, "shape":
+    [int >= 0, ...], "data_offsets": [begin, end], 0 <= begin <= end} plus an optional "__metadata__" object
+    of strings; None when it is. Any other JSON shape (a list, a number, a field missing) is damage, so the
+    checkpoint is skipped like a truncated one, never a KeyError."""
+    def count(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(header, dict):
+        return f"a JSON {_json_kind(header)}, not an object"
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                return "__metadata__ is not an object of strings"
+            continue
+        if not isinstance(entry, dict):
+            return f"{name[:60]!r} is a JSON {_json_kind(entry)}, not an object"
+        offsets, shape = entry.get("data_offsets"), entry.get("shape")
+        if not isinstance(entry.get("dtype"), str):
+            return f"{name[:60]!r} has no dtype"
+        if not (isinstance(shape, list) and all(count(d) for d in shape)):
+            return f"{name[:60]!r} has no shape of whole numbers"
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            return f"{name[:60]!r} has no data_offsets [begin, end]"
+    return None
+
+
+def _json_kind(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
 
 
 class UnsafeFile(Exception):

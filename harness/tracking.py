@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -317,14 +318,42 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, scores: list
     return path
 
 
+def tree_logs(run_dir) -> tuple[dict[int, Path], list[Path]]:
+    """({step: RUN/trees/step_XXXXXX.jsonl} as write_trees names them, [any other step_*.jsonl there]): a
+    stray file (step_final.jsonl, step_1.jsonl, a copy) is never read as a step's log."""
+    folder = Path(run_dir) / "trees"
+    logs, stray = {}, []
+    for path in sorted(folder.glob("step_*.jsonl")) if folder.is_dir() else []:
+        number = path.name[len("step_"):-len(".jsonl")]
+        if number.isascii() and number.isdigit() and path.name == f"step_{int(number):06d}.jsonl":
+            logs[int(number)] = path
+        else:
+            stray.append(path)
+    return dict(sorted(logs.items())), stray
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(value):
+    """A JSON value with each lone surrogate ("\\ud800" escaped in the file: not a character) replaced by
+    U+FFFD, as a byte that is not UTF-8 is when the file is read."""
+    if isinstance(value, str):
+        return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_valid_unicode(v) for v in value]
+    if isinstance(value, dict):
+        return {_valid_unicode(k): _valid_unicode(v) for k, v in value.items()}
+    return value
+
+
 def read_trees(run_dir, step: int) -> list[dict]:
     """The trees logged at `step`; a clear error listing the logged steps when there is none. A torn line
     is left out with a line naming it; a log with no readable tree is a ValueError."""
     folder = Path(run_dir) / "trees"
     path = folder / f"step_{step:06d}.jsonl"
     if not path.exists():
-        logged = (sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.jsonl")) if folder.exists()
-                  else [])
+        logged = list(tree_logs(run_dir)[0])
         raise FileNotFoundError(f"{path}: no tree log for step {step}; logged steps: "
                                 f"{', '.join(map(str, logged)) or 'none (train with --log_trees_every N)'}")
     trees = []
@@ -333,7 +362,7 @@ def read_trees(run_dir, step: int) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                trees.append(json.loads(line))
+                trees.append(_valid_unicode(json.loads(line)))
             except ValueError:   # torn or corrupted: the other trees are still worth drawing
                 print(f"{path} line {n}: torn (not JSON); that tree is left out", file=sys.stderr)
     if not trees:

@@ -19,11 +19,12 @@ import argparse
 import errno
 import html
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
-from harness import tracking
+from harness import figures, tracking
 
 ROW_H, BAR_H, STRIP_H = 30, 13, 6       # pixels per row, advantage bar, entropy strip
 PROMPT_W, PLOT_W, PAD = 70, 900, 10     # prompt box, width of the longest response, margin
@@ -127,11 +128,27 @@ def _wrong_fields(record: dict, fields: dict) -> list[str]:
     return [name for name, kind in fields.items() if not isinstance(record.get(name), kind)]
 
 
+def non_finite(value, where: str = "") -> str | None:
+    """The first field of a JSON value that holds NaN or ±Infinity (Python's json reads them; train.py never
+    writes one, and the page's JSON.parse refuses them: the page would stay blank), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where or 'the value'} is {value}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        why = non_finite(item, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]")
+        if why:
+            return why
+    return None
+
+
 def tree_problem(tree) -> str | None:
     """Why a logged record cannot be drawn (not a tree of tracking.tree_record's shape), or None. Numbers
-    must be numbers and texts texts, so that what the page shows is only ever text."""
+    must be numbers (finite ones) and texts texts, so that what the page shows is only ever text."""
     if not isinstance(tree, dict):
         return f"a JSON {type(tree).__name__}, not an object"
+    infinite = non_finite(tree)
+    if infinite:
+        return f"a number that is not finite: {infinite.lstrip('.')}"
     wrong = _wrong_fields(tree, TREE_FIELDS)
     if wrong:
         return f"field(s) {', '.join(wrong)} missing or of the wrong type"
@@ -322,7 +339,7 @@ SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u
 def render_html(trees: list[dict], title: str) -> str:
     """The page: PAGE with the scene embedded as JSON that no string in it (a generated token, a prompt, a
     gold answer) can break out of (SCRIPT_SAFE); the page's script escapes text before showing it."""
-    data = json.dumps(scene(trees), ensure_ascii=False).translate(SCRIPT_SAFE)
+    data = json.dumps(scene(trees), ensure_ascii=False, allow_nan=False).translate(SCRIPT_SAFE)
     a_scale, h_scale = scales(trees)
     fills = {"__TITLE__": html.escape(title), "__ASCALE__": f"{a_scale:.2f}", "__HSCALE__": f"{h_scale:.1f}",
              "__ROW__": str(ROW_H), "__BAR__": str(BAR_H), "__STRIP__": str(STRIP_H), "__PW__": str(PROMPT_W),
@@ -384,7 +401,7 @@ def render_png(trees: list[dict], title: str, path) -> list[str]:
             ax.spines[side].set_visible(False)
         ax.set_title(f"tree {t['tree']}: V(root) {t['v_root']:.2f}, K̂={t['k_hat']}, B̂={t['b_hat']}, "
                      f"{t['leaves']} leaves, gold {t['answer']}", fontsize=8, loc="left")
-    fig.suptitle(title + f"  (colour: advantage, ±{drawn['advantage_scale']:.2f}; "
+    fig.suptitle(figures.literal(title) + f"  (colour: advantage, ±{drawn['advantage_scale']:.2f}; "
                          f"strip: token entropy; ▼ fork)", fontsize=8)
     plain = plain_where_math_fails(fig)
     fig.tight_layout()
@@ -411,9 +428,14 @@ def plain_where_math_fails(fig) -> list[str]:
 # --------------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------------
-def logged_steps(run_dir) -> list[int]:
-    folder = Path(run_dir) / "trees"
-    return sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.jsonl")) if folder.exists() else []
+def logged_steps(run_dir, say_stray: bool = False) -> list[int]:
+    """The steps RUN/trees holds a log of (tracking.tree_logs); with say_stray, one line for each other
+    step_*.jsonl there (skipped)."""
+    logs, stray = tracking.tree_logs(run_dir)
+    for path in stray if say_stray else []:
+        print(f"viz.py: {figures.printable(path)}: not a tree log of train.py (expected step_NNNNNN.jsonl, a "
+              f"step's number in six or more digits); skipped", file=sys.stderr)
+    return list(logs)
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
@@ -424,7 +446,7 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     parser.add_argument("--out", default=None,
                         help="output path without suffix (default: RUN/trees/step_XXXXXX[_treeN])")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    steps = logged_steps(args.run)
+    steps = logged_steps(args.run, say_stray=True)
     if not steps:
         parser.exit(2, f"viz.py: error: {Path(args.run) / 'trees'} holds no tree logs; "
                        f"train with --log_trees_every N\n")
@@ -443,8 +465,8 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     stem = Path(args.out) if args.out else Path(args.run) / "trees" / (
         f"step_{step:06d}" + ("" if args.tree is None else f"_tree{args.tree}"))
     first = trees[0]
-    title = (f"{Path(args.run).resolve().name}: step {step}, {first['method']}, α = {first['alpha']:.3f}"
-             + ("" if args.tree is None else f", tree {args.tree}"))
+    title = figures.printable(f"{Path(args.run).resolve().name}: step {step}, {first['method']}, α = "
+                              f"{first['alpha']:.3f}" + ("" if args.tree is None else f", tree {args.tree}"))
     page, png = stem.with_suffix(".html"), stem.with_suffix(".png")
     try:
         write_outputs(trees, title, page, png)

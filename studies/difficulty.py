@@ -24,6 +24,7 @@ import config as C
 import evaluate
 import train
 from harness import eval_files
+from harness.figures import literal
 from studies.common import (
     DEMO_CONFIG,
     PAPER_MODEL,
@@ -249,7 +250,7 @@ def g_sweep_figures(study: Study, scores: dict[str, dict[str, dict]]) -> list[Pa
                     xs = [int(x) for x in result["pass_curve"]]
                     ax.plot(xs, list(result["pass_curve"].values()), "o-", ms=3, label=f"{bucket}_{g}")
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{bucket.capitalize()} / {bench}")
+            ax.set_title(f"{bucket.capitalize()} / {literal(bench)}")
             ax.set_xlabel("k")
             ax.set_ylabel("pass@k")
             ax.legend(fontsize=7)

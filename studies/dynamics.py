@@ -15,6 +15,7 @@ from pathlib import Path
 
 import evaluate
 from harness import faults, tracking
+from harness.figures import literal
 from studies.common import (
     DEMO_CONFIG,
     TINY_CONFIG,
@@ -112,7 +113,7 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for label, run in runs.items():
         if run["curve"]:
-            ax.plot(*zip(*run["curve"]), "o-", label=f"{label} {run['curve_metric']}")
+            ax.plot(*zip(*run["curve"]), "o-", label=f"{literal(label)} {run['curve_metric']}")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy (train.py eval)")
     legend_if_any(ax)
@@ -124,8 +125,10 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     width = 0.8 / max(len(runs), 1)
     for j, (label, run) in enumerate(runs.items()):
         xs = [i + j * width for i in range(len(levels))]
-        left.bar(xs, [run["levels"].get(lv, {}).get("leaves", 0) for lv in levels], width, label=label)
-        right.bar(xs, [run["levels"].get(lv, {}).get("pass_rate", 0) for lv in levels], width, label=label)
+        left.bar(xs, [run["levels"].get(lv, {}).get("leaves", 0) for lv in levels], width,
+                 label=literal(label))
+        right.bar(xs, [run["levels"].get(lv, {}).get("pass_rate", 0) for lv in levels], width,
+                  label=literal(label))
     for ax, name in ((left, "leaves per prompt (train-time)"), (right, "PassRate (train-time)")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(levels))], [f"level {lv}" for lv in levels])
         ax.set_ylabel(name)
@@ -137,9 +140,9 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     for label, run in runs.items():
         if run["checkpoints"]:
             steps = sorted(run["checkpoints"])
-            ax.plot(steps, [run["checkpoints"][s]["pass@k"] for s in steps], "o-", label=label)
+            ax.plot(steps, [run["checkpoints"][s]["pass@k"] for s in steps], "o-", label=literal(label))
     ax.set_xlabel("checkpoint step")
-    ax.set_ylabel(f"pass@{o['k']} on {o['bench']}")
+    ax.set_ylabel(f"pass@{o['k']} on {literal(o['bench'])}")
     legend_if_any(ax)
     fig.tight_layout()
     fig.savefig(figures[2], dpi=110)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 import config as C
 import models
 import rollout as R
+from harness.figures import literal
 from studies import growth
 from studies.common import (
     DEMO_CONFIG,
@@ -382,7 +383,8 @@ def render_forks_png(pieces, entropies, forks_by: dict[str, list[int]], title: s
         for i, x, text in line:
             ax.add_patch(plt.Rectangle((x, y + 0.1), len(text), 0.8,
                                        color=cmap(0.8 * entropies[i] / top if top else 0), lw=0, zorder=1))
-            ax.text(x, y + 0.5, text, family="monospace", fontsize=9, va="center", ha="left", zorder=2)
+            ax.text(x, y + 0.5, literal(text), family="monospace", fontsize=9, va="center", ha="left",
+                    zorder=2)   # a token "$$" is drawn as written, never as math text
             for j, name in enumerate(names):
                 if i + 1 in forks_by[name]:
                     pad = 0.08 * (j + 1)
@@ -393,7 +395,7 @@ def render_forks_png(pieces, entropies, forks_by: dict[str, list[int]], title: s
                              label=f"{n} {forks_by[n]}") for n in names]
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.28 / fig_h), ncol=len(names),
                fontsize=8, frameon=False)
-    fig.suptitle(title, y=0.995, fontsize=9)
+    fig.suptitle(literal(title), y=0.995, fontsize=9)   # the problem's text, as written
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -21,6 +21,7 @@ import evaluate
 import models
 import train
 from harness import faults, tracking
+from harness.figures import literal
 from studies.common import (
     Study,
     correct_counts,
@@ -261,7 +262,7 @@ def plot_main_table(summary: dict, o: dict, path: Path) -> None:
             ax.fill_between(ks, [a - h for a, h in zip(means, halves)],
                             [a + h for a, h in zip(means, halves)], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("k")
-    ax.set_ylabel(f"pass@k on {o['bench']} (95 % interval over seeds)")
+    ax.set_ylabel(f"pass@k on {literal(o['bench'])} (95 % interval over seeds)")
     legend_if_any(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import models
 import rollout as R
+from harness.figures import literal
 from studies import growth
 from studies.common import (
     DEMO_CONFIG,
@@ -176,7 +177,7 @@ def tree_vs_parallel_figure(study, summary: dict, table: str, seconds: float, re
                         textcoords="offset points")
     ax.set_xlabel("generated tokens per problem")
     ax.set_ylabel("PassRate (%)")
-    ax.set_title(f"tree vs parallel ({study.opts['data']}; labels: M or N; bars: 95 % CI)")
+    ax.set_title(f"tree vs parallel ({literal(study.opts['data'])}; labels: M or N; bars: 95 % CI)")
     ax.legend()
     fig.tight_layout()
     figure = study.out / "tree_vs_parallel.png"

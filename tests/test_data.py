@@ -53,7 +53,8 @@ def test_last_boxed_cases():
     assert data.last_boxed("\\boxed{1} then \\boxed{ {2}+3 }") == "{2}+3"
     assert data.last_boxed("our answer is $\\boxed 9$.") == "9"
     assert data.last_boxed("\\fbox{7}") == "7"
-    assert data.last_boxed("\\boxed{3} and \\boxed{4") == "3"  # an unclosed box is not an answer
+    assert data.last_boxed("\\boxed{3} and \\boxed{4") is None  # cut off inside its last box: no answer,
+    assert data.last_boxed("\\boxed{3 and \\boxed{4}") == "4"   # never the box before; an unclosed earlier
     assert data.last_boxed("no box here") is None
 
 

@@ -193,7 +193,7 @@ EXTRACT_CASES = [
     ("first \\boxed{1}, then \\boxed{2}", "2", "last box wins"),
     ("no box here, the answer is 42", None, "no box"),
     ("\\boxed{\\frac{1}{2}", None, "unbalanced only box"),
-    ("\\boxed{3} and later \\boxed{5", "3", "unbalanced last box is skipped"),
+    ("\\boxed{3} and later \\boxed{5", None, "a last box never closed is no answer, not the box before it"),
     ("$\\boxed 5$.", "5", "bare token box"),
     ("thus \\boxed -7 is it", "-7", "bare negative token"),
     ("\\fbox{7}", "7", "fbox"),
@@ -330,6 +330,88 @@ def test_multi_box_policy(response, gold, expected):
     assert reward.compute_reward(response, gold) == expected
     # One reading of a response everywhere: the extracted answer is what gets graded (evaluate.py's maj@k).
     assert float(reward.is_equivalent(reward.extract_answer(response), gold)) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# Leniencies closed (issue 36): what each peer does is in docs/grader.md
+
+# (response, gold, fallback_last_number, reward): a response cut off inside its last \boxed{ has no answer.
+CUT_OFF_CASES = [
+    ("So \\boxed{3}. Wait, that is wrong: the answer is \\boxed{7", "3", False, 0.0),   # the issue's case
+    ("\\boxed{5}. So the final answer is \\boxed", "5", False, 0.0),                  # cut off at the command
+    ("$x = \\boxed{-2}$ or $x = \\boxed{1", "-2", False, 0.0),                        # inside a split answer
+    ("\\boxed{5}. So the final answer is \\boxed{", "5", True, 0.0),   # fallback: no number it went on from,
+    ("the sum is 4, so \\boxed{72", "72", True, 1.0),                 # only what the cut-off box holds
+]
+
+
+@pytest.mark.parametrize("response,gold,fallback,expected", CUT_OFF_CASES)
+def test_a_response_cut_off_inside_its_last_box_has_no_answer(response, gold, fallback, expected):
+    assert reward.last_box_cut_off(response)
+    assert reward.extract_answer(response) is None
+    assert reward.compute_reward(response, gold, fallback_last_number=fallback) == expected
+
+
+def test_an_unclosed_box_before_the_last_one_is_no_cut_off():
+    response = "\\boxed{5}, \\boxed{6 then \\boxed{7}"
+    assert not reward.last_box_cut_off(response) and reward.compute_reward(response, "7") == 1.0
+
+
+# (pred, gold, equivalent): where both sides name a unit and the units differ, the answer is wrong; a unit on
+# one side only, or a word that is not a unit the grader knows, is graded as before (the unit dropped).
+UNIT_CASES = [
+    ("5 m", "5 cm", False),                                       # the issue's case
+    ("5 \\text{ m}", "5\\text{ cm}", False),
+    ("5\\mathrm{mm}", "5 \\mbox{ cm}", False),
+    ("5 \\text{ cm}", "5\\text{ cm}^2", False),                     # a length is not an area
+    ("3 \\text{ hours}", "3\\text{ days}", False),
+    ("\\$5", "5\\text{ cents}", False),
+    ("30 \\text{ radians}", "30^\\circ", False),
+    ("12 \\text{ inches}", "1\\text{ foot}", False),                # compared, never converted (as the peers)
+    ("5 \\text{ cm}", "5", True),                                   # one side only: as today
+    ("5", "5\\text{ cm}", True),
+    ("5 \\text{ centimeters}", "5\\text{ cm}", True),               # spellings of one unit
+    ("5\\,\\text{cm}", "5 cm", True),
+    ("5 \\text{ square centimeters}", "5\\text{ cm}^2", True),
+    ("12 \\text{ in}", "12\\text{ inches}", True),
+    ("30 \\text{ degrees}", "30^\\circ", True),
+    ("\\$5", "5 \\text{ dollars}", True),
+    ("36\\pi \\text{ cm}^2", "36\\pi\\text{ cm}^2", True),
+    ("5 \\text{ people}", "5\\text{ students}", True),              # not units the grader knows: as today
+    ("60 \\text{ miles per hour}", "60\\text{ mph}", True),
+]
+
+
+@pytest.mark.parametrize("pred,gold,expected", UNIT_CASES)
+def test_answers_naming_different_units_are_wrong(pred, gold, expected):
+    assert reward.is_equivalent(pred, gold) is expected
+    assert reward.compute_reward(f"so the answer is $\\boxed{{{pred}}}$.", gold) == float(expected)
+
+
+# (response, options, letter): an answer naming two letters names none; so does a cut-off last box.
+TWO_LETTER_CASES = [
+    ("So the answer is \\boxed{A or B}", 4, None),                 # the issue's case
+    ("\\boxed{(A) or (B)}", 4, None),
+    ("\\boxed{A, C}", 4, None),
+    ("\\boxed{\\text{A and B}}", 4, None),
+    ("\\boxed{A/B}", 4, None),
+    ("$\\boxed{A}$ or $\\boxed{B}$", 4, None),                     # two boxes joined by "or"
+    ("the answer is (A) or (B)", 4, None),
+    ("the answer is (C). Then again \\boxed{A", 4, None),          # cut off: the earlier statement is not it
+    ("\\boxed{A) Vitamin C}", 4, "A"),                            # a letter and its option's text
+    ("\\boxed{B) 42 kelvin}", 4, "B"),
+    ("the answer is B, C is wrong", 4, "B"),                       # prose: only "or" and "/" join letters
+    ("\\boxed{B}, \\boxed{B}", 4, "B"),                            # one letter, boxed twice
+]
+
+
+@pytest.mark.parametrize("response,n,letter", TWO_LETTER_CASES)
+def test_a_multiple_choice_answer_naming_two_letters_is_wrong(response, n, letter):
+    import mcq
+
+    assert mcq.extract_choice(response, n) == letter
+    problem = {"choices": ["w", "x", "y", "z"][:n], "answer": "A"}
+    assert mcq.grade(response, problem) == (letter, letter == "A")
 
 
 def test_math500_reference_solutions_get_full_reward():
