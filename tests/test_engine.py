@@ -480,10 +480,10 @@ def test_grow_from_forks_engine_equals_generate(smollm_tokenizer, monkeypatch):
     assert base.cache is not None
     forks = {0: [2, 5], 1: [1], 3: [4, 7, 8]}
     subtrees = {}
-    for budget in ("full", "remaining"):
+    for length in ("full", "remaining"):
         for name, sampler in samplers.items():
             subtrees[name] = growth.grow_from_forks(sampler, tok, base, forks, 2, ["7", "7", "35", "35"], 10,
-                                               chunk_size=3, budget=budget)
+                                               chunk_size=3, length=length)
         shape = {e: {r: [(b.parent, b.token_ids, b.start, b.branch, b.reward) for b in blocks]
                      for r, blocks in subtrees[e].items()} for e in subtrees}
         assert shape["engine"] == shape["generate"]
