@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import subprocess
 import time
@@ -38,8 +37,8 @@ import offpolicy
 import optim as O
 import tree as T
 from advantage import BlockScore
+from harness import atomic, faults, guards, inject, runs, signals, tracking
 from harness import distributed as D
-from harness import faults, guards, inject, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
 
@@ -97,6 +96,7 @@ class Setup:
     eval_problems: list[dict]
     # the rollout engine's sizes after running out of memory
     backoff: E.Backoff = field(default_factory=E.Backoff)
+    data: dict = field(default_factory=dict)   # the rows' hashes (runs.data_hashes), saved in checkpoints
 
     @property
     def pad_id(self) -> int:
@@ -180,9 +180,10 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     device = models.pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run_dir, log, checkpoint, state = open_run(cfg, held)
+    run_dir, log, checkpoint, state, replace = open_run(cfg, held)
     run = RunState(batch_size=cfg.prompts_per_step, rng=random.Random(cfg.seed))
-    if state and state["step"] >= cfg.steps and not pending_eval_due(run_dir, state):   # e.g. a finished run
+    due = state and (state.get("pending_eval") is not None if replace else pending_eval_due(run_dir, state))
+    if state and state["step"] >= cfg.steps and not due:   # e.g. a finished run: nothing deleted either
         log.say(f"nothing left to run: {checkpoint} is at step {state['step']} of --steps {cfg.steps}; "
                 f"raise --steps to train further")
         return None, run
@@ -198,6 +199,9 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     problems = faults.load_data(cfg.train_data, "--train_data")
     eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None)
                      if cfg.eval_every else [])
+    data = runs.data_hashes(problems, eval_problems)   # a resume over changed rows: one line (or recorded)
+    data_changes = runs.check_resume_data(state, data, cfg.allow_config_change, {
+        "train_data": cfg.train_data, "eval_data": cfg.eval_data}) if state else {}
     torch.manual_seed(cfg.seed)
 
     source = checkpoint or cfg.model
@@ -219,6 +223,8 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     if cfg.train_layout == "packed":
         attention.update_kernel(cfg, device, model)
     optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
+    if replace:   # every check passed: now the earlier run goes
+        replace_earlier_run(run_dir, log)
     if checkpoint:
         load_trainer_state(state, model, optimizer, run)
         log.say(f"resumed from {checkpoint} at step {run.step}")
@@ -230,15 +236,15 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
         log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
     if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps left with no record
         for line in tracking.lost_records(log.path, run.step, log.torn_lines,
-                                          same_run=runs.run_folder_of(cfg.resume) == run_dir.resolve()):
+                                          same_run=runs.same_run(cfg.resume, run_dir)):
             log.say(line)
-    record_config(cfg, run_dir, checkpoint, state, run.step)
+    record_config(cfg, run_dir, checkpoint, state, run.step, data_changes)
     # never loaded when α is 0 for the whole run
     embedder = models.load_embedder(cfg.embed_model, device, cfg.trust_remote_code) if wants_embedder \
         else None
     guard = guards.WeightGuard(model, optimizer, cfg.guard_weights)
     return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, guard, embedder,
-                 problems, eval_problems), run
+                 problems, eval_problems, data=data), run
 
 
 def pending_eval_due(run_dir: Path, state: dict) -> bool:
@@ -251,38 +257,59 @@ def pending_eval_due(run_dir: Path, state: dict) -> bool:
     return not any(r.get("eval") == label and r.get("step") == state["step"] for r in records)
 
 
-def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str | None, dict | None]:
+def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str | None, dict | None, bool]:
     """The run folder, locked (one run per folder: a second train.py into it stops naming the holder,
     runs.RunLock), checked (never two runs' records in one folder; --resume A --out_dir B refused when B holds
     another run) and its log; with --resume, the newest usable checkpoint and its trainer state (a damaged
     one is skipped with a warning, runs.pick_checkpoint) — whose experiment must be the one asked for
     (runs.check_resume_config: exit 2 listing the changed fields, unless --allow_config_change). A folder
     that belongs to something else (a checkpoint, a model: runs.check_out_dir) is refused before anything is
-    created there, and a torn config.json of the run resumed before anything loads (runs.check_run_config)."""
+    created there, and a torn config.json of the run resumed before anything loads (runs.check_run_config).
+    Nothing is deleted here: every check comes first, and the earlier run that --overwrite true replaces
+    (the last value returned: True) is deleted by setup once the model and the data have loaded too
+    (replace_earlier_run), so a typo in any flag never costs the run it was aimed at."""
     runs.check_out_dir(cfg.out_dir)
     run_dir = faults.check_writable(cfg.out_dir)
     if D.is_main():
         held.enter_context(runs.RunLock(run_dir))
-    if cfg.resume and runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite):
-        faults.check_new_run(run_dir, True, delete=D.is_main())   # --overwrite true: B's other run replaced
-    if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
-        faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
-        D.barrier()
-    # torchrun: rank 0 writes
-    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())
-    source = faults.resume_source(cfg.resume) if cfg.resume else None
-    if source:
+    for flag, folder in [("--out_dir", run_dir)] + ([("--resume", runs.run_folder_of(cfg.resume))]
+                                                    if cfg.resume else []):
+        why = runs.checkpoints_link_problem(folder)   # else read as "no checkpoint yet": a start over
+        if why:
+            raise faults.UserError(f"{flag} {cfg.out_dir if flag == '--out_dir' else cfg.resume}: {why}; "
+                                   f"expected the disk it points at mounted, or the link removed")
+    source = faults.resume_source(cfg.resume) if cfg.resume else None   # a mistyped --resume: one line
+    if cfg.resume:   # --resume A --out_dir B, B another run: refused, or replaced with --overwrite true
+        replace = runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)
+    else:            # never mix two runs' records in one folder (faults.check_new_run)
+        replace = faults.check_new_run(run_dir, cfg.overwrite, delete=False)
+    if source and not replace:
         runs.check_run_config(run_dir)   # read (history kept) once the checkpoint loads
     checkpoint, state = runs.pick_checkpoint(cfg.resume, source) if cfg.resume else (None, None)
     if state:
         runs.check_resume_config(state.get("config", {}), json.loads(cfg.to_json()), cfg.allow_config_change)
-    return run_dir, log, checkpoint, state
+    # torchrun: rank 0 writes
+    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())
+    return run_dir, log, checkpoint, state, replace
+
+
+def replace_earlier_run(run_dir: Path, log: Log) -> None:
+    """--overwrite true, once every check has passed: the earlier run's files are deleted (runs.replace_run:
+    its own files only, never through a link). Torchrun: every rank has read what it needs of the folder
+    before rank 0 deletes, and none reads it again until rank 0 is done."""
+    D.barrier()
+    if D.is_main():
+        with write_errors(run_dir, "the earlier run is partly deleted; the new one has not started"):
+            removed = runs.replace_run(run_dir)
+        if removed:
+            log.say(f"--overwrite true: the earlier run in {run_dir} replaced ({', '.join(removed)} deleted)")
+    D.barrier()
 
 
 def set_aside_later(cfg: C.Config, run_dir: Path, checkpoint: str, step: int, log: Log) -> None:
     """A resume from an earlier checkpoint of this run folder abandons the later ones (their metrics lines
     are dropped and redone): moved out of checkpoints/ (runs.set_aside_later), said in one line."""
-    if not D.is_main() or runs.run_folder_of(checkpoint) != run_dir.resolve():
+    if not D.is_main() or not runs.same_run(checkpoint, run_dir):
         return
     with write_errors(run_dir / "abandoned", "the checkpoints are intact"):
         moved, dest = runs.set_aside_later(run_dir, step)
@@ -301,10 +328,12 @@ def write_errors(path: Path, kept: str, then: str = "free space and run the same
         raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; {kept}; {then}") from err
 
 
-def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int) -> None:
+def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int,
+                  data_changes: dict | None = None) -> None:
     """config.json and git_commit.txt of a new run; on a resume that changed allowed (or forced) settings,
-    the change is added to config.json's history (runs.with_history). Each written whole or not at all
-    (runs.write_text); a full disk is a WriteError line."""
+    or forced a change of the data's rows (`data_changes`), the change is added to config.json's history
+    (runs.with_history). Each written whole or not at all (runs.write_text); a full disk is a WriteError
+    line."""
     if not D.is_main():
         return
     config = run_dir / "config.json"
@@ -316,6 +345,7 @@ def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, 
             runs.write_text(run_dir / "git_commit.txt", git_commit() + "\n")
         return
     changes = runs.config_changes(state.get("config", {}), json.loads(cfg.to_json())) if state else {}
+    changes = {**changes, **(data_changes or {})}
     if changes:
         with write_errors(config, kept):
             saved = json.loads(config.read_text())
@@ -379,7 +409,8 @@ def evaluate_and_save(s: Setup, run: RunState, stop: signals.GracefulStop, stopp
     if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
         saved = save_checkpoint(s.run_dir, done, s.model, s.tokenizer, s.optimizer,
                                 {**run.trainer_state(found if run.pending_eval else None),
-                                 "config": json.loads(cfg.to_json())}, keep=cfg.keep_checkpoints)
+                                 "config": json.loads(cfg.to_json()), "data": s.data},
+                                keep=cfg.keep_checkpoints)
     return saved, stopping
 
 
@@ -527,11 +558,9 @@ def plot_run(run_dir: Path) -> Path:
     right.legend(loc="upper left")
     fig.suptitle(run_dir.name)
     fig.tight_layout()
-    path, tmp = run_dir / "training.png", run_dir / ".training.png.tmp"
-    try:   # whole or not at all: a full disk leaves the previous figure
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, path)
+    path = run_dir / "training.png"
+    try:   # whole or not at all (a full disk leaves the previous figure), never through a planted link
+        atomic.replace_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
     return path
