@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness import atomic, faults, measured, runs
 from harness import distributed as D
+from harness.journal import count_records
 
 RUN_PROMPT_KEYS = ("prompt_style", "few_shot", "answer_fallback")   # taken from a run folder's config.json
 
@@ -343,7 +344,7 @@ def check_output_folder(out: Path, where: str, settings: dict, planned: dict[str
     for bench, wanted in planned.items():
         samples = samples_path(out, bench)
         saved = sample_settings(samples) if samples.exists() else None
-        held = _count_lines(samples)
+        held = count_records(samples)
         if held and saved is None and bench not in earlier:   # nothing says what these samples measured
             if not overwrite:
                 raise faults.UserError(f"{where}: {samples.name} holds {held} samples of {bench} but no "
@@ -362,14 +363,6 @@ def check_output_folder(out: Path, where: str, settings: dict, planned: dict[str
         if changes:
             redo.append(bench)
     return {b: m for b, m in earlier.items() if b not in redo}, redo
-
-
-def _count_lines(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip())
-    except OSError:
-        return 0
 
 
 def replace_earlier(out: Path, settings: dict, benches: list[str] | None, earlier: dict) -> None:

@@ -87,7 +87,7 @@ class Journal:
     def _start_over(self, why: str | None = None) -> list[dict]:
         """An empty journal and its first state (nothing done, the RNG as found). Saved records dropped on
         the way are said in one line naming why (never silently): they are sampled again."""
-        held = _count_lines(self.path)
+        held = count_records(self.path)
         if held and why:
             say(f"{self.path}: its {held} saved record(s) are not reused ({why}); sampled again")
         self.units = self.n_records = 0
@@ -142,7 +142,8 @@ class Journal:
                          f"rerun of the same command continues from them); free space and rerun it") from err
 
 
-def _count_lines(path: Path) -> int:
+def count_records(path: Path) -> int:
+    """The non-blank lines of a jsonl file (0 when it is missing or unreadable)."""
     try:
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
