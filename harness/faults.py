@@ -16,7 +16,8 @@ What each script uses (train.py, evaluate.py, the studies):
 
 The rest of the harness: guards.py (non-finite losses, gradients and weights), signals.py (stop signals),
 oom.py (out of memory), inject.py (fault injection for tests), journal.py (evaluation's resumable record),
-runs.py (run folders and checkpoints), tracking.py, distributed.py, viz.py.
+runs.py (run folders and checkpoints), atomic.py (files replaced whole, never through a planted link),
+measured.py (what a saved result measured), tracking.py, distributed.py, viz.py.
 """
 from __future__ import annotations
 
