@@ -514,12 +514,15 @@ def test_no_bench_script_unpickles_anything(tmp_path, capsys):
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, (path, call)
     # bench_update's rollout cache is JSON: a planted cache is one line and runs nothing
+    saved_argv, saved_env, sys.argv = sys.argv, dict(os.environ), ["bench_update.py"]
     sys.path.insert(0, str(ROOT / "bench"))
-    saved_argv, sys.argv = sys.argv, ["bench_update.py"]
     try:
-        import bench_update
+        import bench_update  # it sets the thread policy's variables on import: put back below
     finally:
         sys.argv = saved_argv
+        sys.path.remove(str(ROOT / "bench"))
+        os.environ.clear()
+        os.environ.update(saved_env)
     marker, cache = tmp_path / "ran", tmp_path / "paper-8.json"
     torch.save({"x": FI_payload(marker)}, cache)
     with pytest.raises(SystemExit) as exit_info:
