@@ -62,7 +62,8 @@ def weights_identity(model: str, seed: int = 0) -> dict:
 
     resolved = models.resolve_checkpoint(model)
     path = Path(resolved)
-    step = int(path.name[5:]) if path.parent.name == "checkpoints" and path.name[5:].isdigit() else None
+    named = path.parent.name == "checkpoints" and path.name.startswith("step_") and path.name[5:].isdigit()
+    step = int(path.name[5:]) if named else None
     if resolved == "tiny-random":
         weights = f"tiny-random seed {seed}"
     elif resolved == "smollm2-135m":
