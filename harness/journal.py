@@ -72,7 +72,9 @@ class Journal:
             try:
                 records.append(json.loads(line))
             except ValueError:   # corrupted after it was written (a disk, an editor): never trusted
-                return self._start_over(f"line {n} is corrupted (not JSON)")
+                say(f"{self.path} line {n}: corrupted (not JSON); its samples are not reused, "
+                    f"starting it over")
+                return self._start_over()
         self._rewrite(lines)   # drop anything after the last vouched-for unit
         self.units, self.n_records = state["units"], state["n_records"]
         self.resumed = self.units
