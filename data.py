@@ -211,10 +211,24 @@ def to_problem(row, where):
                          f"with \\boxed{{}}); found keys {sorted(row)}")
     if not answer:
         raise ValueError(f"{where}: field '{field}' gives an empty answer")
-    why = unmatchable_gold(answer)
+    why = unmatchable_gold(answer) or explosive_gold(answer)
     if why:
         raise UnmatchableGold(f"{where}: field '{field}' gives the answer {_shown(answer)}, {why}")
     return {"problem": problem, "answer": answer, "level": _parse_level(row.get("level"), where)}
+
+
+def explosive_gold(answer: str) -> str | None:
+    """Why the grader would never evaluate this gold answer (reward.py's cheap guards refuse it before sympy:
+    a numeric exponent tower such as 9^{9^{9^{9}}}, a power, factorial or binomial of a huge integer, nesting
+    deeper than its bound), or None. Only a response spelling it identically could match it; every
+    equivalent answer would be graded wrong, so such a row is refused (evaluation) or skipped (training) at
+    load like an unmatchable gold answer."""
+    from reward import _clean, _is_safe, _unmangle
+
+    if _is_safe(_clean(_unmangle(answer))):
+        return None
+    return ("a form the grader never evaluates (an exponent tower such as 9^{9^{9}}, a power, factorial or "
+            "binomial of a huge number, or braces nested too deep), so no equivalent answer could match it")
 
 
 class UnmatchableGold(ValueError):

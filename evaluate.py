@@ -48,7 +48,7 @@ import config as C
 import data
 import mcq
 import models
-from harness import checks, cli, eval_files, faults, guards, inject, oom, signals, tracking
+from harness import checks, cli, eval_files, faults, guards, inject, measured, oom, signals, tracking
 from harness import distributed as D
 from harness.figures import literal, printable
 from harness.journal import Journal, Stopped
@@ -556,8 +556,9 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
     faults.check_model(cfg.model)
     models.check_loadable(cfg.model, None, cfg.trust_remote_code)   # its own code, a tokenizer: refused here
     faults.check_writable(out, "--out_dir")
+    # the checkpoint itself (a run folder's latest moves on as it trains): its step and weights' SHA-256
     settings = {**{key: getattr(cfg, key) for key in SETTING_KEYS}, "max_new_tokens": max_new_tokens,
-                "runs": args.runs}
+                "runs": args.runs, **measured.weights_identity(cfg.model, cfg.seed)}
     planned = {b: {**settings, "bench": b, "k": k, "gen_batch_size": cfg.gen_batch_size,   # the journal's
                    "problems": hashlib.sha256(json.dumps(problems[b], sort_keys=True).encode()).hexdigest()}
                for b, k in zip(benches, ks)}
@@ -754,10 +755,6 @@ def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, out: Path, p
         print(f"stopped by {stop.requested} in {bench}: {saved}; rerun the same command to continue",
               flush=True)
         return None
-    except faults.WriteError:
-        for tmp in (samples.with_name(samples.name + ".tmp"), samples.with_name(samples.name + ".state.tmp")):
-            tmp.unlink(missing_ok=True)   # the journal's temporary files
-        raise
     if D.is_main():
         result.pop("records")
         if journal is not None and journal.resumed:

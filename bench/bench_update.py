@@ -22,8 +22,9 @@ zero-advantage block is skipped by both layouts in training).
 """
 import argparse
 import copy
+import dataclasses
+import json
 import os
-import pickle
 import random
 import sys
 import time
@@ -45,6 +46,19 @@ import packing as P  # noqa: E402
 import rollout as R  # noqa: E402
 import train  # noqa: E402
 import tree as T  # noqa: E402
+from harness import atomic  # noqa: E402
+
+
+def trees_from_json(path: Path) -> list[T.Tree]:
+    """The rollout trees a --cache file holds (JSON written by demo_part), rebuilt; a file that is not such
+    a list is one line (exit 2) naming it."""
+    try:
+        return [T.Tree(**{**tr, "blocks": [T.Block(**b) for b in tr["blocks"]]})
+                for tr in json.loads(path.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        print(f"bench_update.py: error: --cache {path}: not a tree cache this script wrote ({err}); delete "
+              f"it to sample the rollouts again", file=sys.stderr)
+        sys.exit(2)
 
 
 def advantages(tr: T.Tree, cfg) -> list[float]:
@@ -119,10 +133,10 @@ def demo_part(args) -> None:
         picked = [problems[data.problem_index(len(problems), i, cfg.seed)] for i in range(args.prompts)]
         prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
                    for p in picked]
-        cache = Path(args.cache) / f"{preset}-{args.prompts}.pkl" if args.cache else None
+        cache = Path(args.cache) / f"{preset}-{args.prompts}.json" if args.cache else None
         t0 = time.perf_counter()
         if cache and cache.exists():          # the same rollouts again (the update is what is measured)
-            trees = pickle.loads(cache.read_bytes())
+            trees = trees_from_json(cache)    # JSON only: a planted cache file runs no code
         else:
             rng = random.Random(cfg.seed)
             torch.manual_seed(cfg.seed)
@@ -131,7 +145,7 @@ def demo_part(args) -> None:
                                        levels=[p.get("level") for p in picked])   # cfg.method's rollout
             if cache:
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                cache.write_bytes(pickle.dumps(trees))
+                atomic.write_text(cache, json.dumps([dataclasses.asdict(tr) for tr in trees]))
         t_gen = time.perf_counter() - t0
         kept = [tr for tr in trees if M.METHODS[cfg.method].trainable(tr)]
         tts = [train.train_tree(tr, advantages(tr, cfg), cfg.method) for tr in kept]

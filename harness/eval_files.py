@@ -11,13 +11,13 @@ evaluate.py's commands keep their samples, state, results.json and figures here:
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness import atomic, faults, measured, runs
 from harness import distributed as D
-from harness import faults, runs
+from harness.journal import count_records
 
 RUN_PROMPT_KEYS = ("prompt_style", "few_shot", "answer_fallback")   # taken from a run folder's config.json
 
@@ -55,15 +55,9 @@ def write_errors(path, kept: str):
 
 def replace_file(path, write) -> None:
     """write(tmp), then rename tmp over `path`: a kill or a full disk leaves the old file or the new one,
-    never half of one (the partial temporary file is removed before the error goes on)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    never half of one (the partial temporary file is removed before the error goes on); tmp is created
+    exclusively, never a link planted in the folder (harness/atomic.py)."""
+    atomic.replace_file(path, write)
 
 
 def write_jsonl(path, records: list[dict]) -> None:
@@ -304,8 +298,9 @@ def sample_settings(samples: Path) -> dict | None:
 
 def setting_changes(saved: dict, wanted: dict) -> str:
     """The settings that differ, as "k 2 -> 4, temperature 1.0 -> 0.5" ("" when none)."""
-    changes = [("problems: another --limit or --bench file" if key == "problems" else
-                f"{key} {saved.get(key)!r} -> {wanted[key]!r}")
+    rows = "problems: other rows (another --limit or --bench file, or one edited)"
+    changes = [(rows if key == "problems" else
+                f"{key} {measured.short(saved.get(key))} -> {measured.short(wanted[key])}")
                for key in wanted if saved.get(key) != wanted[key]]
     return ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
 
@@ -349,11 +344,19 @@ def check_output_folder(out: Path, where: str, settings: dict, planned: dict[str
     for bench, wanted in planned.items():
         samples = samples_path(out, bench)
         saved = sample_settings(samples) if samples.exists() else None
+        held = count_records(samples)
+        if held and saved is None and bench not in earlier:   # nothing says what these samples measured
+            if not overwrite:
+                raise faults.UserError(f"{where}: {samples.name} holds {held} samples of {bench} but no "
+                                       f"state file says what they measured ({state_path(samples).name} "
+                                       f"missing or unreadable), so they cannot be reused; --overwrite true "
+                                       f"samples them again, or use another --out_dir")
+            redo.append(bench)
+            continue
         if saved is None and bench in earlier:   # no state (torchrun writes none): results.json's k
             saved = {**wanted, "k": earlier[bench]["k"]}
         changes = setting_changes(saved, wanted) if saved is not None else ""
         if changes and not overwrite:
-            held = sum(1 for line in open(samples, "rb") if line.strip()) if samples.exists() else 0
             raise faults.UserError(f"{where}: {samples.name} holds {held} samples of {bench} made with other "
                                    f"settings ({changes}); rerun with those to reuse them, use another "
                                    f"--out_dir, or --overwrite true to replace them")

@@ -16,13 +16,13 @@ What each script uses (train.py, evaluate.py, the studies):
 
 The rest of the harness: guards.py (non-finite losses, gradients and weights), signals.py (stop signals),
 oom.py (out of memory), inject.py (fault injection for tests), journal.py (evaluation's resumable record),
-runs.py (run folders and checkpoints), tracking.py, distributed.py, viz.py.
+runs.py (run folders and checkpoints), atomic.py (files replaced whole, never through a planted link),
+measured.py (what a saved result measured), tracking.py, distributed.py, viz.py.
 """
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -93,14 +93,16 @@ def main_guard(main, argv: list[str] | None = None):
 def check_writable(folder: str | Path, flag: str = "--out_dir") -> Path:
     """Create `folder` if needed and prove it takes a file; a UserError naming the flag otherwise (a full
     disk or quota: WriteError, exit 4, as for every other write)."""
-    path = Path(folder)
-    probe = path / f".write_test_{os.getpid()}"
+    from harness import atomic
+
+    path, probe = Path(folder), None
     try:
         path.mkdir(parents=True, exist_ok=True)
+        probe = atomic.exclusive_temp(path / "write_test", suffix=f".{os.getpid()}")   # never a planted link
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        if path.is_dir():
+        if probe is not None:
             probe.unlink(missing_ok=True)   # a full disk may leave it empty
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise WriteError(f"{flag} {folder}: cannot write there ({err.strerror}); free space or choose "
@@ -167,24 +169,23 @@ RUN_FILES = ("metrics.jsonl", "checkpoints", "trees", "tensorboard", "wandb", "t
              "git_commit.txt", "abandoned")
 
 
-def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> None:
+def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> bool:
     """A fresh run (no --resume) must not mix its records with an earlier run's: a folder holding metrics or
-    checkpoints is a UserError saying how to continue, move or replace it; --overwrite true deletes the
-    earlier run's files (RUN_FILES) first and nothing else (`delete`: torchrun's rank 0 only; every rank
-    checks, so all of them stop with the same error)."""
+    checkpoints is a UserError saying how to continue, move or replace it. With --overwrite true it returns
+    True: the earlier run's files (RUN_FILES, and nothing else) are to be replaced — deleted here when
+    `delete`, else by the caller once every other check has passed (train.py: the model, the data; torchrun:
+    rank 0 only, after every rank has read the folder; runs.replace_run never follows a link)."""
+    from harness import runs
+
     metrics = run_dir / "metrics.jsonl"
-    records = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
+    records = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     if not records and not steps:
-        return
+        return False
     if overwrite:
-        for name in RUN_FILES if delete else ():
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-        return
+        if delete:
+            runs.replace_run(run_dir)
+        return True
     held = [f"metrics.jsonl with {records} record{'s' * (records != 1)}"] if records else []
     held += [f"checkpoints up to {steps[-1]}"] if steps else []
     raise UserError(f"--out_dir {run_dir}: already holds a run ({', '.join(held)}); --resume {run_dir} "

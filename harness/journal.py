@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness import runs
+from harness import atomic, runs
 from harness.faults import UserError, WriteError, say
 from harness.inject import crash_point
 
@@ -21,7 +21,10 @@ class Journal:
     replaced atomically: {settings, units done, records written, torch RNG state}. `resume()` keeps the
     records the state file vouches for (a line torn by a kill, or a unit appended without its state, is
     dropped and redone), restores the torch RNG state so the next unit samples what it would have, and
-    returns them. A journal written with other settings is started over.
+    returns them. A journal written with other settings is started over. A journal's state is written when
+    it starts (nothing done yet), so saved records without one were not written by a journal (torchrun
+    writes its samples whole at the end) and are never resumed; records dropped for any reason are said in
+    one line, never silently.
 
     The state file is read with torch's weights_only loader (runs.load_plain): one holding a Python object
     (evaluate.py never writes one: someone put it there) is refused in one line, nothing in it run and
@@ -44,7 +47,9 @@ class Journal:
 
         import torch
 
-        if not (self.path.exists() and self.state_path.exists()):
+        if not self.state_path.exists():   # every journal has one from its start: these are not vouched for
+            return self._start_over("no state file vouches for them")
+        if not self.path.exists():
             return self._start_over()
         try:
             state = runs.load_plain(self.state_path)
@@ -53,16 +58,15 @@ class Journal:
                             f"writes beside {self.path.name}: delete both to start this evaluation over, or "
                             f"use another --out_dir") from None
         except Exception:  # a state file is replaced atomically; an unreadable one is not ours
-            return self._start_over()
+            return self._start_over(f"its state file {self.state_path.name} is unreadable")
         if not _state_shape_ok(state):   # plain values of another shape: not ours either
-            return self._start_over()
+            return self._start_over(f"its state file {self.state_path.name} is not evaluate.py's")
         if state.get("settings") != self.settings:
-            say(f"{self.path}: written with other settings; starting it over")
-            return self._start_over()
+            return self._start_over("they were made with other settings")
         with open(self.path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()[:state["n_records"]]
         if len(lines) < state["n_records"]:
-            return self._start_over()
+            return self._start_over(f"fewer than the {state['n_records']} its state vouches for")
         records = []
         for n, line in enumerate(lines, 1):
             try:
@@ -80,45 +84,73 @@ class Journal:
         return records
 
     def _rewrite(self, lines: list[str]) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        os.replace(tmp, self.path)
+        atomic.write_text(self.path, "".join(line + "\n" for line in lines), encoding="utf-8")
 
-    def _start_over(self) -> list[dict]:
-        self._rewrite([])
-        self.state_path.unlink(missing_ok=True)
+    def _start_over(self, why: str | None = None) -> list[dict]:
+        """An empty journal and its first state (nothing done, the RNG as found). Saved records dropped on
+        the way are said in one line naming why (never silently): they are sampled again."""
+        held = count_records(self.path)
+        if held and why:
+            say(f"{self.path}: its {held} saved record(s) are not reused ({why}); sampled again")
         self.units = self.n_records = 0
+        try:
+            self._rewrite([])
+            self._write_state(0, 0)
+        except Exception as err:
+            self._write_failed(err)
         return []
+
+    def _write_state(self, units: int, n_records: int) -> None:
+        """The state that vouches for the first n_records records (`units` done): replaced atomically (a
+        temporary file made exclusively, harness/atomic.py)."""
+        import torch
+
+        state = {"settings": self.settings, "units": units, "n_records": n_records,
+                 "rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        tmp = atomic.exclusive_temp(self.state_path)
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, self.state_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def append(self, records: list[dict]) -> None:
         """One finished unit: its records, then the state that vouches for them."""
         import json
 
-        import torch
-
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        units, n_records = self.units + 1, self.n_records + len(records)
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
+            with open(self.path, "a", encoding="utf-8", opener=atomic.no_follow) as f:   # not through a link
                 f.write("".join(json.dumps({**self.extra, **r}, ensure_ascii=False) + "\n" for r in records))
                 f.flush()
                 os.fsync(f.fileno())
-            state = {"settings": self.settings, "units": self.units + 1,
-                     "n_records": self.n_records + len(records), "rng": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                state["cuda"] = torch.cuda.get_rng_state_all()
-            torch.save(state, tmp)
-            os.replace(tmp, self.state_path)
+            self._write_state(units, n_records)
         except Exception as err:
-            tmp.unlink(missing_ok=True)
-            cause = runs.write_failure(err)
-            if cause is None:
-                raise
-            raise WriteError(f"writing {self.path}: {cause}; its first {self.n_records} records are kept "
-                             f"(a rerun of the same command continues from them); free space and rerun "
-                             f"it") from err
-        self.units += 1
-        self.n_records += len(records)
+            self._write_failed(err)
+        self.units, self.n_records = units, n_records
         crash_point("journal-append")
+
+
+    def _write_failed(self, err: Exception):
+        """A full disk (or another write error) while writing the journal: a WriteError line, exit 4; the
+        records the state vouches for are kept. Any other error goes on as it is."""
+        cause = runs.write_failure(err)
+        if cause is None:
+            raise err
+        raise WriteError(f"writing {self.path}: {cause}; its first {self.n_records} records are kept (a "
+                         f"rerun of the same command continues from them); free space and rerun it") from err
+
+
+def count_records(path: Path) -> int:
+    """The non-blank lines of a jsonl file (0 when it is missing or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
 
 
 def _state_shape_ok(state) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import subprocess
 import time
@@ -40,8 +39,8 @@ import evaluate
 import methods as M
 import models
 import release
+from harness import atomic, faults, figures, guards, inject, runs, signals, tracking
 from harness import distributed as D
-from harness import faults, figures, guards, inject, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
 from prompts import PromptStream
@@ -90,6 +89,7 @@ class Run:
         self.learner = None
         self.record: dict | None = None
         self.stopped_early = False
+        self.replace, self.data, self.data_changes = False, {}, {}   # set by __enter__ (open_run, the data)
         self._stack = contextlib.ExitStack()
 
     # ---- before the first step ---------------------------------------------------------------------------
@@ -114,13 +114,15 @@ class Run:
         self.device = models.pick_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.run_dir, self.log, self.checkpoint, self.state = open_run(cfg, self._stack)
+        self.run_dir, self.log, self.checkpoint, self.state, self.replace = open_run(cfg, self._stack)
         self.run = RunState(rng=random.Random(cfg.seed))
         self.rng = self.run.rng
         state = self.state
-        self.nothing_left = bool(state and state["step"] >= cfg.steps
-                                 and not pending_eval_due(self.run_dir, state))
-        if self.nothing_left:   # e.g. a finished run
+        # the run that --overwrite true replaces has no record that counts
+        due = state and (state.get("pending_eval") is not None if self.replace
+                         else pending_eval_due(self.run_dir, state))
+        self.nothing_left = bool(state and state["step"] >= cfg.steps and not due)
+        if self.nothing_left:   # e.g. a finished run: nothing deleted either
             self.log.say(f"nothing left to run: {self.checkpoint} is at step {state['step']} of --steps "
                          f"{cfg.steps}; raise --steps to train further")
             return
@@ -136,6 +138,9 @@ class Run:
         self.problems = faults.load_data(cfg.train_data, "--train_data")
         self.eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None)
                               if cfg.eval_every else [])
+        self.data = runs.data_hashes(self.problems, self.eval_problems)   # saved in every checkpoint
+        self.data_changes = runs.check_resume_data(state, self.data, cfg.allow_config_change, {
+            "train_data": cfg.train_data, "eval_data": cfg.eval_data}) if state else {}   # rows changed
         torch.manual_seed(cfg.seed)
 
     def __exit__(self, kind, err, trace) -> bool:
@@ -224,6 +229,9 @@ class Run:
         if self.checkpoint:
             load_trainer_state(self.state, self.model, self.optimizer, run)
             self.log.say(f"resumed from {self.checkpoint} at step {run.step}")
+        if self.replace:   # every check passed and everything loaded: now the earlier run goes
+            replace_earlier_run(self.run_dir, self.log)
+        if self.checkpoint:
             set_aside_later(cfg, self.run_dir, self.checkpoint, run.step, self.log)
         # Lines logged after the checkpoint are redone (at step 0: all, the "before" eval included).
         with write_errors(self.log.path, "no step has run; the checkpoints are intact"):
@@ -231,11 +239,11 @@ class Run:
         if dropped:
             self.log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
         if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps with no record
-            same_run = runs.run_folder_of(cfg.resume) == self.run_dir.resolve()
+            same_run = runs.same_run(cfg.resume, self.run_dir)
             for line in tracking.lost_records(self.log.path, run.step, self.log.torn_lines,
                                               same_run=same_run):
                 self.log.say(line)
-        record_config(cfg, self.run_dir, self.checkpoint, self.state, run.step)
+        record_config(cfg, self.run_dir, self.checkpoint, self.state, run.step, self.data_changes)
         self.guard = guards.WeightGuard(self.model, self.optimizer, cfg.guard_weights)
         # the update stops at a non-finite weight (every rank takes the same verdict)
         learner.weights_ok = lambda: not D.any_rank(not self.guard.weights_finite())
@@ -288,38 +296,60 @@ def pending_eval_due(run_dir: Path, state: dict) -> bool:
     return not any(r.get("eval") == label and r.get("step") == state["step"] for r in records)
 
 
-def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str | None, dict | None]:
+def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str | None, dict | None, bool]:
     """The run folder, locked (one run per folder: a second train.py into it stops naming the holder,
     runs.RunLock), checked (never two runs' records in one folder; --resume A --out_dir B refused when B holds
     another run) and its log; with --resume, the newest usable checkpoint and its trainer state (a damaged
     one is skipped with a warning, runs.pick_checkpoint) — whose experiment must be the one asked for
     (runs.check_resume_config: exit 2 listing the changed fields, unless --allow_config_change). A folder
     that belongs to something else (a checkpoint, a model: runs.check_out_dir) is refused before anything is
-    created there, and a torn config.json of the run resumed before anything loads (runs.check_run_config)."""
+    created there, and a torn config.json of the run resumed before anything loads (runs.check_run_config).
+    Nothing is deleted here: every check comes first, and the earlier run that --overwrite true replaces
+    (the last value returned: True) is deleted by Run.start once the data, the model, the optimizer and the
+    checkpoint's state have loaded too (replace_earlier_run), so a typo in any flag never costs the run it
+    was aimed at."""
     runs.check_out_dir(cfg.out_dir)
     run_dir = faults.check_writable(cfg.out_dir)
     if D.is_main():
         held.enter_context(runs.RunLock(run_dir))
-    if cfg.resume and runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite):
-        faults.check_new_run(run_dir, True, delete=D.is_main())   # --overwrite true: B's other run replaced
-    if not cfg.resume:   # never mix two runs' records in one folder (faults.check_new_run)
-        faults.check_new_run(run_dir, cfg.overwrite, delete=D.is_main())
-        D.barrier()
-    # torchrun: rank 0 writes
-    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())
-    source = faults.resume_source(cfg.resume) if cfg.resume else None
-    if source:
+    for flag, folder in [("--out_dir", run_dir)] + ([("--resume", runs.run_folder_of(cfg.resume))]
+                                                    if cfg.resume else []):
+        why = runs.checkpoints_link_problem(folder)   # else read as "no checkpoint yet": a start over
+        if why:
+            raise faults.UserError(f"{flag} {cfg.out_dir if flag == '--out_dir' else cfg.resume}: {why}; "
+                                   f"expected the disk it points at mounted, or the link removed")
+    source = faults.resume_source(cfg.resume) if cfg.resume else None   # a mistyped --resume: one line
+    if cfg.resume:   # --resume A --out_dir B, B another run: refused, or replaced with --overwrite true
+        replace = runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)
+    else:            # never mix two runs' records in one folder (faults.check_new_run)
+        replace = faults.check_new_run(run_dir, cfg.overwrite, delete=False)
+    if source and not replace:
         runs.check_run_config(run_dir)   # read (history kept) once the checkpoint loads
     checkpoint, state = runs.pick_checkpoint(cfg.resume, source) if cfg.resume else (None, None)
     if state:
         runs.check_resume_config(state.get("config", {}), json.loads(cfg.to_json()), cfg.allow_config_change)
-    return run_dir, log, checkpoint, state
+    # torchrun: rank 0 writes
+    log = Log(run_dir, cfg.report_to, json.loads(cfg.to_json()), enabled=D.is_main())
+    return run_dir, log, checkpoint, state, replace
+
+
+def replace_earlier_run(run_dir: Path, log: Log) -> None:
+    """--overwrite true, once every check has passed: the earlier run's files are deleted (runs.replace_run:
+    its own files only, never through a link). Torchrun: every rank has read what it needs of the folder
+    before rank 0 deletes, and none reads it again until rank 0 is done."""
+    D.barrier()
+    if D.is_main():
+        with write_errors(run_dir, "the earlier run is partly deleted; the new one has not started"):
+            removed = runs.replace_run(run_dir)
+        if removed:
+            log.say(f"--overwrite true: the earlier run in {run_dir} replaced ({', '.join(removed)} deleted)")
+    D.barrier()
 
 
 def set_aside_later(cfg: C.Config, run_dir: Path, checkpoint: str, step: int, log: Log) -> None:
     """A resume from an earlier checkpoint of this run folder abandons the later ones (their metrics lines
     are dropped and redone): moved out of checkpoints/ (runs.set_aside_later), said in one line."""
-    if not D.is_main() or runs.run_folder_of(checkpoint) != run_dir.resolve():
+    if not D.is_main() or not runs.same_run(checkpoint, run_dir):
         return
     with write_errors(run_dir / "abandoned", "the checkpoints are intact"):
         moved, dest = runs.set_aside_later(run_dir, step)
@@ -338,10 +368,12 @@ def write_errors(path: Path, kept: str, then: str = "free space and run the same
         raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; {kept}; {then}") from err
 
 
-def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int) -> None:
+def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int,
+                  data_changes: dict | None = None) -> None:
     """config.json and git_commit.txt of a new run; on a resume that changed allowed (or forced) settings,
-    the change is added to config.json's history (runs.with_history). Each written whole or not at all
-    (runs.write_text); a full disk is a WriteError line."""
+    or forced a change of the data's rows (`data_changes`), the change is added to config.json's history
+    (runs.with_history). Each written whole or not at all (runs.write_text); a full disk is a WriteError
+    line."""
     if not D.is_main():
         return
     config = run_dir / "config.json"
@@ -353,6 +385,7 @@ def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, 
             runs.write_text(run_dir / "git_commit.txt", git_commit() + "\n")
         return
     changes = runs.config_changes(state.get("config", {}), json.loads(cfg.to_json())) if state else {}
+    changes = {**changes, **(data_changes or {})}
     if changes:
         with write_errors(config, kept):
             saved = json.loads(config.read_text())
@@ -426,7 +459,8 @@ def evaluate_and_save(s: Run, run: RunState, stop: signals.GracefulStop, stoppin
     if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
         saved = save_checkpoint(s.run_dir, done, s.model, s.tokenizer, s.optimizer,
                                 {**run.trainer_state(found if run.pending_eval else None),
-                                 "config": json.loads(cfg.to_json())}, keep=cfg.keep_checkpoints)
+                                 "config": json.loads(cfg.to_json()), "data": s.data},
+                                keep=cfg.keep_checkpoints)
     return saved, stopping
 
 
@@ -574,11 +608,9 @@ def plot_run(run_dir: Path) -> Path:
     right.legend(loc="upper left")
     fig.suptitle(figures.literal(run_dir.name))   # a run name is drawn as written, never as math text
     fig.tight_layout()
-    path, tmp = run_dir / "training.png", run_dir / ".training.png.tmp"
-    try:   # whole or not at all: a full disk leaves the previous figure
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, path)
+    path = run_dir / "training.png"
+    try:   # whole or not at all (a full disk leaves the previous figure), never through a planted link
+        atomic.replace_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
     return path

@@ -5,6 +5,7 @@ skipped.
     runs.check_out_dir(cfg.out_dir)             # never into a checkpoint, a model or a run's own subfolders
     lock = runs.RunLock(run_dir).acquire()      # a second train.py into the folder: one line naming holder
     runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)  # --resume A --out_dir B, B another run
+    runs.replace_run(run_dir)                   # --overwrite true, once every check passed: never via a link
     checkpoint, state = runs.pick_checkpoint(cfg.resume)          # the newest usable one (fallback + warning)
     changed = runs.check_resume_config(state["config"], new, allow)  # experiment-changing fields: exit 2
     runs.set_aside_later(run_dir, step)         # resumed from an earlier checkpoint: later ones moved aside
@@ -15,6 +16,7 @@ Everything here is plain functions over paths and dicts, so a training loop of a
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -26,6 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness import atomic
 from harness.faults import UserError, WriteError, say
 
 
@@ -42,14 +45,39 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+@contextmanager
+def folder_flock(folder: Path):
+    """An exclusive flock(2) on `folder` itself, for a few milliseconds of check-then-replace (RunLock): the
+    kernel drops it when the holder dies, so it is never stale. Where the file system has no flock for
+    folders (some network mounts) it is skipped: the lock's hard link still keeps fresh starts apart."""
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        fd = None
+    try:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)   # closing the last descriptor releases the flock
+
+
 class RunLock:
     """RUN/run.lock holds {"pid", "host", "started"} of the run writing into the folder.
 
-    acquire(): the lock file is written whole under a private name and hard-linked into place (a link fails
-    if the name exists, atomically), so two runs started together cannot both get it and nobody reads a half
-    written lock. A lock held by a live process (or by any process on another host: its pid cannot be
-    checked from here) is a UserError naming the holder. A lock of this host whose pid is dead (a killed run)
-    is stale: taken over with a message. release() removes it only while it is still ours."""
+    acquire(): the lock file is written whole under a private name (created exclusively: a link planted in
+    the folder cannot redirect it) and hard-linked into place (a link fails if the name exists, atomically),
+    so two runs started together cannot both get it and nobody reads a half written lock. A lock held by a
+    live process (or by any process on another host: its pid cannot be checked from here) is a UserError
+    naming the holder. A lock of this host whose pid is dead (a killed run) is stale: taken over with a
+    message. Judging a lock stale and replacing it happen under an exclusive flock of the folder (released
+    by the kernel when its holder dies, so it never goes stale itself): two processes taking over one stale
+    lock cannot both win — the second finds the first one's live lock. release() removes it only while it
+    is still ours."""
 
     NAME = "run.lock"
 
@@ -71,43 +99,49 @@ class RunLock:
             return {}
 
     def acquire(self) -> "RunLock":
-        tmp = self.path.with_name(f".{self.NAME}.{os.getpid()}")
+        tmp = None
         try:
+            tmp = atomic.exclusive_temp(self.path, suffix=f".{os.getpid()}")
             tmp.write_text(json.dumps(self.mine))
         except OSError as err:   # a full disk: the folder took check_writable's probe, not this
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             raise WriteError(f"writing {self.path}: {write_failure(err)}; nothing of the run was written; "
                              f"free space and run the same command again") from None
         try:
-            for _ in range(3):
-                try:
-                    os.link(tmp, self.path)
-                    self.held = True
-                    return self
-                except FileExistsError:
-                    pass
-                holder = self.holder()
-                if holder is None:
-                    continue                                         # released meanwhile: try again
-                pid, host = holder.get("pid"), holder.get("host")
-                if isinstance(pid, int) and host == self.mine["host"] and _pid_alive(pid):
-                    raise UserError(f"--out_dir {self.path.parent}: another run is writing there (pid {pid} "
-                                    f"on {host}, since {holder.get('started', '?')}, {self.path}); wait for "
-                                    f"it, stop it, or use another --out_dir")
-                if isinstance(pid, int) and host != self.mine["host"]:
-                    raise UserError(f"--out_dir {self.path.parent}: another run holds it (pid {pid} on host "
-                                    f"{host}, since {holder.get('started', '?')}); if that run is gone, "
-                                    f"delete {self.path}")
-                what = f"pid {pid} is not running" if isinstance(pid, int) else "unreadable lock file"
-                say(f"{self.path}: stale lock taken over ({what}; an earlier run was killed)")
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
-            raise UserError(f"--out_dir {self.path.parent}: could not take {self.path} "
-                            f"(other runs keep taking it)")
+            with folder_flock(self.path.parent):
+                return self._take(tmp)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _take(self, tmp: Path) -> "RunLock":
+        for _ in range(3):
+            try:
+                os.link(tmp, self.path)
+                self.held = True
+                return self
+            except FileExistsError:
+                pass
+            holder = self.holder()
+            if holder is None:
+                continue                                         # released meanwhile: try again
+            pid, host = holder.get("pid"), holder.get("host")
+            if isinstance(pid, int) and host == self.mine["host"] and _pid_alive(pid):
+                raise UserError(f"--out_dir {self.path.parent}: another run is writing there (pid {pid} "
+                                f"on {host}, since {holder.get('started', '?')}, {self.path}); wait for "
+                                f"it, stop it, or use another --out_dir")
+            if isinstance(pid, int) and host != self.mine["host"]:
+                raise UserError(f"--out_dir {self.path.parent}: another run holds it (pid {pid} on host "
+                                f"{host}, since {holder.get('started', '?')}); if that run is gone, "
+                                f"delete {self.path}")
+            what = f"pid {pid} is not running" if isinstance(pid, int) else "unreadable lock file"
+            say(f"{self.path}: stale lock taken over ({what}; an earlier run was killed)")
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+        raise UserError(f"--out_dir {self.path.parent}: could not take {self.path} "
+                        f"(other runs keep taking it)")
 
     def release(self) -> None:
         if self.held and (self.holder() or {}).get("pid") == self.mine["pid"]:
@@ -137,11 +171,35 @@ RESUME_MAY_CHANGE = frozenset({
 
 
 def run_folder_of(checkpoint_or_run: str | Path) -> Path:
-    """The run folder of a run folder or of one of its checkpoints/step_NNNNNN folders."""
-    path = Path(checkpoint_or_run).expanduser().resolve()
-    if path.name.startswith("step_") and path.parent.name == "checkpoints":
-        return path.parent.parent
-    return path
+    """The run folder of a run folder or of one of its checkpoints/step_NNNNNN folders. The path is read as
+    given before links are followed, so RUN/checkpoints/step_N belongs to RUN also when checkpoints/ is a
+    link to a scratch disk."""
+    given = Path(os.path.abspath(Path(checkpoint_or_run).expanduser()))
+    for path in (given, given.resolve()):
+        if path.name.startswith("step_") and path.parent.name == "checkpoints":
+            return path.parent.parent.resolve()
+    return given.resolve()
+
+
+def same_run(checkpoint_or_run: str | Path, run_dir: str | Path) -> bool:
+    """Whether a run folder or checkpoint (--resume) belongs to the run folder `run_dir`: its run folder is
+    `run_dir`, or it is one of the folders in `run_dir`/checkpoints (also named by a link's target: a
+    checkpoint on a scratch disk named by its own path)."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    if run_folder_of(checkpoint_or_run) == run_dir:
+        return True
+    here = Path(checkpoint_or_run).expanduser().resolve()
+    return (run_dir / "checkpoints").is_dir() and here.parent == (run_dir / "checkpoints").resolve()
+
+
+def checkpoints_link_problem(run_dir: str | Path) -> str | None:
+    """Why RUN/checkpoints, a link (a scratch disk), cannot be used, or None: a link to nothing (the disk
+    not mounted) would read as "no checkpoint yet" and a resume would start over, dropping the metrics."""
+    folder = Path(run_dir) / "checkpoints"
+    if folder.is_symlink() and not folder.is_dir():
+        return (f"{folder} is a link to {os.readlink(folder)}, which is not a folder here (a scratch disk "
+                f"not mounted?)")
+    return None
 
 
 def holds_run(folder: Path) -> bool:
@@ -198,15 +256,56 @@ def check_out_dir(out_dir: str | Path) -> None:
 def check_resume_target(resume: str, out_dir: str | Path, overwrite: bool) -> bool:
     """--resume A --out_dir B where B is not A's run folder and already holds another run: resuming would
     delete B's later metrics rows and overwrite its checkpoints, so it is refused unless --overwrite true.
-    Returns True when B holds another run that --overwrite true replaces (the caller deletes it)."""
+    Returns True when B holds another run that --overwrite true replaces (the caller deletes it, once
+    everything else is checked). Read-only: a checkpoint to resume that lies inside what replacing B would
+    delete is refused here, before anything is deleted."""
     source, target = run_folder_of(resume), Path(out_dir).expanduser().resolve()
-    if source == target or not holds_run(target):
+    if same_run(resume, target) or not holds_run(target):
         return False
     if not overwrite:
         raise UserError(f"--resume {resume} --out_dir {out_dir}: {out_dir} holds another run; continuing "
                         f"{source.name} there would overwrite its records; use --out_dir {source} (or a new "
                         f"folder), or --overwrite true to replace it")
+    here = Path(resume).expanduser().resolve()
+    for doomed in replaced_paths(target):
+        if here == doomed or doomed in here.parents:
+            raise UserError(f"--resume {resume} --out_dir {out_dir} --overwrite true: the checkpoint to "
+                            f"resume is inside {doomed}, which replacing {out_dir}'s run would delete; "
+                            f"expected a checkpoint outside {out_dir}, or resume {out_dir} itself")
     return True
+
+
+def replaced_paths(run_dir: Path) -> list[Path]:
+    """What replace_run deletes in `run_dir`, links followed (to compare a checkpoint against)."""
+    from harness.faults import RUN_FILES
+
+    return [(Path(run_dir) / name).resolve() for name in RUN_FILES if os.path.lexists(Path(run_dir) / name)]
+
+
+# What train.py writes inside checkpoints/ (a linked checkpoints/ keeps everything else, and the link).
+CHECKPOINT_ENTRIES = ("step_*", ".tmp_step_*", "latest", ".latest.*", "abandoned")
+
+
+def replace_run(run_dir: Path) -> list[str]:
+    """--overwrite true: delete the earlier run's own files (faults.RUN_FILES) and nothing else; returns
+    their names. Called only once every other check passed. A link is never followed into a deletion:
+    checkpoints/ as a link (a scratch disk) keeps the link and loses only the checkpoints train.py wrote
+    there (CHECKPOINT_ENTRIES); any other link among the run's files is removed, its target untouched."""
+    from harness.faults import RUN_FILES
+
+    run_dir, removed = Path(run_dir), []
+    for name in RUN_FILES:
+        path = run_dir / name
+        if not os.path.lexists(path):
+            continue
+        if name == "checkpoints" and path.is_symlink() and path.is_dir():
+            for pattern in CHECKPOINT_ENTRIES:
+                for entry in path.glob(pattern):
+                    atomic.remove_tree(entry)
+        else:
+            atomic.remove_tree(path)
+        removed.append(name)
+    return removed
 
 
 # Config fields renamed since a run was saved: its config.json is read with the new names.
@@ -241,6 +340,38 @@ def check_resume_config(saved: dict, new: dict, allow: bool = False) -> dict[str
     return changes
 
 
+def data_hashes(problems: list[dict], eval_problems: list[dict]) -> dict:
+    """What a checkpoint records of the data it trained on: the SHA-256 of the training rows and of the
+    held-out rows (after --eval_limit; None without evaluation), as loaded."""
+    from harness import measured
+
+    return {"train_data": measured.problems_hash(problems),
+            "eval_data": measured.problems_hash(eval_problems) if eval_problems else None}
+
+
+def check_resume_data(state: dict, data: dict, allow: bool = False,
+                      sources: dict | None = None) -> dict[str, tuple]:
+    """A resume whose data files hold other rows than when the checkpoint was written (a file edited or
+    replaced under the same name) continues another experiment: a UserError naming the flag, unless
+    `allow` (--allow_config_change true); returns {"<flag> rows": (old, new)} for config.json's history.
+    `sources`: each flag's value, to name the file.
+    A checkpoint of an older version records no hashes: nothing to compare."""
+    from harness import measured
+
+    saved = state.get("data") if isinstance(state.get("data"), dict) else {}
+    changes = {f"{key} rows": (saved[key], now) for key, now in data.items()
+               if saved.get(key) is not None and now is not None and saved[key] != now}
+    if changes and not allow:
+        flags = {key: key.split()[0] for key in changes}
+        listed = ", ".join(f"--{flags[key]} {(sources or {}).get(flags[key], '')}: {measured.short(old)} -> "
+                           f"{measured.short(now)}" for key, (old, now) in changes.items())
+        raise UserError(f"--resume: the data's rows changed since the checkpoint was written ({listed}: "
+                        f"a file edited or replaced under the same name); expected the rows the run "
+                        f"trained on, or --allow_config_change true to continue on these (recorded in "
+                        f"config.json's history)")
+    return changes
+
+
 def with_history(saved_json: dict, new: dict, changes: dict, step: int) -> dict:
     """config.json after a resume: the new config plus the saved history and this resume's changes."""
     history = list(saved_json.get("history", []))
@@ -251,14 +382,9 @@ def with_history(saved_json: dict, new: dict, changes: dict, step: int) -> dict:
 
 def write_text(path: Path, text: str) -> None:
     """Replace a file atomically: a kill or a full disk leaves the old file or the new one, never half of one
-    (the partial temporary file is removed before the error goes on)."""
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    (the partial temporary file is removed before the error goes on); the temporary file is created
+    exclusively, so a link planted in the folder cannot redirect the write (harness/atomic.py)."""
+    atomic.write_text(path, text)
 
 
 def write_json(path: Path, value) -> None:
@@ -310,18 +436,22 @@ def checkpoint_folder(run_dir: Path, step: int, keep: int = 0):
     WriteError, one line naming the path and the cause; any failure removes the partial folder (partial
     ones of earlier kills go first), and earlier checkpoints are never touched by a failed write."""
     folder = Path(run_dir) / "checkpoints"
-    final, tmp = folder / f"step_{step:06d}", folder / f".tmp_step_{step:06d}"
+    final, tmp = folder / f"step_{step:06d}", None
     try:
         for partial in folder.glob(".tmp_step_*"):   # a kill mid-write left it: nothing refers to it
-            shutil.rmtree(partial, ignore_errors=True)
-        tmp.mkdir(parents=True)
+            with contextlib.suppress(OSError):
+                atomic.remove_tree(partial)           # a link planted there: the link only
+        folder.mkdir(parents=True, exist_ok=True)
+        # made new by this call (mkdir fails on any existing name): never a planted folder or a link
+        (folder / f".tmp_step_{step:06d}").mkdir()
+        tmp = folder / f".tmp_step_{step:06d}"
         yield tmp
-        if final.exists():
-            shutil.rmtree(final)
+        atomic.remove_tree(final)
         os.rename(tmp, final)
         write_pointer(folder, final.name)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         cause = write_failure(err) if isinstance(err, Exception) else None
         if cause is None:
             raise
@@ -334,10 +464,8 @@ def checkpoint_folder(run_dir: Path, step: int, keep: int = 0):
 
 
 def write_pointer(folder: Path, name: str) -> None:
-    """checkpoints/latest := `name`, replaced atomically."""
-    pointer = folder / ".latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, folder / "latest")
+    """checkpoints/latest := `name`, replaced atomically (through an exclusive temporary file)."""
+    atomic.write_text(folder / "latest", name)
 
 
 def prune_checkpoints(run_dir: Path, keep: int, written: Path | None = None) -> list[Path]:
@@ -346,10 +474,12 @@ def prune_checkpoints(run_dir: Path, keep: int, written: Path | None = None) -> 
     one: those belong to a future a resume abandoned (set_aside_later moves them out first)."""
     complete = checkpoint_steps(run_dir)
     if written is not None:
+        if not any(p.name == Path(written).name for p in complete):   # nothing usable written: keep all
+            return []
         complete = [p for p in complete if step_of(p) <= step_of(written)]
     doomed = complete[:-keep] if keep > 0 else []
     for path in doomed:
-        shutil.rmtree(path)
+        atomic.remove_tree(path)   # a step_* link: the link only, never what it points at
     return doomed
 
 
@@ -363,7 +493,12 @@ def set_aside_later(run_dir: Path, step: int) -> tuple[list[str], Path | None]:
         if folder.is_dir() else []
     if not later:
         return [], None
-    dest = Path(run_dir) / "abandoned" / f"after_step_{step:06d}"
+    # beside checkpoints/ on the same disk: RUN/abandoned, or inside a checkpoints/ that links to another
+    # disk (a rename cannot cross disks, and copying checkpoints would double them there)
+    root = Path(run_dir) / "abandoned"
+    if folder.is_symlink() and os.stat(folder).st_dev != os.stat(run_dir).st_dev:
+        root = folder / "abandoned"
+    dest = root / f"after_step_{step:06d}"
     n = 1
     while dest.exists():
         n += 1

@@ -1,7 +1,9 @@
 """harness/signals.py — SIGTERM/SIGINT: stop at the next safe point with a checkpoint, never mid-write."""
 from __future__ import annotations
 
+import _thread
 import signal
+import threading
 
 from harness.faults import StopTimeout, say
 
@@ -13,50 +15,79 @@ class GracefulStop:
     and exits 0); a second one raises KeyboardInterrupt at once (main_guard exits with 130). With
     `timeout` > 0 (--stop_timeout) a safe point not reached within that many seconds of the first signal
     raises StopTimeout (exit 130; the step in progress is lost, the last checkpoint is where --resume
-    continues), so a stop is honoured in bounded time even inside a step that never ends. Handlers (and the
-    alarm) are restored on exit. Outside the main thread (where signals cannot be caught) it does nothing."""
+    continues), so a stop is honoured in bounded time even inside a step that never ends. Handlers are
+    restored on exit. Outside the main thread (where signals cannot be caught) it does nothing.
+
+    The deadline is kept by a watchdog thread, not by SIGALRM: the grader bounds each answer check with its
+    own SIGALRM (reward.py) and restores the alarm it found when the check ends, so an alarm of ours armed
+    while a check ran would be disarmed (and its StopTimeout swallowed by the check's `except Exception`).
+    At the deadline the watchdog makes the main thread run the stop handler (_thread.interrupt_main, which
+    does nothing once the handlers are restored), and again every RETRY seconds until the stop is over, so a
+    StopTimeout that lands inside some library's `except Exception` is raised again a moment later."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    RETRY = 0.1
 
     def __init__(self, what: str = "after this step, with a checkpoint", timeout: float = 0):
         self.what = what
         self.timeout = timeout
         self.requested: str | None = None
         self._previous: dict = {}
+        self._over = threading.Event()        # the safe point came (cancel_timeout) or the stop is over
+        self._lock = threading.RLock()
+        self._calls = 0                       # handler calls the watchdog asked for and not yet run
+        self._watchdog: threading.Thread | None = None
 
     def _handle(self, signum, frame):
+        with self._lock:   # re-entrant: this runs on the main thread, maybe inside cancel_timeout
+            watchdog, self._calls = self._calls > 0, max(self._calls - 1, 0)
+            over = self._over.is_set()
+        if watchdog and over:   # a late call of a watchdog that the safe point beat: not a second signal
+            return
+        if watchdog:
+            raise StopTimeout(f"stopped mid-step by {self.requested}: no safe point within --stop_timeout "
+                              f"{self.timeout:g}s; the step in progress is lost, --resume continues from the "
+                              f"last checkpoint")
         name = signal.Signals(signum).name
         if self.requested:
             raise KeyboardInterrupt
         self.requested = name
         later = f", or in {self.timeout:g}s mid-step (--stop_timeout)" if self.timeout > 0 else ""
         say(f"{name} received: stopping {self.what}{later}; send it again to quit at once")
-        if self.timeout > 0 and hasattr(signal, "SIGALRM"):
-            self._previous.setdefault(signal.SIGALRM, signal.signal(signal.SIGALRM, self._expired))
-            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+        if self.timeout > 0 and self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, args=(signum,), daemon=True,
+                                              name="stop-timeout")
+            self._watchdog.start()
 
-    def _expired(self, signum, frame):
-        raise StopTimeout(f"stopped mid-step by {self.requested}: no safe point within --stop_timeout "
-                          f"{self.timeout:g}s; the step in progress is lost, --resume continues from the "
-                          f"last checkpoint")
+    def _watch(self, signum: int) -> None:
+        """At the deadline, and every RETRY seconds after it until the stop is over: the handler runs on the
+        main thread and raises StopTimeout."""
+        if self._over.wait(self.timeout):
+            return
+        while True:
+            with self._lock:
+                if self._over.is_set():
+                    return
+                self._calls += 1
+                _thread.interrupt_main(signum)   # a no-op once the handler is no longer installed
+            if self._over.wait(self.RETRY):
+                return
 
     def cancel_timeout(self) -> None:
-        """The safe point was reached: the --stop_timeout alarm no longer applies
-        (a checkpoint is written)."""
-        if self.timeout > 0 and hasattr(signal, "SIGALRM") and signal.SIGALRM in self._previous:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        """The safe point was reached: the --stop_timeout deadline no longer applies (a checkpoint is
+        written)."""
+        with self._lock:
+            self._over.set()
 
     def __enter__(self) -> "GracefulStop":
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if getattr(signal, "SIGALRM", None) in self._previous:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        with self._lock:
+            self._over.set()
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()

@@ -34,7 +34,7 @@ import numpy as np
 
 import advantage as A
 import tree as T
-from harness import checks, faults, runs
+from harness import atomic, checks, faults, runs
 
 
 def tags(record: dict) -> dict[str, float]:
@@ -112,7 +112,7 @@ class Log:
         if self.jsonl:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                with open(self.path, "a") as f:
+                with open(self.path, "a", opener=atomic.no_follow) as f:   # never through a link
                     f.write(json.dumps(record) + "\n")
             except OSError as err:   # disk full, quota, read-only: one line, the checkpoints are untouched
                 raise faults.WriteError(f"writing {self.path}: {runs.write_failure(err)}; the step's record "
@@ -138,9 +138,7 @@ class Log:
         self.torn_lines = [n for n, line in enumerate(lines, 1)
                            if line.strip() and _record_step(line) == math.inf]
         kept = [line for line in lines if _record_step(line) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        atomic.write_text(self.path, "".join(line + "\n" for line in kept))
         return len(lines) - len(kept)
 
     def read(self) -> list[dict]:
@@ -303,8 +301,9 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, scores: list
     folder = Path(run_dir) / "trees"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}.jsonl"
-    tmp = path.with_suffix(".tmp")
+    tmp = None
     try:
+        tmp = atomic.exclusive_temp(path)   # never a link planted in the folder
         with open(tmp, "w", encoding="utf-8") as f:
             for index, (tr, tree_scores) in enumerate(zip(trees, scores)):
                 record = {"step": step, "tree": index, "method": method, "alpha": alpha,
@@ -312,7 +311,8 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, scores: list
                 f.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
         os.replace(tmp, path)
     except OSError as err:   # disk full: one line; the earlier tree logs and the checkpoints are untouched
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; "
                                 f"free space and --resume {run_dir}") from err
     return path

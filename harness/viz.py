@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness import figures, tracking
+from harness import atomic, figures, tracking
 
 ROW_H, BAR_H, STRIP_H = 30, 13, 6       # pixels per row, advantage bar, entropy strip
 PROMPT_W, PLOT_W, PAD = 70, 900, 10     # prompt box, width of the longest response, margin
@@ -487,8 +487,9 @@ def write_outputs(trees: list[dict], title: str, page: Path, png: Path) -> None:
     """The page and the PNG, each written whole under a temporary name and renamed (an error leaves no
     half-written file)."""
     page.parent.mkdir(parents=True, exist_ok=True)
-    tmp_page, tmp_png = page.with_name(page.name + ".tmp"), png.with_name(png.name + ".tmp")
-    try:
+    tmp_page = tmp_png = None
+    try:   # temporary files created exclusively: never a link planted in the folder (harness/atomic.py)
+        tmp_page, tmp_png = atomic.exclusive_temp(page), atomic.exclusive_temp(png)
         tmp_page.write_text(render_html(trees, title), encoding="utf-8")
         plain = render_png(trees, title, tmp_png)
         if plain:
@@ -496,9 +497,13 @@ def write_outputs(trees: list[dict], title: str, page: Path, png: Path) -> None:
                   f"{plain[0]!r})", file=sys.stderr)
         os.replace(tmp_page, page)
         os.replace(tmp_png, png)
+    except OSError as err:   # named by the file being written, not by its temporary name
+        final = png if tmp_png is not None and str(err.filename) == str(tmp_png) else page
+        raise OSError(err.errno, err.strerror, str(final)) from err
     finally:
-        tmp_page.unlink(missing_ok=True)
-        tmp_png.unlink(missing_ok=True)
+        for tmp in (tmp_page, tmp_png):
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

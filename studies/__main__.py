@@ -19,7 +19,7 @@ os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import config as C
 from harness import cli, faults
 from studies import difficulty, dynamics, forks, main_table, tree_vs_parallel
-from studies.common import Study
+from studies.common import Study, check_study_options
 
 PROG = "python -m studies"
 
@@ -115,12 +115,14 @@ def make_study(name: str, argv: list[str]) -> Study:
     opts.update({k: getattr(args, k) for k in study_keys if getattr(args, k, None) is not None})
     if not set(opts.get("g", [])) <= set(difficulty.G_SWEEP):
         parser.error(f"--g: got {opts['g']}, expected group sizes of 4 8 16 (the presets grpo-g4/8/16)")
+    check_study_options(opts)   # counts in range: one line naming the flag
     if name == "difficulty-report":
         opts.setdefault("from_dir", str(out.parent / "difficulty"))
     if name == "dynamics":
         opts.setdefault("runs", [])
     faults.check_writable(out)          # a UserError naming --out_dir, not a traceback
-    return Study(name, cfg, opts, out, scale)
+    named = {k for k in given} | {k for k in study_keys if getattr(args, k, None) is not None}
+    return Study(name, cfg, opts, out, scale, frozenset(named))
 
 
 def main(argv: list[str] | None = None) -> Study:

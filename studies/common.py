@@ -24,6 +24,7 @@ import config as C
 import data
 import models
 import rollout as R
+from harness import atomic, faults, measured
 
 # --------------------------------------------------------------------------------------------------------
 # Settings every study's scales share. A study's <STUDY>_SCALES give, per scale, `config` (Config fields)
@@ -44,6 +45,7 @@ class Study:
     opts: dict
     out: Path
     scale: str
+    given: frozenset = frozenset()   # the flags given on the command line (config fields and study flags)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -99,15 +101,18 @@ def verdict(diff: float, half: float | None, first: str, second: str) -> str:
 # --------------------------------------------------------------------------------------------------------
 # Loading problems and the policy
 # --------------------------------------------------------------------------------------------------------
-def load_study_problems(source: str, limit: int, levels: list[int]) -> list[dict]:
-    """Problems of `source`, only the given levels (if any), first `limit` of them (0 = all)."""
-    problems = data.load_problems(source)
+def load_study_problems(source: str, limit: int, levels: list[int], flag: str = "--data") -> list[dict]:
+    """Problems of `source`, only the given levels (if any), first `limit` of them (0 = all). A source that
+    cannot be loaded, or levels none of its problems have, is one UserError line naming `flag`."""
+    problems = faults.load_data(source, flag)
     if levels:
+        have = sorted({p.get("level") for p in problems if p.get("level") is not None}, key=str)
         problems = [p for p in problems if p.get("level") in levels]
-    problems = problems[:limit] if limit else problems
-    if not problems:
-        raise ValueError(f"no problems in {source!r} with levels {levels or 'any'}")
-    return problems
+        if not problems:
+            has = f"its levels are {', '.join(map(str, have))}" if have else "its problems have no level"
+            raise faults.UserError(f"--levels {' '.join(map(str, levels))}: no problem of {flag} {source} "
+                                   f"has one of them; {has}")
+    return problems[:limit] if limit else problems
 
 
 def load_policy(cfg: C.Config):
@@ -168,10 +173,72 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 def write_outputs(study: Study, result: dict, table: str, seconds: float) -> None:
     result = {"study": study.name, "scale": study.scale, "seconds": seconds,
               "config": json.loads(study.cfg.to_json()), "options": study.opts, **result}
-    (study.out / "result.json").write_text(json.dumps(result, indent=2, default=str))
-    (study.out / "table.md").write_text(table)
+    # whole or not at all, never through a planted link: a torn result.json would lose the sampled records
+    atomic.write_text(study.out / "result.json", json.dumps(result, indent=2, default=str))
+    atomic.write_text(study.out / "table.md", table)
     print(table)
     print(f"[{study.name}] {seconds:.0f}s; wrote {study.out}/result.json, table.md and figures", flush=True)
+
+
+# What --from_result takes from the result.json it rebuilds from, besides the study's own options: the
+# settings its records were sampled with.
+RESULT_CONFIG_KEYS = ("model", "max_new_tokens", *measured.SAMPLING_KEYS)
+
+
+def read_result(study: Study) -> dict:
+    """OUT/result.json of an earlier run of this study, for --from_result true. The tables and figures are
+    rebuilt with the options and sampling settings it was made with (study.opts and study.cfg take them);
+    a flag given on this command line that says otherwise, or a result.json that is missing, torn, another
+    study's or without sampled records, is one UserError line (its records would be tabled under the wrong
+    labels, or not at all)."""
+    path = study.out / "result.json"
+    expected = (f"expected the result.json a finished `{study.name}` run wrote into --out_dir {study.out} "
+                f"(run it once without --from_result)")
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+        why = None if isinstance(result, dict) else f"a JSON {type(result).__name__}, not an object"
+    except FileNotFoundError:
+        why = "not found"
+    except (OSError, ValueError) as err:
+        why = f"unreadable or torn ({str(err).splitlines()[0][:80]})"
+    if why is None and (result.get("study") != study.name or not isinstance(result.get("records"), list)
+                        or not result["records"] or not isinstance(result.get("options"), dict)
+                        or not isinstance(result.get("config"), dict)):
+        why = f"not a `{study.name}` result with its sampled records, options and config"
+    if why is None:
+        options = {k: v for k, v in result["options"].items() if k in study.opts and k != "from_result"}
+        config = {k: result["config"][k] for k in RESULT_CONFIG_KEYS if k in result["config"]}
+        saved = {f"--{k}": v for k, v in {**options, **config}.items() if k in study.given}
+        wanted = {f"--{k}": study.opts.get(k, getattr(study.cfg, k, None)) for k in {**options, **config}
+                  if k in study.given}
+        changed = measured.differences(saved, wanted)
+        why = f"made with other settings than this command's ({changed})" if changed else None
+    if why:
+        raise faults.UserError(f"--from_result true: {path}: {why}; {expected}")
+    study.opts.update(options)
+    study.cfg = dataclasses.replace(study.cfg, **config)
+    return result
+
+
+STUDY_COUNTS = {   # study flag -> (least, most): a typo is one line, not a traceback deep inside a study
+    "k": (1, 1 << 16), "b": (1, 1 << 10), "n_samples": (1, 1 << 16), "subset": (1, 1 << 30),
+    "samples_per_step": (1, 1 << 20), "repeats": (1, 1000), "candidates": (1, 1 << 10), "limit": (0, 1 << 30),
+    "parallel_m": (1, 1 << 16), "tree_n": (1, 1 << 16), "g": (1, 1 << 10), "seeds": (0, 2 ** 32 - 1),
+    "levels": (0, 1 << 10),
+}
+
+
+def check_study_options(opts: dict) -> None:
+    """Every count the study's flags give within its range, and --epochs a positive number: one UserError
+    line naming the flag otherwise."""
+    for name, (least, most) in STUDY_COUNTS.items():
+        values = opts.get(name)
+        for value in values if isinstance(values, list) else [] if values is None else [values]:
+            if not least <= value <= most:
+                raise faults.UserError(f"--{name}: got {value}, expected an integer >= {least} and <= {most}")
+    epochs = opts.get("epochs")
+    if epochs is not None and not (math.isfinite(epochs) and 0 < epochs <= 1e6):
+        raise faults.UserError(f"--epochs: got {epochs}, expected a number of passes > 0 and <= 1e6")
 
 
 def train_command(preset: str, scale: str, cfg: C.Config) -> str:
@@ -200,6 +267,15 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_png(fig, path, dpi: int = 110) -> None:
+    """The figure as a PNG at `path`, written whole (harness/atomic.py: never through a planted link), and
+    closed."""
+    try:
+        atomic.replace_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        pyplot().close(fig)
 
 
 def legend_if_any(ax) -> None:

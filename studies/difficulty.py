@@ -23,7 +23,7 @@ from pathlib import Path
 import config as C
 import evaluate
 import train
-from harness import eval_files
+from harness import atomic, eval_files, faults, measured
 from harness.figures import literal
 from studies.common import (
     DEMO_CONFIG,
@@ -37,6 +37,7 @@ from studies.common import (
     mean_of,
     pm,
     pyplot,
+    save_png,
     t_interval,
     train_command,
     write_outputs,
@@ -112,9 +113,8 @@ def write_buckets(study: Study, problems: list[dict], correct: list[int], split:
     n, files = study.opts["n_samples"], {}
     for bucket in DIFFICULTY_BUCKETS:
         files[bucket] = study.out / f"{bucket}.jsonl"
-        with open(files[bucket], "w") as f:
-            for i in split[bucket]:
-                f.write(json.dumps({**problems[i], "correct": correct[i], "n": n}) + "\n")
+        atomic.write_text(files[bucket], "".join(json.dumps({**problems[i], "correct": correct[i], "n": n})
+                                                 + "\n" for i in split[bucket]))
     return files
 
 
@@ -131,8 +131,7 @@ def correct_histogram(study: Study, correct: list[int]) -> Path:
     ax.set_title("difficulty buckets: hard 1–4, medium 5–8, easy 9–11")
     fig.tight_layout()
     path = study.out / "correct_histogram.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return path
 
 
@@ -160,7 +159,7 @@ def run_difficulty(study: Study) -> None:
         commands.append(train_command(f"grpo-g{g}", study.scale, run_cfg))
         if split[bucket]:
             to_train.append(run_cfg)
-    (study.out / "commands.sh").write_text("\n".join(commands) + "\n")
+    atomic.write_text(study.out / "commands.sh", "\n".join(commands) + "\n")
     histogram = correct_histogram(study, correct)
 
     rows = [[bucket, counts[bucket], len(split[bucket]), str(files[bucket])] for bucket in DIFFICULTY_BUCKETS]
@@ -194,26 +193,32 @@ def problem_intervals(result: dict, k: int) -> str:
 
 
 def score_model(study: Study, run_dir: Path, label: str) -> dict[str, dict]:
-    """One G-sweep model's scores per benchmark: read from OUT/eval/<label>/<bench>.json, or evaluated now
-    (the model loaded once, only if a benchmark is not yet scored) and cached there."""
+    """One G-sweep model's scores per benchmark: read from OUT/eval/<label>/<bench>.json when they measured
+    exactly this (the run's latest checkpoint and its weights, the problems, k, the sampling settings:
+    harness/measured.py), or evaluated now (the model loaded once, only if a benchmark needs it) and cached
+    there."""
     cfg, o = study.cfg, study.opts
+    run_cfg = eval_files.run_folder_config(str(run_dir)) or {}
+    eval_cfg = dataclasses.replace(cfg, model=str(run_dir), **{
+        key: run_cfg[key] for key in ("prompt_style", "few_shot", "answer_fallback") if key in run_cfg})
     per_bench, policy = {}, None
     for bench in o["bench"]:
-        path = study.out / "eval" / label / f"{bench}.json"
-        if not path.exists():
+        path = study.out / "eval" / label / f"{Path(bench).name}.json"
+        problems = load_study_problems(bench, o["limit"], [], "--bench")
+        wanted = measured.of_evaluation(eval_cfg, str(run_dir), problems, o["k"], cfg.max_new_tokens,
+                                        bench=bench)
+        cached = measured.read_cache(path, wanted, faults.say)
+        if cached is None:
             if policy is None:
-                run_cfg = eval_files.run_folder_config(str(run_dir)) or {}
-                eval_cfg = dataclasses.replace(cfg, model=str(run_dir), **{
-                    key: run_cfg[key] for key in ("prompt_style", "few_shot", "answer_fallback")
-                    if key in run_cfg})
                 policy = load_policy(eval_cfg)[:2]
-            result = evaluate.evaluate_problems(*policy, load_study_problems(bench, o["limit"], []), eval_cfg,
-                                                k=o["k"], max_new_tokens=cfg.max_new_tokens,
-                                                desc=f"{label} {bench}")
+            result = evaluate.evaluate_problems(*policy, problems, eval_cfg, k=o["k"],
+                                                max_new_tokens=cfg.max_new_tokens, desc=f"{label} {bench}")
             result["correct_per_problem"] = correct_counts(result.pop("records"), result["n_problems"])
+            result["measured"] = wanted
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=2))
-        per_bench[bench] = json.loads(path.read_text())
+            atomic.write_json(path, result, indent=2)
+            cached = json.loads(path.read_text())
+        per_bench[bench] = cached
     return per_bench
 
 
@@ -238,8 +243,7 @@ def g_sweep_figures(study: Study, scores: dict[str, dict[str, dict]]) -> list[Pa
         twin.set_ylabel(f"pass@{k}", color="tab:red")
         ax.set_title(f"trained on {bucket.capitalize()}")
     fig.tight_layout()
-    fig.savefig(figures[0], dpi=110)
-    plt.close(fig)
+    save_png(fig, figures[0], dpi=110)
     fig, axes = plt.subplots(3, len(benches), figsize=(4.2 * len(benches), 9), squeeze=False)
     for i, bucket in enumerate(DIFFICULTY_BUCKETS):
         for j, bench in enumerate(benches):
@@ -255,8 +259,7 @@ def g_sweep_figures(study: Study, scores: dict[str, dict[str, dict]]) -> list[Pa
             ax.set_ylabel("pass@k")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(figures[1], dpi=110)
-    plt.close(fig)
+    save_png(fig, figures[1], dpi=110)
     return figures
 
 
@@ -274,9 +277,9 @@ def run_difficulty_report(study: Study) -> None:
             continue
         scores[f"{bucket}_g{g}"] = score_model(study, run_dir, f"{bucket}_g{g}")
     if not scores:
-        raise SystemExit(f"difficulty-report: no trained runs under {source / 'runs'}; run "
-                         "`python -m studies difficulty` with --train true, or the commands in its "
-                         "commands.sh")
+        raise faults.UserError(f"--from_dir {source}: no trained runs under {source / 'runs'}; expected "
+                               "the folder of `python -m studies difficulty` run with --train true, or of "
+                               "the commands in its commands.sh")
     rows = []
     k = o["k"]
     for label, per_bench in scores.items():

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import evaluate
-from harness import faults, tracking
+from harness import atomic, faults, measured, tracking
 from harness.figures import literal
 from studies.common import (
     DEMO_CONFIG,
@@ -25,6 +25,7 @@ from studies.common import (
     load_study_problems,
     markdown_table,
     pyplot,
+    save_png,
     write_outputs,
 )
 
@@ -49,18 +50,19 @@ def level_summary(step_records: list[dict]) -> dict[str, dict]:
             for lv, t in sorted(totals.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
 
 
-def read_run(study: Study, folder: Path) -> tuple[str, dict]:
+def read_run(study: Study, folder: Path, name: str | None = None) -> tuple[str, dict]:
     """(label, what the figures need) of one train.py run folder: its eval curve, its per-level train-time
-    summary and, with --checkpoints true, each saved checkpoint's scores."""
+    summary and, with --checkpoints true, each saved checkpoint's scores. `name`: the folder's name in the
+    tables (evaluate.folder_labels tells runs/a/demo and runs/b/demo apart)."""
     metrics = folder / "metrics.jsonl"
-    if not metrics.exists():
-        raise SystemExit(f"dynamics: {metrics} not found (expected a train.py run folder)")
+    if not metrics.is_file():
+        raise faults.UserError(f"--runs {folder}: {metrics} not found; expected a train.py run folder")
     records, torn = tracking.read_metrics(metrics)
     if torn:
         faults.say(f"dynamics: {metrics}: line(s) {', '.join(map(str, torn))} torn (not a JSON record); "
                    f"left out")
     run_cfg = read_config(folder / "config.json")
-    label = f"{folder.name} ({run_cfg.get('method', '?')})"
+    label = f"{name or folder.name} ({run_cfg.get('method', '?')})"
     evals = [r for r in records if "eval" in r]
     key = next((k for r in evals for k in r if k.startswith("avg@")), None)
     run = {"folder": str(folder), "config": run_cfg,
@@ -87,20 +89,29 @@ def read_config(path: Path) -> dict:
 
 
 def score_checkpoint(study: Study, folder: Path, ckpt: Path, run_cfg: dict) -> dict:
-    """avg@k and pass@k of one checkpoint on --bench, from OUT/scores/<run>/ or evaluated now and cached."""
+    """avg@k and pass@k of one checkpoint on --bench, from OUT/scores/<run>/ or evaluated now and cached.
+    The cache records what it measured (the checkpoint's step and weights, the problems, k, the sampling
+    settings: harness/measured.py) and is named by it, so two runs of one folder name (runs/a/demo,
+    runs/b/demo) or a checkpoint trained anew never take each other's scores."""
     cfg, o = study.cfg, study.opts
-    cache = study.out / "scores" / folder.name / f"{ckpt.name}_{o['bench']}_k{o['k']}.json"
-    if not cache.exists():
-        eval_cfg = dataclasses.replace(cfg, model=str(ckpt), **{
-            k: run_cfg[k] for k in ("prompt_style", "few_shot", "answer_fallback") if k in run_cfg})
-        model, tokenizer, _ = load_policy(eval_cfg)
-        result = evaluate.evaluate_problems(model, tokenizer, load_study_problems(o["bench"], o["limit"], []),
-                                            eval_cfg, k=o["k"], max_new_tokens=cfg.max_new_tokens,
-                                            desc=f"{folder.name}/{ckpt.name}")
-        result.pop("records")
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(result, indent=2))
-        del model
+    eval_cfg = dataclasses.replace(cfg, model=str(ckpt), **{
+        k: run_cfg[k] for k in ("prompt_style", "few_shot", "answer_fallback") if k in run_cfg})
+    problems = load_study_problems(o["bench"], o["limit"], [], "--bench")
+    wanted = measured.of_evaluation(eval_cfg, str(ckpt), problems, o["k"], cfg.max_new_tokens,
+                                    bench=o["bench"])
+    key = measured.problems_hash([wanted])[7:19]
+    cache = study.out / "scores" / folder.name / f"{ckpt.name}_{Path(o['bench']).name}_k{o['k']}_{key}.json"
+    cached = measured.read_cache(cache, wanted, faults.say)
+    if cached is not None:
+        return cached
+    model, tokenizer, _ = load_policy(eval_cfg)
+    result = evaluate.evaluate_problems(model, tokenizer, problems, eval_cfg, k=o["k"],
+                                        max_new_tokens=cfg.max_new_tokens, desc=f"{folder.name}/{ckpt.name}")
+    result.pop("records")
+    result["measured"] = wanted
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(cache, result, indent=2)
+    del model
     return json.loads(cache.read_text())
 
 
@@ -118,8 +129,7 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     ax.set_ylabel("held-out accuracy (train.py eval)")
     legend_if_any(ax)
     fig.tight_layout()
-    fig.savefig(figures[0], dpi=110)
-    plt.close(fig)
+    save_png(fig, figures[0], dpi=110)
     levels = sorted({lv for run in runs.values() for lv in run["levels"]}, key=lambda x: (len(x), x))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(len(runs), 1)
@@ -134,8 +144,7 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
         ax.set_ylabel(name)
         legend_if_any(ax)
     fig.tight_layout()
-    fig.savefig(figures[1], dpi=110)
-    plt.close(fig)
+    save_png(fig, figures[1], dpi=110)
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for label, run in runs.items():
         if run["checkpoints"]:
@@ -145,8 +154,7 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     ax.set_ylabel(f"pass@{o['k']} on {literal(o['bench'])}")
     legend_if_any(ax)
     fig.tight_layout()
-    fig.savefig(figures[2], dpi=110)
-    plt.close(fig)
+    save_png(fig, figures[2], dpi=110)
     return figures
 
 
@@ -154,8 +162,9 @@ def run_dynamics(study: Study) -> None:
     t0 = time.perf_counter()
     o = study.opts
     if not o["runs"]:
-        raise SystemExit("dynamics: give one or more run folders with --runs")
-    runs = dict(read_run(study, folder) for folder in map(Path, o["runs"]))
+        raise faults.UserError("dynamics: no run folder given; expected one or more with --runs")
+    runs = dict(read_run(study, Path(folder), name)
+                for folder, name in zip(o["runs"], evaluate.folder_labels(o["runs"])))
     figures = dynamics_figures(study, runs)
     rows = [[label, f"level {lv}", s["prompts"], s["leaves"], 100 * s["pass_rate"]]
             for label, run in runs.items() for lv, s in run["levels"].items()]

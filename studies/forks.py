@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import html
 import itertools
-import json
 import random
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from tqdm import tqdm
 import config as C
 import models
 import rollout as R
+from harness import atomic
 from harness.figures import literal
 from studies import growth
 from studies.common import (
@@ -46,7 +46,9 @@ from studies.common import (
     pass_rate,
     pm,
     pyplot,
+    read_result,
     sampling_setup,
+    save_png,
     t_interval,
     verdict,
     write_outputs,
@@ -146,11 +148,11 @@ def run_forks(study: Study) -> None:
     whole procedure five times)."""
     t0 = time.perf_counter()
     cfg, o = study.cfg, study.opts
+    records = read_result(study)["records"] if o.get("from_result") else None   # its options too
     strategies = FORK_STRATEGIES
     if o.get("strategies"):
         strategies = [s for s in FORK_STRATEGIES if s[0] in o["strategies"]]
-    if o.get("from_result"):   # the tables, intervals and figures again from a finished run's records
-        records = json.loads((study.out / "result.json").read_text())["records"]
+    if records is not None:   # the tables, intervals and figures again from a finished run's records
         strategies = [s for s in strategies if any(r["strategy"] == s[0] for r in records)]
         summary, table = summarise_forks(records, strategies, o, len({r["problem"] for r in records}),
                                          cfg.embed_model)
@@ -296,8 +298,7 @@ def forks_figures(study, strategies: list, summary: dict, table: str, seconds: f
     fig.suptitle(f"forking strategies on one fixed base rollout (K = {o['k']}, B = {o['b']})")
     fig.tight_layout()
     figures = [study.out / "fork_table.png", study.out / "localization.png"]
-    fig.savefig(figures[0], dpi=110)
-    plt.close(fig)
+    save_png(fig, figures[0], dpi=110)
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.4))
     for ax, metric in zip(axes, ("NND", "MPD", "WCR@5", "WCR@10")):
         ax.bar(range(len(loc)), [summary[s][metric] or 0.0 for s in loc],
@@ -305,8 +306,7 @@ def forks_figures(study, strategies: list, summary: dict, table: str, seconds: f
         ax.set_xticks(range(len(loc)), loc, rotation=20, fontsize=8)
         ax.set_title(metric + (" ↓" if metric in ("NND", "MPD") else " ↑"))
     fig.tight_layout()
-    fig.savefig(figures[1], dpi=110)
-    plt.close(fig)
+    save_png(fig, figures[1], dpi=110)
     write_outputs(study, {"summary": summary, "records": records, "figures": [str(f) for f in figures]},
                   table, seconds)
 
@@ -396,8 +396,7 @@ def render_forks_png(pieces, entropies, forks_by: dict[str, list[int]], title: s
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.28 / fig_h), ncol=len(names),
                fontsize=8, frameon=False)
     fig.suptitle(literal(title), y=0.995, fontsize=9)   # the problem's text, as written
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 def run_show_forks(study: Study) -> None:
@@ -418,7 +417,7 @@ def run_show_forks(study: Study) -> None:
     title = f"{problem['problem']}  (gold {problem['answer']}; {len(tokens)} tokens; K = {o['k']})"
     figures = [study.out / "forks.png", study.out / "forks.html"]
     render_forks_png(pieces, entropies, forks_by, title, figures[0])
-    figures[1].write_text(render_forks_html(pieces, entropies, forks_by, title))
+    atomic.write_text(figures[1], render_forks_html(pieces, entropies, forks_by, title))
     rows = [[name, str(forks), *(localization(forks, len(tokens)).values())]
             for name, forks in forks_by.items()]
     table = markdown_table(["strategy", "forks (prefix lengths)", "NND", "MPD", "WCR@5", "WCR@10"], rows)

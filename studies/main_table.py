@@ -20,7 +20,7 @@ import config as C
 import evaluate
 import models
 import train
-from harness import faults, tracking
+from harness import atomic, faults, measured, runs, tracking
 from harness.figures import literal
 from studies.common import (
     Study,
@@ -31,6 +31,7 @@ from studies.common import (
     markdown_table,
     pm,
     pyplot,
+    save_png,
     t_interval,
     train_command,
     verdict,
@@ -91,36 +92,60 @@ def cell_config(study: Study, preset: str, seed: int, run_dir: Path, **overrides
 
 
 def train_cell(cfg: C.Config) -> Path:
-    """Train one cell unless its last checkpoint is there; a cell killed part-way resumes from its latest
-    checkpoint (train.py --resume), one killed before any checkpoint starts again."""
+    """Train one cell unless its checkpoint at --steps is there; a cell killed part-way resumes from its
+    latest checkpoint (train.py --resume), one killed before any checkpoint starts again. A cell folder
+    trained with another experiment (the study's flags changed since) or past --steps without a checkpoint at
+    --steps is one UserError line: its checkpoint would be scored as this cell's."""
     run_dir = Path(cfg.out_dir)
+    saved = run_dir / "config.json"
+    if saved.is_file():
+        try:
+            trained = json.loads(saved.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            trained = None   # torn: train.py's resume names it
+        changes = {k: v for k, v in runs.config_changes(trained or {}, json.loads(cfg.to_json())).items()
+                   if k not in runs.RESUME_MAY_CHANGE}
+        if changes and models.resolve_checkpoint(str(run_dir)) != str(run_dir):
+            listed = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in list(changes.items())[:4])
+            raise faults.UserError(f"main-table: the cell {run_dir} was trained with other settings "
+                                   f"({listed}); expected the flags the study ran with, another --out_dir, "
+                                   f"or that cell's folder deleted to train it again")
+    final = run_dir / "checkpoints" / f"step_{cfg.steps:06d}"
+    if (final / "trainer_state.pt").exists():
+        return final
     latest = models.resolve_checkpoint(str(run_dir))
-    if latest != str(run_dir) and Path(latest).name == f"step_{cfg.steps:06d}":
-        return Path(latest)
+    if latest != str(run_dir) and runs.step_of(Path(latest)) > cfg.steps:
+        raise faults.UserError(f"main-table: the cell {run_dir} trained to {Path(latest).name}, past "
+                               f"--steps {cfg.steps}, and keeps no checkpoint at step {cfg.steps}; expected "
+                               f"the --steps it ran with, or another --out_dir")
     resume = latest != str(run_dir)
     train.train(dataclasses.replace(cfg, resume=str(run_dir) if resume else "", overwrite=not resume))
     return Path(models.resolve_checkpoint(str(run_dir)))
 
 
 def evaluate_cell(study: Study, cfg: C.Config, checkpoint: Path, cache: Path) -> dict:
-    """avg@k and pass@1…k of a trained cell on the study's held-out problems; cached in `cache` (a finished
-    cell is never evaluated again)."""
-    if cache.exists():
-        return json.loads(cache.read_text())
+    """avg@k and pass@1…k of a trained cell on the study's held-out problems; cached in `cache` with what it
+    measured (the checkpoint's step and weights, the problems, k, the sampling settings: harness/measured.py)
+    and reused only for exactly that — a cell trained on since is evaluated again, never reported with its
+    earlier checkpoint's scores."""
     o = study.opts
     eval_cfg = dataclasses.replace(cfg, model=str(checkpoint))
+    problems = load_study_problems(o["bench"], o["limit"], [], "--bench")
+    wanted = measured.of_evaluation(eval_cfg, str(checkpoint), problems, o["k"], cfg.eval_max_new_tokens,
+                                    bench=o["bench"])
+    cached = measured.read_cache(cache, wanted, faults.say)
+    if cached is not None:
+        return cached
     model, tokenizer, _ = load_policy(eval_cfg)
     torch.manual_seed(cfg.seed)
-    result = evaluate.evaluate_problems(model, tokenizer, load_study_problems(o["bench"], o["limit"], []),
-                                        eval_cfg, k=o["k"], max_new_tokens=cfg.eval_max_new_tokens,
+    result = evaluate.evaluate_problems(model, tokenizer, problems, eval_cfg, k=o["k"],
+                                        max_new_tokens=cfg.eval_max_new_tokens,
                                         desc=f"{checkpoint.parent.parent.name}: eval")
     correct = correct_counts(result.pop("records"), result["n_problems"])
     out = {"avg@k": result["avg@k"], "pass_curve": pass_curve(correct, o["k"]), "correct": correct,
-           "seconds": result["seconds"], "checkpoint": str(checkpoint)}
+           "seconds": result["seconds"], "checkpoint": str(checkpoint), "measured": wanted}
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(cache)
+    atomic.write_json(cache, out, indent=2)
     return json.loads(cache.read_text())   # the types of a later, cached read (pass_curve keys as strings)
 
 
@@ -134,7 +159,7 @@ def run_cell(study: Study, preset: str, seed: int, overrides: dict) -> tuple[str
     steps = step_records(Path(cfg.out_dir))
     return name, {"preset": preset, "seed": seed, "run": cfg.out_dir, "group_size": cfg.group_size,
                   "avg@k": score["avg@k"], "pass_curve": {int(j): v for j, v in score["pass_curve"].items()},
-                  "correct": score["correct"],
+                  "correct": score["correct"], "measured": score["measured"],
                   "tokens_per_problem": sum(r["generated_tokens_per_prompt"] for r in steps) / len(steps),
                   **{p: sum(r[p] for r in steps) / len(steps) for p in PHASES + ("seconds_step",)}}
 
@@ -265,5 +290,4 @@ def plot_main_table(summary: dict, o: dict, path: Path) -> None:
     ax.set_ylabel(f"pass@k on {literal(o['bench'])} (95 % interval over seeds)")
     legend_if_any(ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)

@@ -11,7 +11,6 @@ point with the parallel M nearest in tokens.
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 
@@ -21,6 +20,7 @@ from tqdm import tqdm
 
 import models
 import rollout as R
+from harness import faults
 from harness.figures import literal
 from studies import growth
 from studies.common import (
@@ -35,7 +35,9 @@ from studies.common import (
     pass_rate,
     pm,
     pyplot,
+    read_result,
     sampling_setup,
+    save_png,
     t_interval,
     verdict,
     write_outputs,
@@ -60,14 +62,14 @@ def run_tree_vs_parallel(study: Study) -> None:
     t0 = time.perf_counter()
     cfg, o = study.cfg, study.opts
     if o.get("from_result"):   # the table, intervals and figure again from a finished run's records
-        records = json.loads((study.out / "result.json").read_text())["records"]
+        records = read_result(study)["records"]   # one line when missing, torn or of other settings
         summary, table = summarise_tree_vs_parallel(records, o, len({r["problem"] for r in records}))
         return tree_vs_parallel_figure(study, summary, table, time.perf_counter() - t0, records)
-    setup = sampling_setup(study)
     m_max, n_max = max(o["parallel_m"]), max(o["tree_n"])
     if n_max > m_max:
-        raise ValueError(f"--tree_n {n_max} > max --parallel_m {m_max}: trees take their bases from the "
-                         "parallel samples")
+        raise faults.UserError(f"--tree_n {n_max} > max --parallel_m {m_max}: trees take their bases from "
+                               "the parallel samples; expected each --tree_n at most the largest M")
+    setup = sampling_setup(study)
     rng = random.Random(cfg.seed)
     per_call = max(1, cfg.gen_batch_size // m_max)
     n_problems = len(setup.problems)
@@ -181,6 +183,5 @@ def tree_vs_parallel_figure(study, summary: dict, table: str, seconds: float, re
     ax.legend()
     fig.tight_layout()
     figure = study.out / "tree_vs_parallel.png"
-    fig.savefig(figure, dpi=110)
-    plt.close(fig)
+    save_png(fig, figure, dpi=110)
     write_outputs(study, {"summary": summary, "records": records, "figures": [str(figure)]}, table, seconds)

@@ -151,7 +151,8 @@ def test_a_running_evaluation_holds_its_folder(tmp_path, capsys):
     ({"k": "4"}, False, "samples_arith-test.jsonl holds 8 samples of arith-test made with other settings "
                         "(k 2 -> 4); rerun with those to reuse them"),
     ({"limit": "3"}, False, "samples_arith-test.jsonl holds 8 samples of arith-test made with other settings "
-                            "(problems: another --limit or --bench file); rerun with those to reuse them"),
+                            "(problems: other rows (another --limit or --bench file, or one edited)); "
+                            "rerun with those to reuse them"),
     ({"k": "4"}, True, "samples_arith-test.jsonl holds 8 samples of arith-test made with other settings "
                        "(k 2 -> 4); rerun with those to reuse them"),
     ({"temperature": "0.5", "bench": "arith-train"}, False,
@@ -427,7 +428,7 @@ def _full_write_text(path_name):
     real = Path.write_text
 
     def write_text(self, text, *args, **kwargs):
-        if self.name == path_name:
+        if self.name.startswith(path_name):   # .NAME.<random>.tmp: harness/atomic.py's temporary file
             real(self, text[: len(text) // 2], *args, **kwargs)
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
         return real(self, text, *args, **kwargs)
@@ -438,7 +439,7 @@ def test_a_full_disk_at_results_json_keeps_the_previous_one(evaluated, tmp_path,
     """b940752: an OSError traceback and a results.json cut in half."""
     out = copy_of(evaluated, tmp_path)
     before = folder_hash(out)
-    monkeypatch.setattr(Path, "write_text", _full_write_text(".results.json.tmp"))
+    monkeypatch.setattr(Path, "write_text", _full_write_text(".results.json."))   # its temporary file
     line = refused(capsys, TINY + ["--out_dir", str(out)], code=4)
     assert line == (f"evaluate.py: error: writing {out / 'results.json'}: disk full (No space left on "
                     f"device); the samples are saved and the previous results.json is intact; free space and "
