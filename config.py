@@ -22,7 +22,7 @@ from harness import checks
 
 @dataclass
 class Config:
-    # ---- what to train -------------------------------------------------------------------------------
+    # ---- model and data ------------------------------------------------------------------------------
     method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines")
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
     train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. F.1)
@@ -32,8 +32,24 @@ class Config:
                                             # template; plain: Q/A
     few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
     answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
+    reward: list[str] = field(default_factory=list)  # your reward functions instead of the grader:
+                                            # FILE.py:FUNCTION or module:function with TRL's signature
+                                            # fn(prompts, completions, **columns) -> list[float]
+                                            # (harness/custom_reward.py); several are summed by
+                                            # --reward_weights. Empty: the binary math grader
+                                            # (reward.compute_reward, Sec. 5.1). Evaluation always grades
+                                            # correctness with the grader
+    reward_weights: list[float] = field(default_factory=list)  # one weight per --reward (TRL's
+                                            # reward_weights); empty: 1 each
+    dataset_config: str = ""                # an HF hub --train_data / --eval_data's config name
+                                            # ("" = its default)
+    prompt_column: str = ""                 # the prompt's column in a file or hub set; "" = problem,
+                                            # question or prompt (a conversational prompt, TRL's format,
+                                            # comes first)
+    answer_column: str = ""                 # the gold answer's column; "" = answer, final_answer or solution
+                                            # (its last \boxed{}, else the answer math-verify finds in it)
 
-    # ---- tree rollout (Sec. 4.1, App. C/D) -----------------------------------------------------------
+    # ---- rollout and tree (Sec. 4.1, App. C/D) -------------------------------------------------------
     n_base: int = 4                         # N base responses per prompt
     k_max: int = 3                          # K_max forking points per base response
     b_max: int = 4                          # B_max branches per forking point
@@ -53,7 +69,7 @@ class Config:
     attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. F.2)
 
     # ---- sampling ------------------------------------------------------------------------------------
-    temperature: float = 1.0
+    temperature: float = 1.0                # of rollouts and evaluation (App. F.1: 1.0)
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
     max_new_tokens: int = 1024              # per generation, base or branch (App. F.2)
@@ -93,14 +109,18 @@ class Config:
                                             # (advantage.release_sibling_diversity)
     embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline); gte
                                             # runs its own code from the hub: needs --trust_remote_code true
-    embed_batch_size: int = 64
+    embed_batch_size: int = 64              # texts per embedder call
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line
 
-    # ---- optimisation (App. F.2 "Training Hyperparameters") ------------------------------------------
-    lr: float = 5e-6                        # constant
-    beta1: float = 0.9
-    beta2: float = 0.999
+    # ---- update (App. F.2 "Training Hyperparameters") ------------------------------------------------
+    lr: float = 5e-6                        # AdamW learning rate (App. F.2: 5e-6, constant)
+    lr_schedule: str = "constant"           # after the warmup: constant (the paper) | linear | cosine decay
+                                            # towards 0 at --steps; set per training step (optim.lr_at)
+    warmup_ratio: float = 0.0               # fraction of --steps over which the lr rises linearly to --lr
+                                            # (0 = none, the paper)
+    beta1: float = 0.9                      # AdamW β1
+    beta2: float = 0.999                    # AdamW β2
     weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
     optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16
                                             # moments for bf16 weights, v never decays, small updates round
@@ -122,8 +142,9 @@ class Config:
     micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. F.2: 2)
     packed_attention: str = "auto"          # auto: flex_attention on CUDA, else tree (SDPA per segment over
                                             # its ancestors); dense: one [L, L] mask (the reference path)
-    precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
-                                            # meant there) | bf16-autocast (fp32 master weights) | fp32
+    precision: str = "bf16"                 # bf16: pure bf16 weights and AdamW (the release: lr 5e-6 means
+                                            # what it meant there) | bf16-autocast: fp32 weights, bf16
+                                            # autocast (TRL's bf16=True) | fp32
     gradient_checkpointing: bool = True     # recompute activations in backward: less memory, ~1/3 more update
                                             # compute. On at paper scale: the update's computed peak at 8,192
                                             # tokens is 68 GB of an 80 GB GPU without it (93 GB with
@@ -131,15 +152,15 @@ class Config:
                                             # (bench_update.memory_table)
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
-    # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
-    eval_data: str = "math500"
+    # ---- evaluation (Sec. 5.1) -----------------------------------------------------------------------
+    eval_data: str = "math500"              # held-out set, a --train_data source (App. F.1: MATH500)
     eval_every: int = 40                    # steps; 0 = never (authors' release: 40)
     eval_limit: int = 0                     # problems; 0 = all
     eval_k: int = 8                         # samples per problem for avg@k during training
     eval_max_new_tokens: int = 2048         # App. F.1
 
-    # ---- bookkeeping ---------------------------------------------------------------------------------
-    seed: int = 0
+    # ---- run -----------------------------------------------------------------------------------------
+    seed: int = 0                           # data order, sampling, forks, mini-batches: a run repeats
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
     threads: int = 0                        # torch CPU threads; 0 = torch default
     out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
@@ -161,6 +182,9 @@ class Config:
                                             # (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N;
                                             # 0 = never
+    log_completions_every: int = 0          # steps; every leaf's prompt, completion, reward and advantages
+                                            # as a table in --report_to's trackers at step 1 and every N
+                                            # (TRL's log_completions); 0 = never
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid (harness/checks.py: every choice in its list,

@@ -212,16 +212,18 @@ def resume_source(resume: str) -> str | None:
     return None
 
 
-def load_data(source: str, flag: str, limit: int | None = None) -> list[dict]:
-    """data.load_problems with its errors (which name the file and row) as UserErrors; no problems is one."""
+def load_data(source: str, flag: str, limit: int | None = None, **options) -> list[dict]:
+    """data.load_problems with its errors (which name the file and row) as UserErrors; no problems is one.
+    `options`: load_problems' dataset_config, prompt_column, answer_column, keep_columns (data.options)."""
     import data
 
-    if source.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(source):
-        raise UserError(f"{flag} {source}: no such file; expected a .jsonl/.json/.parquet file or one of "
-                        f"{', '.join(data.NAMED_SOURCES)}")
+    if source.endswith(data.DATA_FILES) and not os.path.exists(source):
+        raise UserError(f"{flag} {source}: no such file; expected a {'/'.join(data.DATA_FILES)} file or one "
+                        f"of {', '.join(data.NAMED_SOURCES)}")
     try:
         skip = (lambda line: say(f"{flag} {source}: {line}")) if flag == "--train_data" else None
-        problems = data.load_problems(source, limit, skip)   # unmatchable golds: skipped in training only
+        # unmatchable golds: skipped in training only
+        problems = data.load_problems(source, limit, skip, **options)
     except (FileNotFoundError, ValueError) as err:
         raise UserError(f"{flag} {source}: {err}") from None
     except OSError as err:
