@@ -50,7 +50,7 @@ import offpolicy
 import packing as P
 import rollout as R
 import tree as T
-from harness import checks, cli, faults, guards, loop, oom, tracking
+from harness import checks, cli, custom_reward, faults, guards, loop, oom, tracking
 from harness import distributed as D
 from harness.loop import RunState, Setup
 
@@ -62,8 +62,8 @@ def train_step(s: Setup, run: RunState) -> dict:
     """One step of Algorithm DATPO (App. E), or of the method's baseline; returns its metrics record."""
     cfg, method, step, t_step = s.cfg, s.method, run.step, time.perf_counter()
     # q ~ Q (off-policy: drawn, bases sampled, last step)
-    batch = run.ahead or offpolicy.Batch(*sample_prompts(s, run))
-    upcoming = offpolicy.Batch(*sample_prompts(s, run)) \
+    batch = run.ahead or sample_prompts(s, run)
+    upcoming = sample_prompts(s, run) \
         if offpolicy.wants_next_batch(cfg.off_policy_steps, step, cfg.steps) else None   # step t+1's prompts
 
     # ---- Phase 1+2: tree rollouts (off-policy: step t+1's N base responses decode in the same batch) ----
@@ -122,7 +122,9 @@ def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: off
         trees, stats, *ahead = R.rollout_trees(s.model, s.tokenizer, mine.prompts, mine.answers, cfg,
                                                D.rollout_rng(run.rng, cfg.seed, step), method=s.method,
                                                levels=mine.levels, progress=D.is_main(), bases=mine.bases,
-                                               ahead=theirs.prompts if theirs else None, backoff=s.backoff)
+                                               ahead=theirs.prompts if theirs else None, backoff=s.backoff,
+                                               score=custom_reward.scorer(s.reward, s.tokenizer, s.problems,
+                                                                          mine.indices, step))
     for tr in trees:
         tr.policy_lag = batch.lag(step)
     if upcoming:   # every rank keeps the whole next batch (a checkpoint saves it; ranks take their share)
@@ -130,14 +132,15 @@ def tree_rollouts(s: Setup, run: RunState, batch: offpolicy.Batch, upcoming: off
     return trees, stats, upcoming
 
 
-def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]:
-    """The step's prompts, answers and difficulty levels, drawn from the data stream at run.cursor. With
-    --max_prompt_tokens > 0 longer prompts are skipped and counted (each named once); a prompt that cannot fit
-    the model's context is an error (check_fits). A problem whose characters alone exceed what the bound can
-    hold in tokens is judged before tokenizing it: a 50 MB problem costs no minutes (data.surely_too_long)."""
+def sample_prompts(s: Setup, run: RunState) -> offpolicy.Batch:
+    """The step's prompts, answers, difficulty levels and problem indices (an offpolicy.Batch), drawn from the
+    data stream at run.cursor. With --max_prompt_tokens > 0 longer prompts are skipped and counted (each
+    named once); a prompt that cannot fit the model's context is an error (check_fits). A problem whose
+    characters alone exceed what the bound can hold in tokens is judged before tokenizing it: a 50 MB
+    problem costs no minutes (data.surely_too_long)."""
     cfg, tokenizer = s.cfg, s.tokenizer
     context = faults.model_context(s.model)
-    prompts, answers, levels = [], [], []
+    prompts, answers, levels, indices = [], [], [], []
     misses = 0
     while len(prompts) < run.batch_size:
         index = data.problem_index(len(s.problems), run.cursor, cfg.seed)
@@ -165,7 +168,8 @@ def sample_prompts(s: Setup, run: RunState) -> tuple[list[str], list[str], list]
         prompts.append(prompt)
         answers.append(problem["answer"])
         levels.append(problem.get("level"))
-    return prompts, answers, levels
+        indices.append(index)
+    return offpolicy.Batch(prompts, answers, levels, indices=indices)
 
 
 def check_fits(n_prompt: int, cfg, context: int | None, where: str) -> None:

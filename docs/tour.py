@@ -174,7 +174,8 @@ def planned(trace: Trace, trees: list[T.Tree]) -> list[Planned]:
 
 def render(trace: Trace, s: loop.Setup, record: dict, commit: str) -> str:
     cfg, tok = s.cfg, s.tokenizer
-    prompts, answers, _ = trace.of("sample_prompts")[0][3]
+    drawn = trace.of("sample_prompts")[0][3]            # an offpolicy.Batch
+    prompts, answers = drawn.prompts, drawn.answers
     trees = trace.of("rollout_trees")[0][3][0]
     plans = planned(trace, trees)
     return "\n".join([intro(cfg, commit), section_prompts(prompts, answers), section_bases(plans, tok),

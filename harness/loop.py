@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import attention
 import config as C
+import data
 import engine as E
 import evaluate
 import methods as M
@@ -38,8 +39,8 @@ import offpolicy
 import optim as O
 import tree as T
 from advantage import BlockScore
+from harness import custom_reward, faults, guards, inject, runs, signals, tracking
 from harness import distributed as D
-from harness import faults, guards, inject, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
 
@@ -97,6 +98,7 @@ class Setup:
     eval_problems: list[dict]
     # the rollout engine's sizes after running out of memory
     backoff: E.Backoff = field(default_factory=E.Backoff)
+    reward: custom_reward.Rewards | None = None   # --reward's functions; None: the grader
 
     @property
     def pad_id(self) -> int:
@@ -134,7 +136,8 @@ def _train(cfg: C.Config, step: Callable, stop: signals.GracefulStop, held: cont
             log.say(f"stopped by {stop.requested} before step {run.step + 1}")
             return s.run_dir
         inject.crash_point("step")
-        record = step(s, run)
+        lr = O.schedule_lr(s.optimizer, cfg, run.step)   # --lr_schedule, --warmup_ratio (optim.lr_at)
+        record = {**step(s, run), **lr, **custom_reward.step_means(s.reward)}
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = (
             run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"]
             else 0)
@@ -195,9 +198,10 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     models.check_loadable(checkpoint or cfg.model, wants_embedder and cfg.embed_model, cfg.trust_remote_code)
     if wants_embedder:
         faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
-    problems = faults.load_data(cfg.train_data, "--train_data")
-    eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None)
-                     if cfg.eval_every else [])
+    problems = faults.load_data(cfg.train_data, "--train_data", **data.options(cfg))
+    eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None,
+                                      **data.options(cfg, training=False)) if cfg.eval_every else [])
+    reward = custom_reward.load(cfg, problems)   # --reward: the functions, loaded and checked now
     torch.manual_seed(cfg.seed)
 
     source = checkpoint or cfg.model
@@ -238,7 +242,7 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
         else None
     guard = guards.WeightGuard(model, optimizer, cfg.guard_weights)
     return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, guard, embedder,
-                 problems, eval_problems), run
+                 problems, eval_problems, reward=reward), run
 
 
 def pending_eval_due(run_dir: Path, state: dict) -> bool:
@@ -353,11 +357,14 @@ def nonfinite_guard(s: Setup, run: RunState, record: dict) -> None:
 def log_trees(s: Setup, step: int, trees: list[T.Tree], scores: list[list[BlockScore]], alpha: float) -> None:
     """RUN/trees/step_XXXXXX.jsonl at step 1 and every --log_trees_every steps: each tree with its Phase 3
     records as the step computed them (tracking.write_trees; train_step embeds the blocks on these steps even
-    once α has annealed to 0, so Div_sib is always there to see)."""
+    once α has annealed to 0, so Div_sib is always there to see). At step 1 and every --log_completions_every
+    steps, every leaf's completion as a table in the trackers (tracking.completion_rows, Log.completions)."""
     cfg = s.cfg
     if D.is_main() and tracking.trees_due(step, cfg.log_trees_every):
         tracking.write_trees(s.run_dir, step, trees, s.tokenizer, scores, alpha, cfg.method,
                              cfg.value_estimate, cfg.sibling_groups)
+    if D.is_main() and tracking.trees_due(step, cfg.log_completions_every):   # TRL's log_completions
+        s.log.completions(step, tracking.completion_rows(trees, scores, s.tokenizer))
 
 
 def evaluate_and_save(s: Setup, run: RunState, stop: signals.GracefulStop, stopping: bool
