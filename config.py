@@ -25,7 +25,9 @@ class Config:
     # ---- model and data ------------------------------------------------------------------------------
     method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines")
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
-    train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. F.1)
+    train_data: str = "math-train"          # a named set, a .jsonl/.json/.parquet/.csv file or an HF dataset
+                                            # owner/name[:split] (data.load_problems); the paper: math-train,
+                                            # 12,000 MATH problems (App. F.1)
     prompt_style: str = "release"           # release: the authors' plain-text prompt (system text, Problem:,
                                             # instruction, Reasoning:), what their runs used (their
                                             # chat-template path is never taken); chat: tokenizer chat
@@ -99,16 +101,18 @@ class Config:
                                             # 0: on-policy
 
     # ---- advantage (Sec. 4.2, App. E) ----------------------------------------------------------------
-    alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
-    alpha_end: float = 0.0                  # ... to this value over the run (Table "alpha")
+    alpha_start: float = 0.2                # α of Eq. 4 (the sibling-diversity bonus) at the first step,
+                                            # annealed linearly to --alpha_end
+    alpha_end: float = 0.0                  # α at the last step (Table "alpha")
     alpha_scope: str = "positive"           # bonus only where A_base > 0 ("all" = the ablation)
     value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. E.1);
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
                                             # release = the authors' code's groups
                                             # (advantage.release_sibling_diversity)
-    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline); gte
-                                            # runs its own code from the hub: needs --trust_remote_code true
+    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # sentence embedder of Div_sib (App. F.2), or
+                                            # "all-minilm-l6-v2" (embedded, offline); gte runs its own code
+                                            # from the hub: needs --trust_remote_code true
     embed_batch_size: int = 64              # texts per embedder call
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line
@@ -121,17 +125,17 @@ class Config:
                                             # (0 = none, the paper)
     beta1: float = 0.9                      # AdamW β1
     beta2: float = 0.999                    # AdamW β2
-    weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
+    weight_decay: float = 0.0               # AdamW weight decay; paper silent, authors' release uses 0.0
     optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16
                                             # moments for bf16 weights, v never decays, small updates round
                                             # away); fp32 = fp32 moments + fp32 master copy (optim.py; for
                                             # new work)
-    clip_low: float = 0.2                   # ε for ratio < 1
-    clip_high: float = 0.2                  # ε for ratio > 1 (GRPO clip-higher: 0.28)
-    max_grad_norm: float = 1.0              # paper silent; authors' release uses 1.0
+    clip_low: float = 0.2                   # PPO clip ε for ratio < 1
+    clip_high: float = 0.2                  # PPO clip ε for ratio > 1 (GRPO clip-higher: 0.28)
+    max_grad_norm: float = 1.0              # gradient-norm clip; paper silent, authors' release uses 1.0
     loss_norm: str = "token"                # token: / total tokens (DAPO, Eq. DATPO); constant: Dr.GRPO
-    ppo_epochs: int = 2                     # paper silent; authors' release uses 2
-    prompts_per_step: int = 16
+    ppo_epochs: int = 2                     # passes over a step's blocks; paper silent, authors' release: 2
+    prompts_per_step: int = 16              # prompts sampled per step (App. F.2: 16)
     mini_batch_size: int = 64               # blocks per optimizer step
                                             # (App. F.2 counts contiguous blocks: 64)
     mini_batch_grouping: str = "trees"      # trees: whole trees shuffled per epoch, ~mini_batch_size blocks;
@@ -157,17 +161,18 @@ class Config:
     eval_every: int = 40                    # steps; 0 = never (authors' release: 40)
     eval_limit: int = 0                     # problems; 0 = all
     eval_k: int = 8                         # samples per problem for avg@k during training
-    eval_max_new_tokens: int = 2048         # App. F.1
+    eval_max_new_tokens: int = 2048         # new tokens per evaluation sample (App. F.1: 2048)
 
     # ---- run -----------------------------------------------------------------------------------------
     seed: int = 0                           # data order, sampling, forks, mini-batches: a run repeats
-    device: str = "auto"                    # auto | cpu | cuda | cuda:N
+    device: str = "auto"                    # where the model runs: auto | cpu | cuda | cuda:N
     threads: int = 0                        # torch CPU threads; 0 = torch default
-    out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
+    out_dir: str = ""                       # the run folder; "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
     keep_checkpoints: int = 0               # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0)
-                                            # or checkpoint
+                                            # or checkpoint; given alone, the run continues with its own
+                                            # config.json (other flags given with it are changes)
     overwrite: bool = False                 # a fresh run into a folder holding a run replaces it
                                             # (else an error)
     allow_config_change: bool = False       # --resume with experiment-changing fields changed (else an error)
@@ -178,8 +183,8 @@ class Config:
     stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in progress; 0 = wait
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp
                                             # (distributed.py)
-    report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb
-                                            # (several: a list)
+    report_to: list[str] = field(default_factory=lambda: ["none"])  # experiment trackers: none |
+                                            # tensorboard | wandb (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N;
                                             # 0 = never
     log_completions_every: int = 0          # steps; every leaf's prompt, completion, reward and advantages
