@@ -279,7 +279,7 @@ def parse_args(argv: list[str] | None = None, description: str = "DATPO training
     argv = aliases.hydra_pairs(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(description, help_defaults(argv), saved_config=True)
     args = parser.parse_args(argv)
-    preset = scanned(argv, "--preset")   # given, or the default
+    preset = args.preset if scanned(argv, "--preset") is not None else None   # None: not given
     try:
         return config_of(args, preset)
     except ValueError as err:

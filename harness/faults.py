@@ -234,6 +234,19 @@ def load_data(source: str, flag: str, limit: int | None = None, **options) -> li
     return problems
 
 
+def check_conversational(tokenizer, model: str, data: dict[str, list[dict]]) -> None:
+    """A conversational dataset (TRL's: prompts as lists of messages; data: {flag: its problems}) goes through
+    the tokenizer's chat template (data.format_prompt): a tokenizer without one is refused at load, not at
+    the first prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    for flag, problems in data.items():
+        if any(isinstance(p["problem"], list) for p in problems):
+            raise UserError(f"{flag}: its prompts are conversational (lists of messages), which need a chat "
+                            f"template; the tokenizer of --model {model} has none: expected a model with "
+                            f"one, or prompts as text")
+
+
 def model_context(model) -> int | None:
     """The model's context length (max position embeddings), when its config says."""
     return getattr(model.config, "max_position_embeddings", None)

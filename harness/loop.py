@@ -211,6 +211,7 @@ def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunS
     except OSError as err:
         raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
     models.check_chat_template(tokenizer, cfg.prompt_style, source)   # --prompt_style chat: before any prompt
+    faults.check_conversational(tokenizer, source, {"--train_data": problems, "--eval_data": eval_problems})
     # an old checkpoint (before the weight guard) or a broken model
     if not guards.all_finite(model.parameters()):
         raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold "

@@ -169,6 +169,16 @@ def test_conversational_prompts_are_templated_once(smollm_tokenizer):
     assert not data.carries_template(plain, smollm_tokenizer) and plain.startswith(data.RELEASE_SYSTEM)
 
 
+def test_conversational_data_needs_a_chat_template():
+    class NoTemplate:
+        chat_template = None
+    rows = data.load_problems(str(FIXTURES / "train.jsonl"))
+    with pytest.raises(faults.UserError, match=r"^--train_data: its prompts are conversational .*--model m "
+                                               r"has none"):
+        faults.check_conversational(NoTemplate(), "m", {"--train_data": rows, "--eval_data": []})
+    faults.check_conversational(NoTemplate(), "m", {"--train_data": data.load_problems("arith-test", 2)})
+
+
 def test_trl_rows_load(tmp_path):
     problems = data.load_problems(str(FIXTURES / "train.jsonl"), keep_columns=True)
     assert problems[0]["problem"][-1] == {"role": "user", "content": "What is 2 + 3?"}
