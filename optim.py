@@ -130,10 +130,13 @@ def lr_at(step: int, lr: float, steps: int, schedule: str = "constant", warmup_r
 
 
 def schedule_lr(optimizer: torch.optim.Optimizer, cfg, step: int) -> dict:
-    """Set every parameter group's lr to lr_at(step) before training step `step` (0-based); returns
-    {"lr": value} for the step's metrics record when the lr varies over the run, {} at a constant lr (the
-    paper: its records stay as they were)."""
+    """When the lr varies over the run (--lr_schedule other than constant, or a warmup): set every parameter
+    group's lr to lr_at(step) before training step `step` (0-based) and return {"lr": value} for the step's
+    metrics record. At a constant lr (the paper) the optimizer is left as it was built and {} is returned:
+    its records and updates stay exactly as they were."""
+    if cfg.lr_schedule == "constant" and not cfg.warmup_ratio:
+        return {}
     lr = lr_at(step, cfg.lr, cfg.steps, cfg.lr_schedule, cfg.warmup_ratio)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    return {} if cfg.lr_schedule == "constant" and not cfg.warmup_ratio else {"lr": lr}
+    return {"lr": lr}

@@ -366,7 +366,7 @@ def test_schedule_lr_sets_the_optimizer_and_the_record():
     weight = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.AdamW([weight], lr=1.0)
     paper = C.make_config("tiny", lr=1e-3)
-    assert O.schedule_lr(optimizer, paper, 1) == {} and optimizer.param_groups[0]["lr"] == 1e-3
+    assert O.schedule_lr(optimizer, paper, 1) == {} and optimizer.param_groups[0]["lr"] == 1.0   # untouched
     warm = C.make_config("tiny", lr=1e-3, steps=4, warmup_ratio=0.5, lr_schedule="linear")
     assert O.schedule_lr(optimizer, warm, 0) == {"lr": 1e-3 / 3} == {"lr": optimizer.param_groups[0]["lr"]}
 
