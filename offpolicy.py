@@ -32,16 +32,19 @@ from engine.samples import Sample
 
 @dataclass
 class Batch:
-    """A step's prompts. `bases` (one-step off-policy): per prompt, its N base responses already sampled by
-    the engine (Samples: tokens, H_t and log p of each token under the sampling distribution), by the weights
-    of step `sampled_at` (0-based: the weights after that many updates). `indices`: each prompt's problem in
-    the training data (--reward functions receive its row's columns; None in older checkpoints)."""
+    """A step's prompts (prompts.PromptStream draws them). `bases` (one-step off-policy): per prompt, its N
+    base responses already sampled by the engine (Samples: tokens, H_t and log p of each token under the
+    sampling distribution), by the weights of step `sampled_at` (0-based: the weights after that many
+    updates); `ahead_prompts`: the next step's prompts, whose N base responses this step's rollout samples
+    in the same running batch (not saved: a checkpoint holds the next batch itself). `indices`: each prompt's
+    problem in the training data (--reward functions receive its row's columns; None in older checkpoints)."""
     prompts: list[str]
     answers: list[str]
     levels: list
     bases: list[list[Sample]] | None = None     # [prompt][j]
     sampled_at: int | None = None
-    indices: list[int] | None = None
+    ahead_prompts: list[str] | None = None      # the next step's prompts, whose bases this step samples
+    indices: list[int] | None = None            # each prompt's problem in the training data (--reward)
 
     def to_state(self) -> dict:
         """For trainer_state.pt: plain lists and numbers, a base response as [tokens, entropies, logprobs]."""
@@ -57,7 +60,7 @@ class Batch:
         bases = None if state["bases"] is None else [[Sample(*response) for response in per]
                                                      for per in state["bases"]]
         return cls(state["prompts"], state["answers"], state["levels"], bases, state["sampled_at"],
-                   state.get("indices"))
+                   indices=state.get("indices"))
 
     def lag(self, step: int) -> int:
         """policy_lag of its base tokens when trained at step `step` (0-based): updates since they were
@@ -68,7 +71,7 @@ class Batch:
         """Prompts [lo, hi): this rank's share under torchrun."""
         return Batch(self.prompts[lo:hi], self.answers[lo:hi], self.levels[lo:hi],
                      None if self.bases is None else self.bases[lo:hi], self.sampled_at,
-                     None if self.indices is None else self.indices[lo:hi])
+                     indices=None if self.indices is None else self.indices[lo:hi])
 
 
 def wants_next_batch(off_policy_steps: int, step: int, steps: int) -> bool:
