@@ -56,7 +56,7 @@ import packing
 import release
 import rollout
 import tree
-from harness import cli, custom_reward, distributed, faults, loop, oom
+from harness import cli, distributed, faults, loop, oom
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -92,7 +92,8 @@ class Learner:
     weights_ok: Callable[[], bool] = lambda: True
     backoff: engine.Backoff = field(default_factory=engine.Backoff)   # rollout sizes after running out of
                                                                       # memory, kept from step to step
-    reward: custom_reward.Rewards | None = None   # --reward's functions (set by the harness); None: grader
+    reward: Callable | None = None   # --reward: (problem indices, step) -> a batch's scorer (the harness
+                                     # sets it); None: the grader, reward.compute_reward
 
     def __post_init__(self):
         self.policy = self.policy if self.policy is not None else self.model
@@ -173,7 +174,7 @@ def tree_rollouts(learner: Learner, batch: offpolicy.Batch, step: int, rng: rand
             distributed.rollout_rng(rng, cfg.seed, step),
             method=learner.method, levels=batch.levels, progress=distributed.is_main(), bases=batch.bases,
             ahead=batch.ahead_prompts, backoff=learner.backoff,
-            score=custom_reward.scorer(learner.reward, learner.tokenizer, batch.indices, step))   # --reward
+            score=learner.reward(batch.indices, step) if learner.reward else None)
     for tr in trees:
         tr.policy_lag = batch.lag(step)
     return trees, stats, ahead[0] if ahead else None

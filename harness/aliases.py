@@ -72,7 +72,7 @@ ALIASES: list[Alias] = [
           "V(root) (--n_base N base responses, each with up to K_max x B_max branches), so it is refused "
           "there"),
     Alias("max_completion_length", "TRL", "max_new_tokens",
-          "TRL's name for --max_new_tokens (a tree's branch may add as many again: --branch_budget)"),
+          "TRL's name for --max_new_tokens (a tree's branch may add as many again: --branch_length)"),
     Alias("output_dir", "TRL", "out_dir", "TRL's name for --out_dir"),
     Alias("num_iterations", "TRL", "ppo_epochs", "TRL's μ, updates per batch of completions: --ppo_epochs"),
     Alias("epsilon", "TRL", "clip_low",

@@ -249,8 +249,10 @@ def saved_config(path: str | Path, flag: str) -> dict:
         raise ValueError(f"{flag}: {path} is not JSON ({err}); expected a run's config.json")
     if not isinstance(saved, dict):
         raise ValueError(f"{flag}: {path} holds {type(saved).__name__}, expected a run's config.json object")
+    from harness import runs
+
     names = {f.name for f in dataclasses.fields(Config)}
-    return {k: v for k, v in saved.items() if k in names}
+    return {k: v for k, v in runs.upgrade(saved).items() if k in names}   # renamed fields by today's names
 
 
 def resume_base(resume: str) -> dict:
@@ -317,8 +319,10 @@ def config_of(args, preset: str | None) -> Config:
     overrides = given_flags(args, base=base, preset=preset or "paper", scale=args.scale)
     if base is None:
         return make_config(preset or "paper", args.scale, **overrides)
+    # a method changed on top of saved settings brings its own settings, as --method does (methods.py)
+    defining = M.METHODS[overrides["method"]].settings if overrides.get("method") in M.METHODS else {}
     try:
-        return Config(**{**base, **overrides}).validate()
+        return Config(**{**base, **defining, **overrides}).validate()
     except TypeError as err:   # a hand-edited config.json with a value of the wrong kind
         raise ValueError(f"{args.config or resume}: {err}; expected the settings as train.py wrote them") \
             from None

@@ -71,6 +71,7 @@ class Rewards:
     method: str
     bounded: bool
     steps: int
+    problems: list[dict] = field(default_factory=list)   # the training data (with their rows' columns)
     warned: set = field(default_factory=set)
 
     def __call__(self, problem: dict, texts: list[str], token_lists: list[list[int]],
@@ -254,24 +255,24 @@ def load(cfg, problems: list[dict]) -> Rewards | None:
     for f in functions:
         check_signature(f, columns)
     method = M.method_of(cfg)
-    return Rewards(functions, cfg.method, bounded=method.rollout == "tree", steps=cfg.steps)
+    return Rewards(functions, cfg.method, bounded=method.rollout == "tree", steps=cfg.steps,
+                   problems=problems)
 
 
 Score = Callable[[int, list[list[int]]], list[float]]   # (prompt's index in the batch, token ids) -> rewards
 
 
-def scorer(rewards: Rewards | None, tokenizer, problems: list[dict], indices: list[int] | None,
-           step: int) -> Score | None:
-    """rollout.rollout_trees's `score` for a batch whose prompts are problems[indices] (offpolicy.Batch's
-    indices): their completions' token ids -> the summed rewards. None without --reward: the rollout grades
-    with reward.compute_reward."""
+def scorer(rewards: Rewards | None, tokenizer, indices: list[int] | None, step: int) -> Score | None:
+    """rollout.rollout_trees's `score` for a batch whose prompts are the training problems at `indices`
+    (offpolicy.Batch's): their completions' token ids -> the summed rewards. None without --reward: the
+    rollout grades with reward.compute_reward."""
     if rewards is None:
         return None
     if indices is None:
         raise UserError("--reward: this batch was drawn before its problems were recorded (a checkpoint of "
                         "an older version in the middle of a one-step off-policy run); resume it without "
                         "--reward")
-    batch = [problems[i] for i in indices]
+    batch = [rewards.problems[i] for i in indices]
 
     def score(p: int, token_lists: list[list[int]]) -> list[float]:
         texts = tokenizer.batch_decode(token_lists, skip_special_tokens=True)

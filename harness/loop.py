@@ -21,6 +21,7 @@ the algorithm:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -244,7 +245,8 @@ class Run:
                 self.log.say(line)
         record_config(cfg, self.run_dir, self.checkpoint, self.state, run.step)
         self.guard = guards.WeightGuard(self.model, self.optimizer, cfg.guard_weights)
-        learner.reward = self.reward   # --reward's functions (None: the grader), handed to the rollout
+        if self.reward:   # --reward's functions score the rollout's completions (custom_reward.scorer)
+            learner.reward = functools.partial(custom_reward.scorer, self.reward, self.tokenizer)
         # the update stops at a non-finite weight (every rank takes the same verdict)
         learner.weights_ok = lambda: not D.any_rank(not self.guard.weights_finite())
 

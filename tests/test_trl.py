@@ -151,7 +151,7 @@ def test_a_function_that_cannot_take_trls_arguments_is_refused(tmp_path):
 
 def test_without_reward_the_rollout_grades_with_the_grader():
     """No --reward: no scorer, rollout_trees grades with reward.compute_reward (its default)."""
-    assert custom_reward.scorer(None, None, [], None, 0) is None
+    assert custom_reward.scorer(None, None, None, 0) is None
     assert custom_reward.load(C.make_config("tiny"), []) is None
     assert custom_reward.step_means(None) == {}
 
