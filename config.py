@@ -23,19 +23,37 @@ from harness import checks
 
 @dataclass
 class Config:
-    # ---- what to train -------------------------------------------------------------------------------
+    # ---- model and data ------------------------------------------------------------------------------
     method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines"):
                                             # a methods.py row, which brings the settings that define it
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
-    train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. F.1)
+    train_data: str = "math-train"          # a named set, a .jsonl/.json/.parquet/.csv file or an HF dataset
+                                            # owner/name[:split] (data.load_problems); the paper: math-train,
+                                            # 12,000 MATH problems (App. F.1)
     prompt_style: str = "release"           # release: the authors' plain-text prompt (system text, Problem:,
                                             # instruction, Reasoning:), what their runs used (their
                                             # chat-template path is never taken); chat: tokenizer chat
                                             # template; plain: Q/A
     few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
     answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
+    reward: list[str] = field(default_factory=list)  # your reward functions instead of the grader:
+                                            # FILE.py:FUNCTION or module:function with TRL's signature
+                                            # fn(prompts, completions, **columns) -> list[float]
+                                            # (harness/custom_reward.py); several are summed by
+                                            # --reward_weights. Empty: the binary math grader
+                                            # (reward.compute_reward, Sec. 5.1). Evaluation always grades
+                                            # correctness with the grader
+    reward_weights: list[float] = field(default_factory=list)  # one weight per --reward (TRL's
+                                            # reward_weights); empty: 1 each
+    dataset_config: str = ""                # an HF hub --train_data / --eval_data's config name
+                                            # ("" = its default)
+    prompt_column: str = ""                 # the prompt's column in a file or hub set; "" = problem,
+                                            # question or prompt (a conversational prompt, TRL's format,
+                                            # comes first)
+    answer_column: str = ""                 # the gold answer's column; "" = answer, final_answer or solution
+                                            # (its last \boxed{}, else the answer math-verify finds in it)
 
-    # ---- tree rollout (Sec. 4.1, App. C/D) -----------------------------------------------------------
+    # ---- rollout and tree (Sec. 4.1, App. C/D) -------------------------------------------------------
     n_base: int = 4                         # N base responses per prompt
     k_max: int = 3                          # K_max forking points per base response
     b_max: int = 4                          # B_max branches per forking point
@@ -55,7 +73,7 @@ class Config:
     attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. F.2)
 
     # ---- sampling ------------------------------------------------------------------------------------
-    temperature: float = 1.0
+    temperature: float = 1.0                # of rollouts and evaluation (App. F.1: 1.0)
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
     max_new_tokens: int = 1024              # per generation, base or branch (App. F.2)
@@ -86,35 +104,41 @@ class Config:
                                             # 0: on-policy
 
     # ---- advantage (Sec. 4.2, App. E) ----------------------------------------------------------------
-    alpha_start: float = 0.2                # sibling-diversity coefficient, linearly annealed ...
-    alpha_end: float = 0.0                  # ... to this value over the run (Table "alpha")
+    alpha_start: float = 0.2                # α of Eq. 4 (the sibling-diversity bonus) at the first step,
+                                            # annealed linearly to --alpha_end
+    alpha_end: float = 0.0                  # α at the last step (Table "alpha")
     alpha_scope: str = "positive"           # bonus only where A_base > 0 ("all" = the ablation)
     value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. E.1);
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
                                             # release = the authors' code's groups
                                             # (release.release_sibling_diversity)
-    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline); gte
-                                            # runs its own code from the hub: needs --trust_remote_code true
-    embed_batch_size: int = 64
+    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # sentence embedder of Div_sib (App. F.2), or
+                                            # "all-minilm-l6-v2" (embedded, offline); gte runs its own code
+                                            # from the hub: needs --trust_remote_code true
+    embed_batch_size: int = 64              # texts per embedder call
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line
 
-    # ---- optimisation (App. F.2 "Training Hyperparameters") ------------------------------------------
-    lr: float = 5e-6                        # constant
-    beta1: float = 0.9
-    beta2: float = 0.999
-    weight_decay: float = 0.0               # paper silent; authors' release uses 0.0
+    # ---- update (App. F.2 "Training Hyperparameters") ------------------------------------------------
+    lr: float = 5e-6                        # AdamW learning rate (App. F.2: 5e-6, constant)
+    lr_schedule: str = "constant"           # after the warmup: constant (the paper) | linear | cosine decay
+                                            # towards 0 at --steps; set per training step (optim.lr_at)
+    warmup_ratio: float = 0.0               # fraction of --steps over which the lr rises linearly to --lr
+                                            # (0 = none, the paper)
+    beta1: float = 0.9                      # AdamW β1
+    beta2: float = 0.999                    # AdamW β2
+    weight_decay: float = 0.0               # AdamW weight decay; paper silent, authors' release uses 0.0
     optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16
                                             # moments for bf16 weights, v never decays, small updates round
                                             # away); fp32 = fp32 moments + fp32 master copy (optim.py; for
                                             # new work)
-    clip_low: float = 0.2                   # ε for ratio < 1
-    clip_high: float = 0.2                  # ε for ratio > 1 (GRPO clip-higher: 0.28)
-    max_grad_norm: float = 1.0              # paper silent; authors' release uses 1.0
+    clip_low: float = 0.2                   # PPO clip ε for ratio < 1
+    clip_high: float = 0.2                  # PPO clip ε for ratio > 1 (GRPO clip-higher: 0.28)
+    max_grad_norm: float = 1.0              # gradient-norm clip; paper silent, authors' release uses 1.0
     loss_norm: str = "token"                # token: / total tokens (DAPO, Eq. DATPO); constant: Dr.GRPO
-    ppo_epochs: int = 2                     # paper silent; authors' release uses 2
-    prompts_per_step: int = 16
+    ppo_epochs: int = 2                     # passes over a step's blocks; paper silent, authors' release: 2
+    prompts_per_step: int = 16              # prompts sampled per step (App. F.2: 16)
     mini_batch_size: int = 64               # blocks per optimizer step
                                             # (App. F.2 counts contiguous blocks: 64)
     mini_batch_grouping: str = "trees"      # trees: whole trees shuffled per epoch, ~mini_batch_size blocks;
@@ -125,8 +149,9 @@ class Config:
     micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. F.2: 2)
     packed_attention: str = "auto"          # auto: flex_attention on CUDA, else tree (SDPA per segment over
                                             # its ancestors); dense: one [L, L] mask (the reference path)
-    precision: str = "bf16"                 # pure bf16 weights + AdamW (the release: lr 5e-6 means what it
-                                            # meant there) | bf16-autocast (fp32 master weights) | fp32
+    precision: str = "bf16"                 # bf16: pure bf16 weights and AdamW (the release: lr 5e-6 means
+                                            # what it meant there) | bf16-autocast: fp32 weights, bf16
+                                            # autocast (TRL's bf16=True) | fp32
     gradient_checkpointing: bool = True     # recompute activations in backward: less memory, ~1/3 more update
                                             # compute. On at paper scale: the update's computed peak at 8,192
                                             # tokens is 68 GB of an 80 GB GPU without it (93 GB with
@@ -134,22 +159,23 @@ class Config:
                                             # (bench_update.memory_table)
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
-    # ---- evaluation during training (Sec. 5.1) -------------------------------------------------------
-    eval_data: str = "math500"
+    # ---- evaluation (Sec. 5.1) -----------------------------------------------------------------------
+    eval_data: str = "math500"              # held-out set, a --train_data source (App. F.1: MATH500)
     eval_every: int = 40                    # steps; 0 = never (authors' release: 40)
     eval_limit: int = 0                     # problems; 0 = all
     eval_k: int = 8                         # samples per problem for avg@k during training
-    eval_max_new_tokens: int = 2048         # App. F.1
+    eval_max_new_tokens: int = 2048         # new tokens per evaluation sample (App. F.1: 2048)
 
-    # ---- bookkeeping ---------------------------------------------------------------------------------
-    seed: int = 0
-    device: str = "auto"                    # auto | cpu | cuda | cuda:N
+    # ---- run -----------------------------------------------------------------------------------------
+    seed: int = 0                           # data order, sampling, forks, mini-batches: a run repeats
+    device: str = "auto"                    # where the model runs: auto | cpu | cuda | cuda:N
     threads: int = 0                        # torch CPU threads; 0 = torch default
-    out_dir: str = ""                       # "" = runs/<preset>[-<scale>]
+    out_dir: str = ""                       # the run folder; "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
     keep_checkpoints: int = 0               # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0)
-                                            # or checkpoint
+                                            # or checkpoint; given alone, the run continues with its own
+                                            # config.json (other flags given with it are changes)
     overwrite: bool = False                 # a fresh run into a folder holding a run replaces it
                                             # (else an error)
     allow_config_change: bool = False       # --resume with experiment-changing fields changed (else an error)
@@ -160,10 +186,13 @@ class Config:
     stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in progress; 0 = wait
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp
                                             # (distributed.py)
-    report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb
-                                            # (several: a list)
+    report_to: list[str] = field(default_factory=lambda: ["none"])  # experiment trackers: none |
+                                            # tensorboard | wandb (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N;
                                             # 0 = never
+    log_completions_every: int = 0          # steps; every leaf's prompt, completion, reward and advantages
+                                            # as a table in --report_to's trackers at step 1 and every N
+                                            # (TRL's log_completions); 0 = never
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid (harness/checks.py: every choice in its list,

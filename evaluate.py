@@ -432,15 +432,22 @@ SETTING_KEYS = ("model", "prompt_style", "few_shot", "answer_fallback", "tempera
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = cli.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. F.1). Every "
-                              "config field is a flag; --max_new_tokens sets the evaluation length "
-                              "(else --eval_max_new_tokens, paper 2048). Output: runs/eval/<model label> (or "
-                              "--out_dir): one evaluation per folder, locked while it runs; more benchmarks "
-                              "with the same settings accumulate in its results.json, other settings need "
-                              "--overwrite true. A training run, a checkpoint or a model folder is never an "
-                              "output folder: evaluate a run with --model RUN (into runs/eval/RUN), so that "
-                              "train.py's folder holds only what train.py wrote.")
-    group = parser.add_argument_group("evaluation")
+    """evaluate.py's own flags first, then train.py's (every config field; --reward does not apply here:
+    evaluation grades correctness with reward.compute_reward)."""
+    return cli.build_parser("DATPO evaluation: avg@k, pass@k and maj@k (paper Sec. 5.1, App. F.1), graded "
+                            "with the math grader (reward.compute_reward). Every config field is a flag; "
+                            "--max_new_tokens sets the evaluation length "
+                            "(else --eval_max_new_tokens, paper 2048). Output: runs/eval/<model label> (or "
+                            "--out_dir): one evaluation per folder, locked while it runs; more benchmarks "
+                            "with the same settings accumulate in its results.json, other settings need "
+                            "--overwrite true. A training run, a checkpoint or a model folder is never an "
+                            "output folder: evaluate a run with --model RUN (into runs/eval/RUN), so that "
+                            "train.py's folder holds only what train.py wrote.", own=evaluation_flags)
+
+
+def evaluation_flags(parser: argparse.ArgumentParser) -> None:
+    """evaluate.py's own flags (shown first by --help)."""
+    group = parser.add_argument_group("evaluation (evaluate.py's own flags)")
     group.add_argument("--bench", nargs="+", default=None,
                        help=f"benchmarks ({', '.join(data.NAMED_SOURCES)}, or a file); default: the preset's "
                             "eval_data")
@@ -457,7 +464,6 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--plot_models", nargs="+", default=None, metavar="DIR",
                        help="folders holding results.json: print one table and draw both figures for all of "
                             "them into --out_dir (default runs/eval/compare, never an evaluation's folder)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -468,9 +474,13 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     inject.install()   # DATPO_OOM_AT (tests): the harness wraps stage functions from outside, once
-    eval_keys = ("bench", "k", "runs", "limit", "rescore", "plot_models")
-    given = {key: value for key, value in vars(args).items()
-             if key not in ("preset", "scale", "debug", *eval_keys) and value is not None}
+    try:   # the config fields given, TRL's and verl's names as ours
+        given = cli.given_flags(args, preset=args.preset, scale=args.scale)
+    except ValueError as err:
+        parser.error(str(err))
+    if given.get("reward"):
+        parser.error("--reward: evaluation grades correctness with the math grader (reward.compute_reward); "
+                     "your reward functions apply to training (train.py)")
     if args.rescore:
         return rescore_command(parser, args.rescore, bool(given.get("answer_fallback", False)))
     if args.plot_models:

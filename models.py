@@ -55,12 +55,14 @@ def pick_device(name: str = "auto") -> torch.device:
 
 
 def policy_dtype(precision: str) -> torch.dtype:
-    """Weights' dtype: fp32 master weights unless the pure-bf16 option is chosen (config.precision)."""
+    """Weights' dtype for --precision: bf16 for `bf16` (config.py's default: the release's pure bf16 weights),
+    fp32 for `bf16-autocast` (fp32 master weights under bf16 autocast) and for `fp32`."""
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def autocast(device: torch.device | str, precision: str):
-    """bf16 autocast over fp32 weights for `bf16-autocast` (the default, meant for GPUs), nothing otherwise.
+    """bf16 autocast over fp32 weights for `bf16-autocast` (an option, meant for GPUs: TRL's bf16=True),
+    nothing otherwise: the default `bf16` runs pure bf16 weights (the release's) and `fp32` runs fp32.
     Rollout, old log-probs and the update all use it. On CPUs without AMX bf16 matmuls are slower than fp32
     (measured here: 155 vs 197 GFLOP/s), so the CPU demo uses fp32."""
     device = torch.device(device)
@@ -369,9 +371,10 @@ def tiny_random_model(vocab_size: int, seed: int = 0, **sizes) -> torch.nn.Modul
 def load_policy(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int = 0, trust_remote_code: bool = False):
     """(model, tokenizer) for --model (a name, a model folder, or a run folder → its latest checkpoint).
-    Weights stay in `dtype` (fp32 master weights by default). A model that ships its own Python code loads
-    only with trust_remote_code (check_trusted); one whose embedding has fewer rows than its tokenizer has
-    tokens is refused (check_vocabulary)."""
+    Weights stay in `dtype` (training passes policy_dtype(--precision): bf16 for the default `bf16`, fp32 for
+    bf16-autocast and fp32). A model that ships its own Python code loads only with trust_remote_code
+    (check_trusted); one whose embedding has fewer rows than its tokenizer has tokens is refused
+    (check_vocabulary)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 

@@ -36,20 +36,22 @@ class Batch:
     base responses already sampled by the engine (Samples: tokens, H_t and log p of each token under the
     sampling distribution), by the weights of step `sampled_at` (0-based: the weights after that many
     updates); `ahead_prompts`: the next step's prompts, whose N base responses this step's rollout samples
-    in the same running batch (not saved: a checkpoint holds the next batch itself)."""
+    in the same running batch (not saved: a checkpoint holds the next batch itself). `indices`: each prompt's
+    problem in the training data (--reward functions receive its row's columns; None in older checkpoints)."""
     prompts: list[str]
     answers: list[str]
     levels: list
     bases: list[list[Sample]] | None = None     # [prompt][j]
     sampled_at: int | None = None
     ahead_prompts: list[str] | None = None      # the next step's prompts, whose bases this step samples
+    indices: list[int] | None = None            # each prompt's problem in the training data (--reward)
 
     def to_state(self) -> dict:
         """For trainer_state.pt: plain lists and numbers, a base response as [tokens, entropies, logprobs]."""
         bases = None if self.bases is None else [[[s.tokens, s.entropies, s.logprobs] for s in per]
                                                  for per in self.bases]
         return {"prompts": self.prompts, "answers": self.answers, "levels": self.levels,
-                "bases": bases, "sampled_at": self.sampled_at}
+                "bases": bases, "sampled_at": self.sampled_at, "indices": self.indices}
 
     @classmethod
     def from_state(cls, state: dict | None) -> "Batch | None":
@@ -57,7 +59,8 @@ class Batch:
             return None
         bases = None if state["bases"] is None else [[Sample(*response) for response in per]
                                                      for per in state["bases"]]
-        return cls(state["prompts"], state["answers"], state["levels"], bases, state["sampled_at"])
+        return cls(state["prompts"], state["answers"], state["levels"], bases, state["sampled_at"],
+                   indices=state.get("indices"))
 
     def lag(self, step: int) -> int:
         """policy_lag of its base tokens when trained at step `step` (0-based): updates since they were
@@ -67,7 +70,8 @@ class Batch:
     def shard(self, lo: int, hi: int) -> "Batch":
         """Prompts [lo, hi): this rank's share under torchrun."""
         return Batch(self.prompts[lo:hi], self.answers[lo:hi], self.levels[lo:hi],
-                     None if self.bases is None else self.bases[lo:hi], self.sampled_at)
+                     None if self.bases is None else self.bases[lo:hi], self.sampled_at,
+                     indices=None if self.indices is None else self.indices[lo:hi])
 
 
 def wants_next_batch(off_policy_steps: int, step: int, steps: int) -> bool:

@@ -20,6 +20,7 @@ from itertools import chain
 import torch
 
 OPTIMIZER_DTYPES = ("param", "fp32")   # AdamW states in the weights' dtype (the release) | fp32 (AdamWFP32)
+LR_SCHEDULES = ("constant", "linear", "cosine")   # --lr_schedule after the warmup (lr_at)
 
 
 class AdamWFP32(torch.optim.Optimizer):
@@ -102,3 +103,40 @@ def state_dtypes(optimizer: torch.optim.Optimizer) -> set[torch.dtype]:
     """The dtypes of the optimizer's moment tensors (exp_avg, exp_avg_sq)."""
     return {v.dtype for st in optimizer.state.values() for k, v in st.items()
             if k in ("exp_avg", "exp_avg_sq")}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The learning-rate schedule (--lr_schedule, --warmup_ratio). App. F.2 trains at a constant lr, the default.
+# The schedule is a function of the training step (one rollout and its update), as verl steps its scheduler
+# once per training step; the harness sets it before each step (schedule_lr), so every optimizer step of a
+# step's PPO epochs uses the same lr and a resumed run needs no scheduler state (run.step is enough).
+# --------------------------------------------------------------------------------------------------------
+def lr_at(step: int, lr: float, steps: int, schedule: str = "constant", warmup_ratio: float = 0.0) -> float:
+    """The lr of training step `step` (0-based) of a run of `steps` steps: a linear warmup over the first
+    W = ⌈warmup_ratio·steps⌉ steps, step t < W training at lr·(t+1)/(W+1) (HF's ramp lr·t/W would spend the
+    first rollout at lr 0), then with p = (t − W)/(steps − W) in [0, 1): constant lr, linear lr·(1 − p), or
+    cosine lr·(1 + cos πp)/2 (HF's get_cosine_schedule_with_warmup, one half-cycle)."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr_schedule: got {schedule!r}, expected one of {', '.join(LR_SCHEDULES)}")
+    warmup = math.ceil(warmup_ratio * steps)
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, steps - warmup)
+    if schedule == "linear":
+        return lr * (1.0 - progress)
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr
+
+
+def schedule_lr(optimizer: torch.optim.Optimizer, cfg, step: int) -> dict:
+    """When the lr varies over the run (--lr_schedule other than constant, or a warmup): set every parameter
+    group's lr to lr_at(step) before training step `step` (0-based) and return {"lr": value} for the step's
+    metrics record. At a constant lr (the paper) the optimizer is left as it was built and {} is returned:
+    its records and updates stay exactly as they were."""
+    if cfg.lr_schedule == "constant" and not cfg.warmup_ratio:
+        return {}
+    lr = lr_at(step, cfg.lr, cfg.steps, cfg.lr_schedule, cfg.warmup_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return {"lr": lr}

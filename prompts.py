@@ -43,10 +43,10 @@ class PromptStream:
         """Step `step`'s prompts (0-based), this rank's share under torchrun: the batch drawn last step (its
         base responses already sampled) or a fresh one. With one-step off-policy the next step's prompts are
         drawn now too: `ahead_prompts` asks the rollout to sample their base responses."""
-        batch = self.ahead or offpolicy.Batch(*self.draw())
+        batch = self.ahead or self.draw()
         self.upcoming = None
         if offpolicy.wants_next_batch(self.cfg.off_policy_steps, step, self.cfg.steps):
-            self.upcoming = offpolicy.Batch(*self.draw())
+            self.upcoming = self.draw()
         mine = batch.shard(*distributed.shard_range(len(batch.prompts)))   # torchrun: this rank's prompts
         if self.upcoming:
             lo, hi = distributed.shard_range(len(self.upcoming.prompts))
@@ -67,13 +67,14 @@ class PromptStream:
             self.batch_size = attnrl_batch_size(self.batch_size, kept_leaves, target, cfg.attnrl_lambda,
                                                 cap=4 * cfg.prompts_per_step)
 
-    def draw(self) -> tuple[list[str], list[str], list]:
-        """The next `batch_size` prompts, answers and difficulty levels, from the stream at the cursor. With
+    def draw(self) -> offpolicy.Batch:
+        """The next `batch_size` prompts, answers, difficulty levels and problem indices (--reward functions
+        receive their rows' columns), from the stream at the cursor. With
         --max_prompt_tokens > 0 longer prompts are skipped and counted (each named once); a problem whose
         characters alone exceed what the bound can hold in tokens is judged before tokenizing it: a 50 MB
         problem costs no minutes (data.surely_too_long)."""
         cfg, tokenizer = self.cfg, self.tokenizer
-        prompts, answers, levels = [], [], []
+        prompts, answers, levels, indices = [], [], [], []
         misses = 0
         while len(prompts) < self.batch_size:
             index = data.problem_index(len(self.problems), self.cursor, cfg.seed)
@@ -98,7 +99,8 @@ class PromptStream:
             prompts.append(prompt)
             answers.append(problem["answer"])
             levels.append(problem.get("level"))
-        return prompts, answers, levels
+            indices.append(index)
+        return offpolicy.Batch(prompts, answers, levels, indices=indices)
 
     def skip(self, index: int, size: str) -> None:
         """A prompt longer than --max_prompt_tokens: one line per problem; later turns are counted only."""

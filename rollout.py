@@ -171,7 +171,7 @@ def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
                   method: M.Method | None = None, levels: list | None = None, progress: bool = True,
                   bases: list | None = None, ahead: list[str] | None = None,
-                  backoff: E.Backoff | None = None):
+                  backoff: E.Backoff | None = None, score=None):
     """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
 
     method: the methods.py row whose rollout this is (default: cfg.method's). Its `rollout_shape` gives the
@@ -186,7 +186,9 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
     (engine.Samples), sampled last step — V(root), K̂, B̂ and forks come from them and only the branches are
     sampled now; `ahead` (the next step's prompts) get their N base responses sampled in the same running
     batch, returned as a third value (Samples per prompt). backoff: what running out of memory taught earlier
-    steps' engines (kept by the caller). Returns (trees, stats[, ahead_bases]).
+    steps' engines (kept by the caller). score: (prompt's index, token id lists of its completions) -> their
+    rewards, in place of the binary grader (reward.compute_reward against answers[i]): --reward's functions
+    (harness/custom_reward.scorer). Returns (trees, stats[, ahead_bases]).
     """
     n, budget, expand = (method or M.method_of(cfg)).rollout_shape(cfg)
     sampler = Sampler.from_config(model, tokenizer, cfg, backoff)
@@ -207,8 +209,9 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
         if p >= len(prompt_ids):                           # the next step's: planned next step
             continue
         t0 = time.perf_counter()
-        rewards[p] = grade_responses(tokenizer, [s.tokens for s in done.samples], [answers[p]] * n,
-                                     cfg.answer_fallback)
+        tokens = [s.tokens for s in done.samples]
+        rewards[p] = score(p, tokens) if score else \
+            grade_responses(tokenizer, tokens, [answers[p]] * n, cfg.answer_fallback)
         plans[p] = plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids[p], done.samples,
                                rewards[p])
         clock.planned(t0)
@@ -219,7 +222,7 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
 
     t0 = time.perf_counter()
     trees = [tree_of(tokenizer, prompts[i], prompt_ids[i], answers[i], result, rewards[i], plans[i], cfg,
-                     levels[i] if levels else None)
+                     levels[i] if levels else None, (lambda ids, i=i: score(i, [ids])[0]) if score else None)
              for i, result in enumerate(engine.results[:len(prompt_ids)])]
     stats.seconds_branches += time.perf_counter() - t0    # grading the branches is part of growing them
     ahead_bases = [result.bases for result in engine.results[len(prompt_ids):]]
@@ -244,9 +247,10 @@ def branch_requests(plan: T.ForkPlan, cfg) -> list[E.BranchRequest]:
 
 
 def tree_of(tokenizer, prompt: str, prompt_ids: list[int], answer: str, result: E.PromptResult,
-            rewards: list[float], plan: T.ForkPlan, cfg, level) -> T.Tree:
-    """One prompt's tree: each base response cut at its forks, then its branches (response_blocks)."""
-    grade = grader(tokenizer, answer, cfg.answer_fallback)
+            rewards: list[float], plan: T.ForkPlan, cfg, level, grade=None) -> T.Tree:
+    """One prompt's tree: each base response cut at its forks, then its branches (response_blocks), each
+    graded by `grade` (ids -> reward; default: the grader against `answer`)."""
+    grade = grade or grader(tokenizer, answer, cfg.answer_fallback)
     blocks: list[T.Block] = []
     for j, (base, forks) in enumerate(zip(result.bases, plan.forks)):
         blocks += response_blocks(tokenizer, j, base, rewards[j], forks,

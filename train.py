@@ -92,6 +92,8 @@ class Learner:
     weights_ok: Callable[[], bool] = lambda: True
     backoff: engine.Backoff = field(default_factory=engine.Backoff)   # rollout sizes after running out of
                                                                       # memory, kept from step to step
+    reward: Callable | None = None   # --reward: (problem indices, step) -> a batch's scorer (the harness
+                                     # sets it); None: the grader, reward.compute_reward
 
     def __post_init__(self):
         self.policy = self.policy if self.policy is not None else self.model
@@ -171,7 +173,8 @@ def tree_rollouts(learner: Learner, batch: offpolicy.Batch, step: int, rng: rand
             model, learner.tokenizer, batch.prompts, batch.answers, cfg,
             distributed.rollout_rng(rng, cfg.seed, step),
             method=learner.method, levels=batch.levels, progress=distributed.is_main(), bases=batch.bases,
-            ahead=batch.ahead_prompts, backoff=learner.backoff)
+            ahead=batch.ahead_prompts, backoff=learner.backoff,
+            score=learner.reward(batch.indices, step) if learner.reward else None)
     for tr in trees:
         tr.policy_lag = batch.lag(step)
     return trees, stats, ahead[0] if ahead else None

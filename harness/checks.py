@@ -50,6 +50,7 @@ CHOICES = {
     "parallel": PARALLELS,
     "rollout_engine": ("engine", "generate"),
     "optimizer_dtype": OPTIMIZER_DTYPES,
+    "lr_schedule": O.LR_SCHEDULES,
 }
 LIST_CHOICES = {"report_to": REPORTERS}   # list-valued fields: every item must be one of these
 
@@ -76,6 +77,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     # schedules and bookkeeping
     "steps": (1, _MANY), "eval_every": (0, _MANY), "eval_limit": (0, _MANY), "save_every": (0, _MANY),
     "keep_checkpoints": (0, _MANY), "log_trees_every": (0, _MANY), "max_bad_steps": (1, _MANY),
+    "log_completions_every": (0, _MANY),
     "seed": (0, 2**32 - 1),    # NumPy's range; derived seeds (seed + rank, seed + epoch) stay within torch's
 }
 DEFAULT_INT_RANGE = (0, _MANY)  # an integer knob with no entry above
@@ -152,6 +154,7 @@ def check_ranges(cfg) -> None:
                          f"seconds (a day; 0: wait for the end of the step)")
     if not cfg.max_grad_norm > 0:
         raise ValueError(f"--max_grad_norm: got {cfg.max_grad_norm}, expected > 0")
+    check_rewards(cfg)
     for f in dataclasses.fields(cfg):   # last: a float knob without a check of its own is bounded too
         value = getattr(cfg, f.name)
         if f.type in ("float", float) and abs(value) > FLOAT_BOUND and f.name not in UNBOUNDED_FLOATS:
@@ -176,6 +179,29 @@ def check_fractions(cfg) -> None:
             raise ValueError(f"--{name}: got {getattr(cfg, name)}, expected 0 <= beta < 1")
     if not 0 <= cfg.attnrl_lambda <= 1:
         raise ValueError(f"--attnrl_lambda: got {cfg.attnrl_lambda}, expected a fraction in [0, 1]")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ValueError(f"--warmup_ratio: got {cfg.warmup_ratio}, expected a fraction of --steps in [0, 1)")
+
+
+# --reward FILE.py:FUNCTION or module:function (harness/custom_reward.py loads them at set-up)
+REWARD_SPEC = re.compile(r"(?:.+\.py|[A-Za-z_][\w.]*):[A-Za-z_]\w*")
+MAX_REWARD_WEIGHT = 1e6
+
+
+def check_rewards(cfg) -> None:
+    """--reward's spellings and --reward_weights: one finite weight per function (or none: 1 each)."""
+    for spec in cfg.reward:
+        if not isinstance(spec, str) or not REWARD_SPEC.fullmatch(spec):
+            raise ValueError(f"--reward: got {spec!r}, expected FILE.py:FUNCTION or module:function "
+                             f"(a function with TRL's signature fn(prompts, completions, **columns))")
+    if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward):
+        raise ValueError(f"--reward_weights: got {len(cfg.reward_weights)} weight(s) for {len(cfg.reward)} "
+                         f"--reward function(s); expected one weight per function, in the same order")
+    for weight in cfg.reward_weights:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not abs(weight) <= MAX_REWARD_WEIGHT:
+            raise ValueError(f"--reward_weights: got {weight!r}, expected finite numbers within "
+                             f"±{MAX_REWARD_WEIGHT:g}")
 
 
 def check_combinations(cfg) -> None:
@@ -183,6 +209,9 @@ def check_combinations(cfg) -> None:
     if cfg.micro_batch_size > cfg.mini_batch_size:
         raise ValueError(f"--micro_batch_size ({cfg.micro_batch_size}) must be <= "
                          f"--mini_batch_size ({cfg.mini_batch_size})")
+    if cfg.log_completions_every and cfg.report_to == ["none"]:
+        raise ValueError("--log_completions_every sends completions to a tracker: expected --report_to "
+                         "tensorboard and/or wandb (the run folder keeps them with --log_trees_every N)")
     if cfg.off_policy_steps not in (0, 1):
         raise ValueError(f"--off_policy_steps: got {cfg.off_policy_steps}, expected 0 (on-policy) or 1 "
                          f"(one-step off-policy)")

@@ -213,16 +213,18 @@ def resume_source(resume: str) -> str | None:
     return None
 
 
-def load_data(source: str, flag: str, limit: int | None = None) -> list[dict]:
-    """data.load_problems with its errors (which name the file and row) as UserErrors; no problems is one."""
+def load_data(source: str, flag: str, limit: int | None = None, **options) -> list[dict]:
+    """data.load_problems with its errors (which name the file and row) as UserErrors; no problems is one.
+    `options`: load_problems' dataset_config, prompt_column, answer_column, keep_columns (data.options)."""
     import data
 
-    if source.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(source):
-        raise UserError(f"{flag} {source}: no such file; expected a .jsonl/.json/.parquet file or one of "
-                        f"{', '.join(data.NAMED_SOURCES)}")
+    if source.endswith(data.DATA_FILES) and not os.path.exists(source):
+        raise UserError(f"{flag} {source}: no such file; expected a {'/'.join(data.DATA_FILES)} file or one "
+                        f"of {', '.join(data.NAMED_SOURCES)}")
     try:
         skip = (lambda line: say(f"{flag} {source}: {line}")) if flag == "--train_data" else None
-        problems = data.load_problems(source, limit, skip)   # unmatchable golds: skipped in training only
+        # unmatchable golds: skipped in training only
+        problems = data.load_problems(source, limit, skip, **options)
     except (FileNotFoundError, ValueError) as err:
         raise UserError(f"{flag} {source}: {err}") from None
     except OSError as err:
@@ -231,6 +233,19 @@ def load_data(source: str, flag: str, limit: int | None = None) -> list[dict]:
         raise UserError(f"{flag} {source}: no problems in it; expected at least one row with a problem and "
                         f"an answer")
     return problems
+
+
+def check_conversational(tokenizer, model: str, data: dict[str, list[dict]]) -> None:
+    """A conversational dataset (TRL's: prompts as lists of messages; data: {flag: its problems}) goes through
+    the tokenizer's chat template (data.format_prompt): a tokenizer without one is refused at load, not at
+    the first prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    for flag, problems in data.items():
+        if any(isinstance(p["problem"], list) for p in problems):
+            raise UserError(f"{flag}: its prompts are conversational (lists of messages), which need a chat "
+                            f"template; the tokenizer of --model {model} has none: expected a model with "
+                            f"one, or prompts as text")
 
 
 def model_context(model) -> int | None:

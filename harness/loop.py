@@ -21,6 +21,7 @@ the algorithm:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import random
@@ -35,11 +36,13 @@ from tqdm import tqdm
 import advantage
 import attention
 import config as C
+import data
 import evaluate
 import methods as M
 import models
+import optim
 import release
-from harness import atomic, faults, figures, guards, inject, runs, signals, tracking
+from harness import atomic, custom_reward, faults, figures, guards, inject, runs, signals, tracking
 from harness import distributed as D
 from harness.journal import Stopped
 from harness.tracking import Log
@@ -86,7 +89,8 @@ class Run:
     def __init__(self, cfg: C.Config):
         self.cfg, self.method = cfg, M.method_of(cfg)
         self.model = self.policy = self.tokenizer = self.optimizer = self.embedder = self.guard = None
-        self.learner = None
+        self.learner = self.reward = None
+        self.lr: dict = {}
         self.record: dict | None = None
         self.stopped_early = False
         self.replace, self.data, self.data_changes = False, {}, {}   # set by __enter__ (open_run, the data)
@@ -135,12 +139,13 @@ class Run:
                               cfg.trust_remote_code)
         if self.wants_embedder:
             faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
-        self.problems = faults.load_data(cfg.train_data, "--train_data")
-        self.eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None)
-                              if cfg.eval_every else [])
+        self.problems = faults.load_data(cfg.train_data, "--train_data", **data.options(cfg))
+        self.eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None,
+                                               **data.options(cfg, training=False)) if cfg.eval_every else [])
         self.data = runs.data_hashes(self.problems, self.eval_problems)   # saved in every checkpoint
         self.data_changes = runs.check_resume_data(state, self.data, cfg.allow_config_change, {
             "train_data": cfg.train_data, "eval_data": cfg.eval_data}) if state else {}   # rows changed
+        self.reward = custom_reward.load(cfg, self.problems)   # --reward: the functions, loaded and checked
         torch.manual_seed(cfg.seed)
 
     def __exit__(self, kind, err, trace) -> bool:
@@ -167,6 +172,8 @@ class Run:
         except OSError as err:
             raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
         models.check_chat_template(tokenizer, cfg.prompt_style, source)   # --prompt_style chat: before any
+        faults.check_conversational(tokenizer, source, {"--train_data": self.problems,   # TRL's messages
+                                                        "--eval_data": self.eval_problems})
         # an old checkpoint (before the weight guard) or a broken model
         if not guards.all_finite(model.parameters()):
             raise faults.UserError(f"{'--resume' if self.checkpoint else '--model'} {source}: its weights "
@@ -208,6 +215,7 @@ class Run:
                 return
             inject.crash_point("step")
             self.guard.snapshot()   # weights and optimizer state, restored if the update breaks them
+            self.lr = optim.schedule_lr(self.optimizer, cfg, step)   # --lr_schedule, --warmup_ratio
             self.t_step = time.perf_counter()
             yield step
             if self.stopped_early:   # end_step said so
@@ -245,6 +253,8 @@ class Run:
                 self.log.say(line)
         record_config(cfg, self.run_dir, self.checkpoint, self.state, run.step, self.data_changes)
         self.guard = guards.WeightGuard(self.model, self.optimizer, cfg.guard_weights)
+        if self.reward:   # --reward's functions score the rollout's completions (custom_reward.scorer)
+            learner.reward = functools.partial(custom_reward.scorer, self.reward, self.tokenizer)
         # the update stops at a non-finite weight (every rank takes the same verdict)
         learner.weights_ok = lambda: not D.any_rank(not self.guard.weights_finite())
 
@@ -256,11 +266,13 @@ class Run:
         cfg, run, log = self.cfg, self.run, self.log
         self.guard.undo_if_broken(result.update, self.policy, result.trees[0].prompt_ids)
         run.step += 1
-        record = tracking.step_record(run.step, result, run.prompts, self.t_step)
+        record = {**tracking.step_record(run.step, result, run.prompts, self.t_step), **self.lr,
+                  **custom_reward.step_means(self.reward)}
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = (
             run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"]
             else 0)
         log_trees(self, run.step, result)
+        log_completions(self, run.step, result)
         log.write(record)
         nonfinite_guard(self, run, record)
         self.bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
@@ -438,6 +450,13 @@ def log_trees(s: Run, step: int, result) -> None:
                     score.div_sib = div
     tracking.write_trees(s.run_dir, step, result.trees, s.tokenizer, scores, result.alpha, cfg.method,
                          cfg.value_estimate, cfg.sibling_groups)
+
+
+def log_completions(s: Run, step: int, result) -> None:
+    """At step 1 and every --log_completions_every steps: every leaf's completion as a table in the trackers
+    (tracking.completion_rows, Log.completions), as TRL's log_completions."""
+    if D.is_main() and tracking.trees_due(step, s.cfg.log_completions_every):
+        s.log.completions(step, tracking.completion_rows(result.trees, result.scores, s.tokenizer))
 
 
 def evaluate_and_save(s: Run, run: RunState, stop: signals.GracefulStop, stopping: bool

@@ -11,6 +11,10 @@ stable names (`tag`):
   eval/<data>/<key>      every numeric field of an evaluation record (eval/arith-test/avg@4,
                          eval/math500/pass@8)
   config                 the run's Config (TensorBoard: a JSON text; W&B: the run config)
+  completions            with --log_completions_every N (step 1 and every N-th step), every leaf of the step:
+                         prompt, completion (the root-to-leaf text), reward and the advantages of its blocks
+                         (TensorBoard: a markdown table under the text tab; W&B: a wandb.Table), as TRL's
+                         log_completions
 The x-axis is the record's "step". `Log(..., enabled=False)` writes nothing (non-zero ranks of a
 multi-process run).
 
@@ -128,6 +132,23 @@ class Log:
             self._tb.flush()   # a step takes seconds to minutes: flushing each record costs nothing
         if self._wandb is not None:
             self._wandb.log(values, step=record["step"])
+
+    def completions(self, step: int, rows: list[dict]) -> None:
+        """The step's completions (completion_rows) as a table in the trackers: TensorBoard text
+        "completions" (markdown), W&B table "completions". metrics.jsonl keeps numbers only."""
+        if not self.enabled or not self.report_to or not rows:
+            return
+        self._open()
+        columns = list(rows[0])
+        if self._tb is not None:
+            self._tb.add_text("completions", markdown_table(columns, rows), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({"completions": wandb.Table(columns=columns,
+                                                         data=[[r[c] for c in columns] for r in rows])},
+                            step=step)
 
     def truncate_after(self, step: int) -> int:
         """Drop records of steps after `step` (a resumed run repeats them); returns how many were dropped."""
@@ -345,6 +366,34 @@ def _valid_unicode(value):
     if isinstance(value, dict):
         return {_valid_unicode(k): _valid_unicode(v) for k, v in value.items()}
     return value
+
+
+def completion_rows(trees: list[T.Tree], scores: list[list[A.BlockScore]], tokenizer) -> list[dict]:
+    """Every leaf of the step's trees as a row: tree, leaf (its block), prompt (the text the model was given),
+    completion (the root-to-leaf response, decoded whole), reward, and the advantage of each block on its path
+    (root first, "→" between; one value for a parallel method's response; "-" where a block was not trained).
+    What TRL's log_completions shows (prompt, completion, reward, advantage), for trees."""
+    rows = []
+    for t, (tr, tree_scores) in enumerate(zip(trees, scores)):
+        for leaf, block in enumerate(tr.blocks):
+            if not block.terminal:
+                continue
+            advantages = [tree_scores[b].advantage for b in T.path_to(tr.blocks, leaf)]
+            text = tokenizer.decode(T.path_token_ids(tr.blocks, leaf), skip_special_tokens=True)
+            rows.append({"tree": t, "leaf": leaf, "prompt": tr.prompt, "completion": text,
+                         "reward": block.reward,
+                         "advantage": " → ".join("-" if a is None else f"{a:+.3f}" for a in advantages)})
+    return rows
+
+
+def markdown_table(columns: list[str], rows: list[dict]) -> str:
+    """A markdown table (TensorBoard renders its text tab as markdown); | and line breaks escaped."""
+    def cell(value) -> str:
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def read_trees(run_dir, step: int) -> list[dict]:

@@ -201,11 +201,11 @@ def test_default_benchmark_dir_is_beside_data_py(monkeypatch):
 
 def test_hf_names_and_split_suffix(monkeypatch):
     calls = []
-    monkeypatch.setattr(data, "load_hf", lambda name, split=None, hint="", skip_unmatchable=None:
-                        calls.append((name, split)) or [])
+    monkeypatch.setattr(data, "load_hf", lambda name, split=None, hint="", skip_unmatchable=None, config=None,
+                        **columns: calls.append((name, split, config)) or [])
     data.load_problems("owner/set:test")
-    data.load_problems("owner/set")
-    assert calls == [("owner/set", "test"), ("owner/set", "train")]
+    data.load_problems("owner/set", dataset_config="main")             # --dataset_config: the hub's config
+    assert calls == [("owner/set", "test", None), ("owner/set", "train", "main")]
 
 
 def test_hf_rows_are_mapped_and_split_chosen(monkeypatch):
@@ -436,7 +436,7 @@ def test_a_byte_that_is_not_utf8_is_found_by_line_and_character(tmp_path):
 def test_a_folder_named_like_a_data_file_is_one_line(tmp_path):
     (tmp_path / "train.jsonl").mkdir()
     with pytest.raises(ValueError, match=r"train\.jsonl: a folder, not a data file; expected a \.jsonl, "
-                                         r"\.json or \.parquet file$"):
+                                         r"\.json, \.parquet or \.csv file$"):
         data.load_problems(str(tmp_path / "train.jsonl"))
 
 
