@@ -91,8 +91,8 @@ class Config:
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
                                             # release = the authors' code's groups
                                             # (advantage.release_sibling_diversity)
-    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # or "all-minilm-l6-v2" (embedded, offline); gte
-                                            # runs its own code from the hub: needs --trust_remote_code true
+    embed_model: str = "sentence-transformers/all-mpnet-base-v2"  # App. F.5's row (no remote code); the
+                                            # paper's gte-large-en-v1.5 needs --trust_remote_code true
     embed_batch_size: int = 64
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line
