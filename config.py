@@ -77,6 +77,7 @@ class Config:
     compile_decode: bool = False            # engine: decode steps through torch.compile(dynamic=True); on the
                                             # 2-core CPU 1.13× tokens/s after a ~36 s compile
                                             # (measurements.md)
+    decode_step: str = "auto"               # engine: auto (paged on CUDA) | reference | paged | paged-eager
     off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. F runtime table,
                                             # offpolicy.py): step t+1's N base responses decode inside step
                                             # t's rollout with step t's weights (before its update);

@@ -48,6 +48,7 @@ CHOICES = {
     "packed_attention": ATTENTION_KERNELS,
     "parallel": PARALLELS,
     "rollout_engine": ("engine", "generate"),
+    "decode_step": ("auto", "reference", "paged", "paged-eager"),
     "optimizer_dtype": OPTIMIZER_DTYPES,
 }
 LIST_CHOICES = {"report_to": REPORTERS}   # list-valued fields: every item must be one of these
