@@ -98,7 +98,7 @@ def test_the_cards_command_passes_the_flag_check_and_gte_large_still_needs_the_f
     cfg = C.make_config("paper")
     assert cfg.embed_model == models.DEFAULT_EMBEDDER and not cfg.trust_remote_code
     models.check_loadable("Qwen/Qwen2.5-3B", cfg.embed_model, cfg.trust_remote_code)      # no error
-    with pytest.raises(models.UserError, match="gte-large-en-v1.5: runs its own Python code .*--trust_remote"):
+    with pytest.raises(models.UserError, match="gte-large-en-v1.5: runs its own Python code .*--trust"):
         models.check_loadable("Qwen/Qwen2.5-3B", models.PAPER_EMBEDDER, False)
     models.check_loadable("Qwen/Qwen2.5-3B", models.PAPER_EMBEDDER, True)                # consent given
     note = models.embedder_note(cfg.embed_model)
