@@ -156,8 +156,9 @@ def draw(model, warp, hidden: torch.Tensor) -> tuple[list[int], list[float], lis
     to the host in one transfer (float64 holds the token ids and the float32 values exactly)."""
     scores = warp(model.get_output_embeddings()(hidden).float())
     logp = torch.log_softmax(scores, dim=-1)
-    tokens = torch.multinomial(logp.exp(), num_samples=1)
-    entropy = torch.special.entr(logp.exp()).sum(-1)
+    probs = logp.exp()
+    tokens = torch.multinomial(probs, num_samples=1)
+    entropy = torch.special.entr(probs).sum(-1)
     values = torch.stack((tokens[:, 0].double(), entropy.double(), logp.gather(1, tokens)[:, 0].double()))
     token_list, entropies, logprobs = paged.to_host(values)
     return [int(t) for t in token_list], entropies, logprobs

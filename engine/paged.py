@@ -173,7 +173,9 @@ def decode_step(model, warp, state: "StaticDecoder", size: int) -> None:
 class StaticDecoder:
     """The decode state of one engine on the device and the step that advances it (module docstring).
     mode: "eager" (flex compiled), "compile" (the whole step under torch.compile(fullgraph=True)) or "graph"
-    (CUDA: one captured graph per bucket; eager where capture fails)."""
+    (CUDA: one captured graph per bucket; eager where capture fails). The first step runs eagerly in every
+    mode: it does what a model does on its first call (transformers installs its output hooks under a lock,
+    which would break the graph)."""
 
     def __init__(self, model, pool: KVPool, warp, stop_ids, max_rows: int, mode: str = "eager"):
         if pool.scratch_page is None:
@@ -288,7 +290,7 @@ class StaticDecoder:
                 self.steps["eager"] += 1
                 self.capture(size)
                 return
-            if self.compiled is not None:
+            if self.compiled is not None and self.steps["eager"]:
                 self.compiled(self.model, self.warp, self, size)
                 self.steps["compiled"] += 1
             else:
