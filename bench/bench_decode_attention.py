@@ -93,16 +93,11 @@ def packed_gqa(slot_pool, step, query, key, value, scale):
 
 
 def paged_flex(page_pool, page_rows, query, key, value, scale):
-    size = query.shape[0]
-    table = torch.full((size, page_pool.pages + 1), page_pool.scratch_page, dtype=torch.int32)
-    for i, row in enumerate(page_rows):
-        table[i, :len(page_pool.pages_of(row))] = torch.tensor(page_pool.pages_of(row))
-    table = table.to(query.device)
-    lengths = torch.tensor([len(r) for r in page_rows], device=query.device)
+    table, logical, lengths = paged.lane_tables(page_pool, page_rows, query.shape[0], query.device)
     pos = lengths - 1
     write = table.gather(1, (pos // page_pool.page)[:, None].long())[:, 0].long() * page_pool.page \
         + pos % page_pool.page
-    step = paged.PagedKV(page_pool, write, paged.block_mask(table, lengths, page_pool.page,
+    step = paged.PagedKV(page_pool, write, paged.block_mask(table, lengths, logical, page_pool.page,
                                                             page_pool.layers[0].shape[0]))
     return lambda: paged.paged_attention(types.SimpleNamespace(layer_idx=0), query, key, value, None, scale,
                                          engine_kv=step)[0]

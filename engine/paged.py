@@ -4,10 +4,10 @@ The reference step (engine/kv.py) builds each step's slot tables on the host, ga
 context out of the pool in every layer, and on CUDA its boolean mask with GQA sends SDPA to the math kernel
 (issue 37: 0.16 of the bare forward on an H100 at 64 rows). This step instead:
 
-  * keeps the decode state on the device, updated in place: per lane (a row's place in the batch) its block
-    table (the pool pages it reads, in order), its length, the token it feeds next, how many tokens it has
-    and may have. The host sends only what changed: rows that joined or left (their lanes are re-packed by one
-    gather), and a row's new page every `page` tokens;
+  * keeps the decode state on the device, updated in place: per lane (a row's place in the batch) its
+    block table (the pool pages it reads, in order, and each page's place in it), its length, the token it
+    feeds next, how many tokens it has and may have. The host sends only what changed: rows that joined or
+    left (their lanes are re-packed by one gather), and a row's new page every `page` tokens;
   * reads the pool through the block table: FlexAttention (torch.nn.attention.flex_attention, compiled) over
     the pool as one sequence of pages, with a block mask whose KV blocks are exactly the row's pages: all but
     the last as full blocks, and the last, partly written one through a mask_mod that cuts it at the row's
@@ -22,11 +22,11 @@ context out of the pool in every layer, and on CUDA its boolean mask with GQA se
     replayed after that; if capture fails the step stays eager and says so once.
 
 Pages are PAGE = 16 tokens here (the flex decoding kernel's smallest tile; engine/kv.py copies a shared
-prefix's last partial page per row, so sharing stays by reference for every full page). The mask_mod masks
-only within the last page: pages outside a row's table are never read because the compiled kernels visit
-only the KV blocks the block mask lists. So flex must run compiled (an uncompiled flex would evaluate the
-mask over the whole pool): it is called through `compiled_flex`, and a recompile-limit hit raises instead of
-falling back.
+prefix's last partial page per row, so sharing stays by reference for every full page). The compiled kernels
+visit only the pages the block mask lists; its mask_mod is nonetheless complete on its own (a per-lane map
+from pool page to place in the table), so the mask means the same to any implementation. An uncompiled flex
+would materialise scores over the whole pool (gigabytes at the paper's shape): flex is called through
+`compiled_flex`, and a recompile-limit hit raises instead of falling back to it.
 
 On the CPU (tests) the same step runs eagerly with flex compiled, or whole under
 torch.compile(fullgraph=True) (--compile_decode); torch's default recompile limit applies per bucket.
@@ -92,27 +92,46 @@ class PagedKV:
     block_mask: object
 
 
-def block_mask(table: torch.Tensor, lengths: torch.Tensor, page: int, pool_tokens: int):
-    """The block mask of one decode step: row b (query length 1) reads the first ⌈lengths[b] / page⌉ pages
-    of its table [rows, pages] (int32): all but the last as full blocks, the last (`last_page`, a partial
-    block) only below the row's length."""
+def block_mask(table: torch.Tensor, lengths: torch.Tensor, logical: torch.Tensor, page: int,
+               pool_tokens: int):
+    """The block mask of one decode step: row b (query length 1) reads the first ⌈lengths[b] / page⌉ pages of
+    its table [rows, pages] (int32), all but the last as full blocks, the last as a partial one. The mask_mod
+    is the whole truth on its own (an uncompiled flex evaluates it over the whole pool): `logical`
+    [rows, pool pages] holds, per row, each of its pages' place in its table (−1: not its page), so key slot
+    s is visible to row b when its page is b's and its position, logical × page + s mod page, is below the
+    row's length."""
     from torch.nn.attention.flex_attention import BlockMask
 
     rows = table.shape[0]
-    pos = lengths - 1
-    last = pos // page
-    last_page = table.gather(1, last[:, None].to(torch.int64))
-    last_offset = pos % page
+    last = (lengths - 1) // page
     partial = torch.zeros_like(table)
-    partial[:, :1] = last_page
+    partial[:, :1] = table.gather(1, last[:, None].to(torch.int64))
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx // page != last_page[b, 0]) | (kv_idx % page <= last_offset[b])
+        place = logical[b, kv_idx // page]
+        return (place >= 0) & (place * page + kv_idx % page < lengths[b])
 
     return BlockMask.from_kv_blocks(torch.ones(rows, 1, 1, dtype=torch.int32, device=table.device),
                                     partial.view(rows, 1, 1, -1), last.to(torch.int32).view(rows, 1, 1),
                                     table.view(rows, 1, 1, -1), BLOCK_SIZE=(128, page), mask_mod=mask_mod,
                                     seq_lengths=(1, pool_tokens), compute_q_blocks=False)
+
+
+def lane_tables(pool: KVPool, contexts: list[list[int]], size: int, device=None):
+    """Block table, page places and lengths [size] of `contexts` (each including the slot of the token fed
+    now) in lanes 0.., the lanes beyond them padding (one token on the scratch page), as the static step
+    keeps them: for tests and benchmarks that call paged_attention directly."""
+    table = torch.full((size, pool.pages + 1), pool.scratch_page, dtype=torch.int32)
+    logical = torch.full((size, pool.pages + 1), -1, dtype=torch.int32)
+    logical[:, pool.scratch_page] = 0
+    lengths = torch.ones(size, dtype=torch.int64)
+    for i, context in enumerate(contexts):
+        pages = pool.pages_of(context)
+        table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        logical[i, pool.scratch_page] = -1
+        logical[i, pages] = torch.arange(len(pages), dtype=torch.int32)
+        lengths[i] = len(context)
+    return table.to(device), logical.to(device), lengths.to(device)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, engine_kv=None,
@@ -159,7 +178,8 @@ def decode_step(model, warp, state: "StaticDecoder", size: int) -> None:
     page = state.pool.page
     pos = lengths - 1
     write = table.gather(1, (pos // page)[:, None].to(torch.int64))[:, 0].to(torch.int64) * page + pos % page
-    step_kv = PagedKV(state.pool, write, block_mask(table, lengths, page, state.pool_tokens))
+    step_kv = PagedKV(state.pool, write, block_mask(table, lengths, state.logical[:size], page,
+                                                    state.pool_tokens))
     hidden = kv.decode_hidden(model, tokens[:, None], pos[:, None], step_kv)[:, -1]
     picked, entropy, logprob = sample(model, warp, hidden)
     ended = torch.isin(picked, state.stop) | (state.n_out[:size] + 1 >= state.limit[:size])
@@ -186,6 +206,9 @@ class StaticDecoder:
         hidden_size = model.get_output_embeddings().in_features
         self.pool_tokens = pool.layers[0].shape[0]
         self.table = torch.full((lanes, pool.pages + 1), pool.scratch_page, dtype=torch.int32, device=device)
+        # per lane, each pool page's place in its table (−1: not the lane's): the block mask's mask_mod
+        self.logical = torch.full((lanes, pool.pages + 1), -1, dtype=torch.int32, device=device)
+        self.logical[:, pool.scratch_page] = 0
         self.lengths = torch.ones(lanes, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(lanes, dtype=torch.int64, device=device)
         self.n_out = torch.zeros(lanes, dtype=torch.int64, device=device)
@@ -196,6 +219,7 @@ class StaticDecoder:
         self.out = torch.zeros(lanes, 4, dtype=torch.float32, device=device)
         self.hidden = torch.zeros(lanes, hidden_size, dtype=pool.layers[0].dtype, device=device)
         self.lane_ids: list[int] | None = []      # row id per lane; None: the device state must be rebuilt
+        self.used_lanes = lanes                   # lanes that may hold a row's state (all before a sync)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self.capture_failed: str | None = None
@@ -221,7 +245,7 @@ class StaticDecoder:
             if kept and any(i != j for i, j in kept):
                 dst = torch.tensor([i for i, _ in kept], device=self.pool.device)
                 src = torch.tensor([j for _, j in kept], device=self.pool.device)
-                for t in (self.table, self.lengths, self.tokens, self.n_out, self.limit):
+                for t in (self.table, self.logical, self.lengths, self.tokens, self.n_out, self.limit):
                     t.index_copy_(0, dst, t.index_select(0, src))
         elif ids == self.lane_ids:
             fresh = []
@@ -233,6 +257,7 @@ class StaticDecoder:
         if new_pages:
             at = torch.tensor(new_pages, dtype=torch.int64).to(self.pool.device, non_blocking=True)
             self.table[at[:, 0], at[:, 1]] = at[:, 2].to(torch.int32)
+            self.logical[at[:, 0], at[:, 2]] = at[:, 1].to(torch.int32)
 
     def write_rows(self, rows, fresh: list[int]) -> None:
         """New rows' lanes from the host (tables padded with the scratch page), then every lane beyond the
@@ -246,11 +271,19 @@ class StaticDecoder:
                 block[k, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
             state = torch.tensor([[len(rows[i].slots), rows[i].out.tokens[-1], len(rows[i].out.tokens),
                                    rows[i].limit] for i in fresh], dtype=torch.int64)
+            places = torch.tensor([[fresh[k], page, place] for k, pages in enumerate(tables)
+                                   for place, page in enumerate(pages)], dtype=torch.int64).to(device)
             lanes = torch.tensor(fresh, device=device)
             self.table[lanes, :width] = block.to(device)
+            self.logical[lanes] = -1
+            self.logical[places[:, 0], places[:, 1]] = places[:, 2].to(torch.int32)
             state = state.to(device)
             for col, t in enumerate((self.lengths, self.tokens, self.n_out, self.limit)):
                 t.index_copy_(0, lanes, state[:, col])
+        if self.used_lanes > n:                   # lanes that held rows go back to the padding state
+            self.logical[n:self.used_lanes] = -1
+            self.logical[n:self.used_lanes, self.pool.scratch_page] = 0
+        self.used_lanes = n
         self.table[n:, 0] = self.pool.scratch_page
         self.lengths[n:] = 1
         self.tokens[n:] = 0

@@ -96,11 +96,7 @@ def test_paged_attention_equals_the_reference_attention(page):
     for row in rows:
         pool.extend(row, 1)                                          # the slot of the token fed now
     size = 8
-    table = torch.full((size, pool.pages + 1), pool.scratch_page, dtype=torch.int32)
-    lengths = torch.ones(size, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        table[i, :len(pool.pages_of(row))] = torch.tensor(pool.pages_of(row))
-        lengths[i] = len(row)
+    table, logical, lengths = paged.lane_tables(pool, rows, size)
     query, key, value = torch.randn(size, 4, 1, 16), torch.randn(size, 2, 1, 16), torch.randn(size, 2, 1, 16)
     pos = lengths - 1
     write = table.gather(1, (pos // page)[:, None])[:, 0].long() * page + pos % page
@@ -108,7 +104,8 @@ def test_paged_attention_equals_the_reference_attention(page):
     assert set(write[4:].tolist()) == {pool.scratch_page * page}
     layer = types.SimpleNamespace(layer_idx=0)
     before = pool.layers[0].clone()
-    step = paged.PagedKV(pool, write, paged.block_mask(table, lengths, page, pool.layers[0].shape[0]))
+    mask = paged.block_mask(table, lengths, logical, page, pool.layers[0].shape[0])
+    step = paged.PagedKV(pool, write, mask)
     out, _ = paged.paged_attention(layer, query, key, value, None, scaling=0.25, engine_kv=step)
     written = pool.layers[0].clone()
     assert torch.equal(written[write[:4]], torch.stack((key[:4, :, 0], value[:4, :, 0]), 1))
@@ -119,6 +116,12 @@ def test_paged_attention_equals_the_reference_attention(page):
                                  engine_kv=kv.step_kv(pool, rows, 1)[0])
     assert out.shape == (size, 1, 4, 16) and torch.isfinite(out).all()
     assert torch.allclose(out[:4], ref, atol=1e-5)
+    # the mask_mod alone says the same: uncompiled flex (scores over the whole pool, masked) agrees
+    from torch.nn.attention.flex_attention import flex_attention
+
+    keys, values = (written[:, i].permute(1, 0, 2)[None] for i in (0, 1))
+    alone = flex_attention(query, keys, values, block_mask=mask, scale=0.25, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(alone, out, atol=1e-5)
 
 
 # ---- the engine on the paged step ------------------------------------------------------------------------
