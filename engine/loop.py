@@ -170,7 +170,8 @@ def decode_mode(decode: str, device: torch.device) -> str:
     if decode != "auto":
         return decode
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return "paged" if torch.device(device).type == "cuda" and not distributed else "reference"
+    cuda = torch.device(device).type == "cuda"
+    return "paged" if cuda and not distributed and not paged.DISABLED else "reference"
 
 
 def paged_pool(model, max_kv_tokens: int, max_rows: int, param: torch.Tensor) -> kv.KVPool:
@@ -200,7 +201,7 @@ class Engine:
         param = next(model.parameters())
         self.model, self.warp, self.stop_ids = model, warp, set(stop_ids)
         self.trace = trace
-        self.decode = decode_mode(decode, param.device)
+        self.decode, self.decode_auto = decode_mode(decode, param.device), decode == "auto"
         self.static = None
         if self.decode == "reference":
             self.pool = kv.KVPool(model, max_kv_tokens, param.device, param.dtype)
@@ -337,8 +338,12 @@ class Engine:
                 values, hidden = self.static.step(active)
             else:
                 hidden = self.forward.decode(active)[:, -1]
-        except RuntimeError as err:                    # torch.OutOfMemoryError is one
-            if not oom.is_oom(err) or len(active) == 1:
+        except Exception as err:                       # torch.OutOfMemoryError is one
+            first_paged = self.static is not None and self.decode_auto and not self.stats["decode_steps"]
+            if first_paged and not oom.is_oom(err):
+                self.paged_failed(err)                 # --decode_step auto: the reference step takes over
+                return
+            if not isinstance(err, RuntimeError) or not oom.is_oom(err) or len(active) == 1:
                 raise
             self.stats["oom_retries"] += 1
             self.scheduler.fewer_rows()
@@ -356,6 +361,16 @@ class Engine:
         yield from self._bases_ready()
         self.step += 1
         self.state.show()
+
+    def paged_failed(self, err: Exception) -> None:
+        """The paged step failed at its first step under --decode_step auto (e.g. a torch whose FlexAttention
+        lacks something it uses): say so once, and decode with the reference step from now on, in this engine
+        (its pool's pages serve it as they are) and every later one of the process."""
+        first = str(err).splitlines()[0][:200] if str(err) else ""
+        paged.DISABLED.append(f"{type(err).__name__}: {first}")
+        print(f"engine: the paged decode step failed ({paged.DISABLED[-1]}); decoding with the reference "
+              f"step", flush=True)
+        self.static = None
 
     def _sample_next(self, rows: list[DecodeRow], hidden: torch.Tensor, place) -> None:
         """One token per row from its hidden state [rows, d]; a row that ends leaves now (never decoded

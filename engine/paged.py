@@ -21,8 +21,9 @@ context out of the pool in every layer, and on CUDA its boolean mask with GQA se
     step is captured as a CUDA graph the first time it runs (after one eager run that compiles it) and
     replayed after that; if capture fails the step stays eager and says so once.
 
-Pages are PAGE = 16 tokens here (the flex decoding kernel's smallest tile; engine/kv.py copies a shared
-prefix's last partial page per row, so sharing stays by reference for every full page). The compiled kernels
+Pages are PAGE = 64 tokens here (the flex decoding kernel reads a page per tile of up to 64 keys; 16 is its
+smallest; bench/bench_decode_attention.py times both). engine/kv.py copies a shared prefix's last partial
+page per row (at most 63 tokens), so sharing stays by reference for every full page. The compiled kernels
 visit only the pages the block mask lists; its mask_mod is nonetheless complete on its own (a per-lane map
 from pool page to place in the table), so the mask means the same to any implementation. An uncompiled flex
 would materialise scores over the whole pool (gigabytes at the paper's shape): flex is called through
@@ -42,7 +43,8 @@ from engine import kv
 from engine.kv import KVPool
 
 PAGED_ATTENTION = "datpo_paged"
-PAGE = 16
+PAGE = 64
+DISABLED: list[str] = []   # why the paged step failed in this process (engines then take the reference)
 # Coarse: a GPU decode step at these sizes is bound by reading the weights, so padding 65 rows to 128 costs
 # little, and every bucket is one more compiled kernel per pool size.
 DECODE_BUCKETS = (16, 64, 128, 256, 384, 512)
@@ -77,9 +79,12 @@ def compiled_flex():
 
 @contextlib.contextmanager
 def no_eager_fallback():
-    """Compiled code must never fall back to eager flex (it would read the whole pool): a recompile-limit
-    hit raises; the limit is raised to cover every bucket × pool size of a run."""
-    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+    """Compiled code must not fall back to eager flex (scores over the whole pool): a recompile-limit hit
+    raises, and the limit covers every bucket × pool size of a run (where this torch has the settings)."""
+    known = torch._dynamo.config._config if hasattr(torch._dynamo.config, "_config") else {}
+    wanted = (("recompile_limit", 64), ("fail_on_recompile_limit_hit", True))
+    settings = {k: v for k, v in wanted if k in known}
+    with torch._dynamo.config.patch(**settings):
         yield
 
 
@@ -217,7 +222,8 @@ class StaticDecoder:
         self.n_active = torch.zeros((), dtype=torch.int64, device=device)
         self.stop = torch.tensor(sorted(stop_ids) or [-1], dtype=torch.int64, device=device)
         self.out = torch.zeros(lanes, 4, dtype=torch.float32, device=device)
-        self.hidden = torch.zeros(lanes, hidden_size, dtype=pool.layers[0].dtype, device=device)
+        hidden_dtype = model.get_output_embeddings().weight.dtype          # the final norm's, as in forward
+        self.hidden = torch.zeros(lanes, hidden_size, dtype=hidden_dtype, device=device)
         self.lane_ids: list[int] | None = []      # row id per lane; None: the device state must be rebuilt
         self.used_lanes = lanes                   # lanes that may hold a row's state (all before a sync)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -252,8 +258,9 @@ class StaticDecoder:
         if ids != self.lane_ids:
             self.write_rows(rows, fresh)
             self.lane_ids = ids
+        skip = set(fresh)
         new_pages = [(i, (len(r.slots) - 1) // page, r.slots[-1] // page) for i, r in enumerate(rows)
-                     if (len(r.slots) - 1) % page == 0 and i not in fresh]
+                     if (len(r.slots) - 1) % page == 0 and i not in skip]
         if new_pages:
             at = torch.tensor(new_pages, dtype=torch.int64).to(self.pool.device, non_blocking=True)
             self.table[at[:, 0], at[:, 1]] = at[:, 2].to(torch.int32)

@@ -142,13 +142,14 @@ def checked_steps(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_paged_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, monkeypatch):
-    """The static step (eagerly, flex compiled; pages of 16, so every branch copies its fork's partial page)
-    grows HF generate's trees token for token; rows leave, branches join and lanes are re-packed on the way,
-    and the device lanes agree with the host after every step."""
+@pytest.mark.parametrize("arch,page", [("llama", paged.PAGE), ("qwen3", 4)])
+def test_paged_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, page, monkeypatch):
+    """The static step (eagerly, flex compiled; every row copies its prompt's or fork's partial page; pages
+    of 4 tokens cross a page every few steps) grows HF generate's trees token for token; rows leave, branches
+    join and lanes are re-packed on the way, and the device lanes agree with the host before every step."""
     tok = smollm_tokenizer
     model = tiny_model(arch, len(tok))
+    monkeypatch.setattr(paged, "PAGE", page)
     counts = checked_steps(monkeypatch)
     cfg = _cfg(top_k=1)
     ours, stats = rollout(model, tok, cfg, "engine", "paged-eager")
@@ -278,6 +279,32 @@ def test_paged_step_out_of_memory_halves_the_rows_and_gives_the_same_samples(smo
     results = run_to_end(engine, prompts, 2, 8)
     assert [[s.tokens for s in r.bases] for r in results] == [[s.tokens for s in r.bases] for r in reference]
     assert engine.stats["oom_retries"] == 2 and engine.scheduler.max_rows == 1 and engine.pool.used == 0
+
+
+def test_a_paged_step_failing_at_once_under_auto_hands_over_to_the_reference(smollm_tokenizer, monkeypatch):
+    """--decode_step auto on a GPU whose torch lacks what the paged step uses: its first step fails, the
+    engine says so once and decodes on with the reference step over the same pool (the samples are those of
+    a reference run), and later engines of the process start with the reference step."""
+    tok = smollm_tokenizer
+    model = tiny_model("llama", len(tok))
+    sampler = R.Sampler.from_config(model, tok, _cfg(top_k=1))
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS[:2]]
+    reference = run_to_end(E.Engine(model, sampler.stop_ids, sampler.warp, 8, 512), prompts, 2, 7)
+    monkeypatch.setattr(paged, "DISABLED", [])
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("flex_attention: something this torch does not have (injected)")
+
+    monkeypatch.setattr(paged, "decode_step", unsupported)
+    engine = E.Engine(model, sampler.stop_ids, sampler.warp, 8, 512, decode="paged")
+    engine.decode_auto = True                         # as --decode_step auto resolves on CUDA
+    results = run_to_end(engine, prompts, 2, 7)
+    assert [[s.tokens for s in r.bases] for r in results] == [[s.tokens for s in r.bases] for r in reference]
+    assert engine.static is None and engine.pool.used == 0 and engine.pool.page == paged.PAGE
+    assert paged.DISABLED == ["RuntimeError: flex_attention: something this torch does not have (injected)"]
+    from engine.loop import decode_mode
+
+    assert decode_mode("auto", torch.device("cuda")) == "reference"
 
 
 @pytest.mark.slow
