@@ -12,8 +12,8 @@ the rows' slots shuffled through the pool as a long run leaves them. Candidates 
                 and enable_gqa — and which SDPA backends accept that call (on CUDA: only math)
   packed-gqa    the same gather, the GQA group packed into the query ([rows, H_kv, G, d]) and an additive
                 float mask: SDPA's memory-efficient kernel is eligible (no enable_gqa)
-  paged-flex    engine/paged.paged_attention: FlexAttention (compiled) over the pool's pages through the
-                block table, no gather — what --decode_step paged runs
+  paged-flex@P  engine/paged.paged_attention: FlexAttention (compiled) over the pool's pages of P tokens
+                (--pages) through the block table, no gather — what --decode_step paged runs (P = 64)
   varlen-paged  torch.nn.attention.varlen.varlen_attn with block_table / seqused_k (flash; CUDA only) over
                 pages of --varlen_page tokens, where this torch has it (its flash kernel may refuse small
                 pages: the error is printed)
@@ -40,31 +40,31 @@ import torch  # noqa: E402
 from engine import kv, paged  # noqa: E402
 
 
-def setup(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype, device, seed: int = 0):
-    """Query, the new token's key/value, and the same contexts laid out twice: in a 1-token-slot pool (the
-    reference's) and in a 16-token-page pool (the paged step's), both with shuffled placement."""
+def setup(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype, device, pages=(64,),
+          seed: int = 0):
+    """Query, the new token's key/value, and the same contexts laid out in a 1-token-slot pool (the
+    reference's) and in a pool of each page size (the paged step's), all with shuffled placement."""
     gen = torch.Generator().manual_seed(seed)
     cfg = types.SimpleNamespace(num_key_value_heads=kv_heads, num_attention_heads=heads,
                                 hidden_size=heads * head_dim, num_hidden_layers=1, head_dim=head_dim)
     model = types.SimpleNamespace(config=cfg)
-    page = paged.PAGE
-    slot_pool = kv.KVPool(model, rows * (context + 1), device, dtype)
-    page_pool = kv.KVPool(model, rows * (context + page), device, dtype, page=page, scratch=True)
+    pools = [kv.KVPool(model, rows * (context + 1), device, dtype)]
+    pools += [kv.KVPool(model, rows * (context + page), device, dtype, page=page, scratch=True)
+              for page in pages]
     values = torch.randn(rows, context, 2, kv_heads, head_dim, generator=gen).to(device, dtype)
-    order = torch.randperm(slot_pool.pages, generator=gen).tolist()
-    slot_pool.free = order[::-1]                                      # rows' slots scattered over the pool
-    page_pool.free = torch.randperm(page_pool.pages, generator=gen).tolist()
-    slot_rows, page_rows = [], []
-    for r in range(rows):
-        for pool, out in ((slot_pool, slot_rows), (page_pool, page_rows)):
+    contexts = []
+    for pool in pools:
+        pool.free = torch.randperm(pool.pages, generator=gen).tolist()   # rows scattered over the pool
+        contexts.append([])
+        for r in range(rows):
             row = []
             pool.extend(row, context)
             pool.layers[0][torch.tensor(row, device=device)] = values[r]
             pool.extend(row, 1)                                        # the new token's slot
-            out.append(row)
+            contexts[-1].append(row)
     query = torch.randn(rows, heads, 1, head_dim, generator=gen).to(device, dtype)
     key, value = (torch.randn(rows, kv_heads, 1, head_dim, generator=gen).to(device, dtype) for _ in range(2))
-    return slot_pool, slot_rows, page_pool, page_rows, query, key, value
+    return pools, contexts, query, key, value
 
 
 def reference(slot_pool, slot_rows, query, key, value, scale):
@@ -168,16 +168,17 @@ def timed(call, repeats: int, device) -> float:
 
 def run(rows: int, context: int, args, device, dtype) -> list[str]:
     heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
-    slot_pool, slot_rows, page_pool, page_rows, query, key, value = setup(rows, context, heads, kv_heads, dim,
-                                                                          dtype, device)
+    pools, contexts, query, key, value = setup(rows, context, heads, kv_heads, dim, dtype, device, args.pages)
+    slot_pool, slot_rows = pools[0], contexts[0]
     scale = dim ** -0.5
     ref_call, step = reference(slot_pool, slot_rows, query, key, value, scale)
     with torch.no_grad():
         expected = ref_call()
         packed_call, _, _ = packed_gqa(slot_pool, step, query, key, value, scale)
         calls = {"reference": (ref_call, eligible(ref_call)),
-                 "packed-gqa": (packed_call, eligible(packed_call)),
-                 "paged-flex": (paged_flex(page_pool, page_rows, query, key, value, scale), "-")}
+                 "packed-gqa": (packed_call, eligible(packed_call))}
+        for page, pool, page_rows in zip(args.pages, pools[1:], contexts[1:]):
+            calls[f"paged-flex@{page}"] = (paged_flex(pool, page_rows, query, key, value, scale), "-")
         if device.type == "cuda":
             layer = slot_pool.layers[0]
             varlen = varlen_paged([r[:-1] for r in slot_rows],
@@ -188,15 +189,15 @@ def run(rows: int, context: int, args, device, dtype) -> list[str]:
         kv_bytes = rows * (context + 1) * 2 * kv_heads * dim * torch.finfo(dtype).bits // 8
         lines = [f"rows {rows}, context {context}, heads {heads}/{kv_heads}, head_dim {dim}, {dtype}; "
                  f"KV read at least {kv_bytes / 1e6:.1f} MB per call",
-                 f"  {'candidate':<13} {'SDPA backends':<26} {'ms/call':>9} {'GB/s':>8} {'max |Δ|':>10}"]
+                 f"  {'candidate':<15} {'SDPA backends':<26} {'ms/call':>9} {'GB/s':>8} {'max |Δ|':>10}"]
         for name, (call, backends) in calls.items():
             try:
                 ms = timed(call, args.repeats, device)
                 diff = (call().float() - expected.float()).abs().max().item()
-                lines.append(f"  {name:<13} {backends:<26} {ms:>9.3f} {kv_bytes / ms / 1e6:>8.1f} "
+                lines.append(f"  {name:<15} {backends:<26} {ms:>9.3f} {kv_bytes / ms / 1e6:>8.1f} "
                              f"{diff:>10.2e}")
             except Exception as err:   # e.g. a page size the kernel refuses: say so, go on
-                lines.append(f"  {name:<13} {backends:<26} failed: {type(err).__name__}: "
+                lines.append(f"  {name:<15} {backends:<26} failed: {type(err).__name__}: "
                              f"{str(err).splitlines()[0][:150] if str(err) else ''}")
     return lines
 
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv_heads", type=int, default=2)
     parser.add_argument("--head_dim", type=int, default=128)
+    parser.add_argument("--pages", type=int, nargs="+", default=[16, 64], help="paged-flex's page sizes")
     parser.add_argument("--varlen_page", type=int, default=256, help="varlen-paged's page size")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (harness/threads.py)")

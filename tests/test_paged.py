@@ -355,7 +355,8 @@ def test_bench_decode_attention_cpu_check_prints_every_candidate_equal_to_the_re
 
     bench_decode_attention.main(["--cpu_check"])
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.startswith("  ") and line.split()[0] in ("reference", "packed-gqa", "paged-flex")}
-    assert set(rows) == {"reference", "packed-gqa", "paged-flex"}
+            if line.startswith("  ") and line.split()[0] in ("reference", "packed-gqa", "paged-flex@16",
+                                                             "paged-flex@64")}
+    assert set(rows) == {"reference", "packed-gqa", "paged-flex@16", "paged-flex@64"}
     assert "math" in rows["reference"][1] and float(rows["reference"][-1]) == 0
     assert all(float(r[-1]) < 1e-5 and float(r[-3]) > 0 for r in rows.values())
