@@ -157,7 +157,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def register_attention() -> str:
-    """Registered for the model's attention only (not as a mask function: HF then builds no mask)."""
+    """Registered as an attention function only, with no mask function: for such an attention transformers'
+    mask creation returns None at once ("other custom attention without equivalent mask creation"). A
+    registered mask function would instead run its mask preprocessing, which makes host round trips
+    (tests/test_paged.py counts them)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(PAGED_ATTENTION, paged_attention)
