@@ -205,6 +205,9 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[0],
                         help="shape (a): this many rows (rows / 4 prompts × 4), one run per value")
     parser.add_argument("--max_new_tokens", type=int, default=0, help="override every shape's new tokens")
+    parser.add_argument("--engine_only", action="store_true",
+                        help="the engine alone (no generate run): its floor and DATPO/GRPO ratio in half the "
+                             "time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
@@ -229,6 +232,7 @@ def main():
                    for p in problems]
         answers = [p["answer"] for p in problems]
         engines = ("compiled", "engine") if args.compile_decode else ("engine", "generate")
+        engines = engines[:1] if args.engine_only else engines
         paged = decode_mode(cfg.decode_step, device) != "reference"
         if paged:
             # the paged step's kernels are compiled per bucket and pool size: warm up on every prompt (the
@@ -247,11 +251,11 @@ def main():
         for e in engines:
             result[e] = run(model, tokenizer, prompts, answers, cfg, e, args.seed, kwargs)
             print(f"({shape}) {e}: {result[e]}, load average {os.getloadavg()[0]:.2f}", flush=True)
-        ours, ref = result[engines[0]], result[engines[1]]
+        ours, ref = result[engines[0]], result[engines[-1]]
         print(f"\n({shape}) {n_prompts} prompts, N = {kwargs.get('n_base', cfg.n_base)}, "
               f"{'no branches' if kwargs else f'K_max = {cfg.k_max}, B_max = {cfg.b_max}, {cfg.fork}'}, "
               f"max_new_tokens {cfg.max_new_tokens}; load average {os.getloadavg()[0]:.2f}")
-        print(f"{'':34s}{engines[0]:>14s}{engines[1]:>14s}{engines[0] + '/' + engines[1]:>17s}")
+        print(f"{'':34s}{engines[0]:>14s}{engines[-1]:>14s}{engines[0] + '/' + engines[-1]:>17s}")
         for label, key, fmt in [("wall seconds", "wall", "{:.1f}"), ("generated tokens", "tokens", "{:.0f}"),
                                 ("tokens / s", "tok_s", "{:.1f}"), ("branches", "branches", "{:.0f}"),
                                 ("row-steps run", "row_steps", "{:.0f}"),
