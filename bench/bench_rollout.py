@@ -81,7 +81,7 @@ def run(model, tokenizer, prompts, answers, cfg, engine, seed, kwargs):
     wall = time.perf_counter() - start
     tokens = stats.base_tokens + stats.branch_tokens
     return dict(wall=wall, tokens=tokens, tok_s=tokens / wall, ended=stats.ended_row_steps,
-                ms_step=wall * 1e3 / max(stats.decode_steps, 1),
+                ms_step=wall * 1e3 / stats.decode_steps if stats.decode_steps else None,   # engine only
                 row_steps=stats.row_steps, kv=stats.peak_kv_bytes, recomputed=stats.recomputed_prefix_tokens,
                 branches=sum(1 for t in trees for b in t.blocks if b.branch),
                 shape=engine_shape(trees, stats))
