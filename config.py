@@ -17,13 +17,15 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import methods
 from harness import checks
 
 
 @dataclass
 class Config:
     # ---- what to train -------------------------------------------------------------------------------
-    method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines")
+    method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines"):
+                                            # a methods.py row, which brings the settings that define it
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
     train_data: str = "math-train"          # data.load_problems source: 12,000 MATH problems (App. F.1)
     prompt_style: str = "release"           # release: the authors' plain-text prompt (system text, Problem:,
@@ -57,14 +59,15 @@ class Config:
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
     max_new_tokens: int = 1024              # per generation, base or branch (App. F.2)
-    branch_budget: str = "full"             # full: a branch may add max_new_tokens (App. F.2, the release),
+    branch_length: str = "full"             # full: a branch may add max_new_tokens (App. F.2, the release),
                                             # so a root-to-leaf path can reach f + max_new_tokens;
                                             # remaining: max − f
     max_prompt_tokens: int = 0              # >0: longer prompts are skipped and counted; 0 = keep all (the
                                             # release defines max_prompt_len 256 but never reads it)
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. F.2: 384 for 3B)
-    naive_prefill: bool = False             # re-prefill every branch prefix instead of reusing the KV cache
+    naive_prefill: bool = False             # generate: re-prefill every branch prefix instead of reusing the
+                                            # KV cache (needs --rollout_engine generate)
     rollout_engine: str = "engine"          # engine: engine/ (rows leave when they end, branches start when
                                             # their prompt's bases end, prefixes shared in a slot pool);
                                             # generate: HF generate per group and branch chunk (the reference
@@ -91,7 +94,7 @@ class Config:
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
                                             # release = the authors' code's groups
-                                            # (advantage.release_sibling_diversity)
+                                            # (release.release_sibling_diversity)
     embed_model: str = "sentence-transformers/all-mpnet-base-v2"  # App. F.5's row (no remote code); the
                                             # paper's gte-large-en-v1.5 needs --trust_remote_code true
     embed_batch_size: int = 64
@@ -209,21 +212,20 @@ SCALES: dict[str, dict] = {
     ),
 }
 
-# Rows of the paper's tables: algorithm settings only (the scale comes from SCALES).
-_GRPO = dict(method="grpo", clip_high=0.28)                             # App. F.2: clip-higher 0.2/0.28
-_TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)                       # App. F.2: original papers' (6,2,2)
+# Rows of the paper's tables: algorithm settings only (the scale comes from SCALES). A row that names a method
+# gets that method's own settings first (methods.py: TreeRL's forks and (6, 2, 2), GRPO's clip-higher, ...),
+# so `--preset treerl` and `--method treerl` are the same run.
 ROWS: dict[str, dict] = {
     # Table "main results" (Sec. 5.2)
     "paper": {},                                                        # DATPO (4,3,4), sent-entropy, α 0.2→0
     # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug
-    # (docs/decisions.md). Where the paper is silent the defaults already follow the release
-    # (prompt, bf16, budget).
+    # (docs/decisions.md, release.py). Where the paper is silent the defaults already follow the release
+    # (prompt, bf16, branch length).
     "release": dict(value_estimate="release", sibling_groups="release", mini_batch_grouping="blocks"),
-    "grpo": _GRPO,
-    "drgrpo": dict(method="drgrpo", loss_norm="constant"),              # r − mean, constant normaliser
-    "treerl": dict(method="treerl", fork="tok-entropy", adaptive=False, **_TREE_BASELINE),
-    # AttnRL: one-step off-policy
-    "attnrl": dict(method="attnrl", fork="atb", off_policy_steps=1, **_TREE_BASELINE),
+    "grpo": dict(method="grpo"),
+    "drgrpo": dict(method="drgrpo"),
+    "treerl": dict(method="treerl"),
+    "attnrl": dict(method="attnrl"),
     # Table "wall clock" (App. F.3): "DATPO w/ one-step off-policy", AttnRL's pipeline (offpolicy.py)
     "datpo-off-policy": dict(off_policy_steps=1),
     # Table "forking strategies" (Sec. 5.4) and App. D.4 (distance-forced token entropy)
@@ -240,16 +242,18 @@ ROWS: dict[str, dict] = {
     "datpo-alpha-0.2-0.2": dict(alpha_start=0.2, alpha_end=0.2),
     "datpo-alpha-0.2-neg0.2": dict(alpha_start=0.2, alpha_end=-0.2),
     # Table "difficulty-adaptive" (App. F.5): fixed (N, K, B) = (6, 2, 2)
-    "datpo-nonadaptive": dict(adaptive=False, **_TREE_BASELINE),
+    "datpo-nonadaptive": dict(adaptive=False, **methods.TREE_BASELINE),
     # Table "wider topology" (App. F.6): the baselines with DATPO's (4, 3, 4)
-    "treerl-434": dict(method="treerl", fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4),
-    "attnrl-434": dict(method="attnrl", fork="atb", off_policy_steps=1, n_base=4, k_max=3, b_max=4),
+    "treerl-434": dict(method="treerl", n_base=4, k_max=3, b_max=4),
+    "attnrl-434": dict(method="attnrl", n_base=4, k_max=3, b_max=4),
     # Sec. 3.1 / App. B: the difficulty study's G sweep (python -m studies difficulty). GRPO-Zero style:
     # 256 samples per step = one on-policy mini-batch, so θ_old = θ, the ratio is 1 and the clip never acts
     # (a plain token-level policy gradient, no KL); 5 epochs over a 1,400-problem subset; evaluated
-    # afterwards (difficulty-report).
+    # afterwards (difficulty-report). The clip stays symmetric (0.2), as these rows were measured with: at
+    # paper scale it never acts; at smaller scales a row keeps the numbers it gave.
     # The batch sizes apply at paper scale only (`at_paper_scale`); smaller scales keep their own.
-    **{f"grpo-g{g}": dict(method="grpo", group_size=g, ppo_epochs=1, eval_every=0, at_paper_scale=dict(
+    **{f"grpo-g{g}": dict(method="grpo", group_size=g, ppo_epochs=1, eval_every=0, clip_high=0.2,
+                          at_paper_scale=dict(
         prompts_per_step=256 // g, mini_batch_size=256, steps=math.ceil(5 * 1400 / (256 // g))))
        for g in (4, 8, 16)},
     # Table "embedding models" (App. F.5)
@@ -264,7 +268,8 @@ PRESETS.update({"demo": ("demo", "paper"), "tiny": ("tiny", "paper")})
 
 
 def make_config(preset: str = "paper", scale: str | None = None, **overrides) -> Config:
-    """A validated Config: the scale's settings, then the preset's row, then field overrides."""
+    """A validated Config: the scale's settings, then the method's own (methods.py), the preset's row, then
+    field overrides."""
     if preset not in PRESETS:
         raise ValueError(f"--preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
     default_scale, row = PRESETS[preset]
@@ -273,7 +278,10 @@ def make_config(preset: str = "paper", scale: str | None = None, **overrides) ->
         raise ValueError(f"--scale: got {scale!r}, expected one of {', '.join(SCALES)}")
     row_values = dict(ROWS[row])
     at_paper = row_values.pop("at_paper_scale", {})     # a row's sizes that only make sense at paper scale
-    values = {**SCALES[scale], **row_values, **(at_paper if scale == "paper" else {}), **overrides}
+    method = overrides.get("method", row_values.get("method", Config.method))
+    defining = methods.METHODS[method].settings if method in methods.METHODS else {}   # else: validate says
+    values = {**SCALES[scale], **defining, **row_values, **(at_paper if scale == "paper" else {}),
+              **overrides}
     if not values.get("out_dir"):
         values["out_dir"] = f"runs/{preset}" + ("" if scale == default_scale else f"-{scale}")
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})

@@ -234,7 +234,7 @@ def _first_line(err: BaseException) -> str:
 
 
 def check_loadable(model: str, embed_model: str | None, trust_remote_code: bool) -> None:
-    """Pre-flight (harness/loop.setup, before data and models load): the policy's config.json is a model's
+    """Pre-flight (harness/loop.Run, before data and models load): the policy's config.json is a model's
     (check_model_config), neither model runs its own code without --trust_remote_code true (check_trusted),
     and a local policy folder holds a tokenizer."""
     model = resolve_checkpoint(model)

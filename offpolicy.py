@@ -32,14 +32,17 @@ from engine.samples import Sample
 
 @dataclass
 class Batch:
-    """A step's prompts. `bases` (one-step off-policy): per prompt, its N base responses already sampled by
-    the engine (Samples: tokens, H_t and log p of each token under the sampling distribution), by the weights
-    of step `sampled_at` (0-based: the weights after that many updates)."""
+    """A step's prompts (prompts.PromptStream draws them). `bases` (one-step off-policy): per prompt, its N
+    base responses already sampled by the engine (Samples: tokens, H_t and log p of each token under the
+    sampling distribution), by the weights of step `sampled_at` (0-based: the weights after that many
+    updates); `ahead_prompts`: the next step's prompts, whose N base responses this step's rollout samples
+    in the same running batch (not saved: a checkpoint holds the next batch itself)."""
     prompts: list[str]
     answers: list[str]
     levels: list
     bases: list[list[Sample]] | None = None     # [prompt][j]
     sampled_at: int | None = None
+    ahead_prompts: list[str] | None = None      # the next step's prompts, whose bases this step samples
 
     def to_state(self) -> dict:
         """For trainer_state.pt: plain lists and numbers, a base response as [tokens, entropies, logprobs]."""

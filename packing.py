@@ -27,15 +27,15 @@ it by one of three kernels (`--packed_attention`: tree, flex, dense) and says wh
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import attention
+import models
 from engine.generate import left_pad
-from harness import distributed as D
+from harness import distributed
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -114,6 +114,12 @@ def token_offsets(trees: list[TrainTree]) -> list[list[int]]:
             at += len(toks)
         out.append(offs)
     return out
+
+
+def token_advantages(trees: list[TrainTree], device) -> torch.Tensor:
+    """Â(b) of each token of every block b, in the flat token order of token_offsets."""
+    return torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
+                        dtype=torch.float32, device=device)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -298,7 +304,22 @@ class Packed:
 def pack(trees: list[TrainTree], items: list[Item], offsets: list[list[int]]) -> Packed:
     """Pack items (from one or several trees) into one sequence. Per tree: the prompt, then the needed blocks
     (the items' blocks and their ancestors) depth-first; targets are the tokens of the items' trained blocks.
-    Trees follow each other block-diagonally (a prompt's subtree ends where its tree ends)."""
+    Trees follow each other block-diagonally (a prompt's subtree ends where its tree ends).
+
+    A prompt p0 p1, a base response a0 a1 | c0 forked after a1, one branch b0 b1 there (3 blocks):
+
+        key →        p0 p1 a0 a1 c0 b0 b1      query q sees key k iff k ≤ q < subtree_end[k]
+        query p0     ■                         (the branch never sees the base's c0: not its ancestor)
+              p1     ■  ■
+              a0     ■  ■  ■
+              a1     ■  ■  ■  ■
+              c0     ■  ■  ■  ■  ■
+              b0     ■  ■  ■  ■  ·  ■
+              b1     ■  ■  ■  ■  ·  ■  ■
+        position_ids 0  1  2  3  4  4  5       b0 is the 5th token of its own root-to-leaf sequence
+        subtree_end  7  7  7  7  5  7  7
+        pred_index   targets a0 a1 c0 b0 b1 are predicted at p1 a0 a1 a1 b0 (b0 from a1, not from c0)
+    """
     out = Packed()
     needed = needed_blocks(trees, items)
     trained_in: dict[int, set[int]] = {}
@@ -354,53 +375,20 @@ def pad_packed(packed: Packed, length: int, pad_id: int = 0) -> Packed:
 # Log-probs of a packed sequence: one forward under the tree mask (its kernels: attention.py), fp32 logits
 # --------------------------------------------------------------------------------------------------------
 def fp32_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits computed in fp32 (hidden states and lm_head weight upcast, autocast off): bf16 logits are
-    rounded to 8 bits before any upcast (|Δ log p| up to ~0.1 at logits of a few tens), which would put that
-    noise into the PPO ratio."""
+    """Logits computed in fp32 at least (hidden states and lm_head weight upcast, autocast off; a float64
+    model keeps float64): bf16 logits are rounded to 8 bits before any upcast (|Δ log p| up to ~0.1 at
+    logits of a few tens), which would put that noise into the PPO ratio."""
     bias = getattr(lm_head, "bias", None)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        return torch.nn.functional.linear(hidden.float(), lm_head.weight.float(),
-                                          None if bias is None else bias.float())
+        return torch.nn.functional.linear(hidden.to(dtype), lm_head.weight.to(dtype),
+                                          None if bias is None else bias.to(dtype))
 
 
-@contextlib.contextmanager
-def fp32_head(model):
-    """The model's own lm_head computing fp32 logits (fp32_logits) while inside: under torchrun the model's
-    forward must compute the logits (DDP's and FSDP2's hooks live there), and they must be the same fp32
-    logits one process takes its log-softmax of."""
-    head = model.get_output_embeddings()
-    head.forward = functools.partial(fp32_logits, head)
-    try:
-        yield
-    finally:
-        del head.forward     # the class's forward again
-
-
-def _target_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def target_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log π(target | its path) from the hidden states that predict the targets: lm_head and log-softmax in
+    fp32 (fp32_logits)."""
     logits = fp32_logits(lm_head, hidden)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def chunked_logprobs(lm_head, hidden: torch.Tensor, pred_index: torch.Tensor, targets: torch.Tensor,
-                     chunk: int) -> torch.Tensor:
-    """log π(target | its path) for every target, `chunk` targets at a time: lm_head + log-softmax in fp32
-    (from fp32 hidden states and weights, _target_logprobs) never materialise for the whole sequence, and
-    under autograd each chunk is recomputed in the backward (activation checkpointing) so only the hidden
-    states stay alive — [chunk, vocab] fp32 at a time (plus, per chunk, an fp32 copy of the lm_head weight:
-    151,936 × 2,048 × 4 B ≈ 1.2 GB for Qwen2.5-3B, transient)."""
-    out = []
-    for s in range(0, len(targets), chunk):
-        h = hidden.index_select(0, pred_index[s:s + chunk])
-        t = targets[s:s + chunk]
-        if torch.is_grad_enabled() and h.requires_grad:
-            out.append(checkpoint(_target_logprobs, lm_head, h, t, use_reentrant=False))
-        else:
-            out.append(_target_logprobs(lm_head, h, t))
-    return torch.cat(out) if out else hidden.new_zeros(0)
-
-
-def _logits_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -409,10 +397,7 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     """One model call over a packed sequence (4D tree mask + explicit position ids) → the log-prob of every
     target, in `packed.target_ids` order.
 
-    Under torchrun (distributed.py) the model's own forward must run, since DDP's and FSDP2's hooks live
-    there: it returns logits at the targets only (logits_to_keep = their positions), a [targets, vocab]
-    tensor per micro-batch rather than `chunk` rows of it; the fp32 log-softmax is still taken `chunk` rows
-    at a time.
+    Under torchrun the model's own forward runs instead (harness/distributed.model_logprobs).
     The tree mask goes in as the kernel wants it (attention.tree_attention_mask; the tree kernel's segments as
     the forward kwarg tree_buckets). flex: the sequence is padded to its length bucket (attention.flex_bucket
     of `bucket_tokens`, the micro-batch budget) so the compiled kernel sees a few static shapes."""
@@ -423,23 +408,24 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     ends = torch.tensor(packed.subtree_end, device=device)
     pred_index = torch.tensor(packed.pred_index, device=device)
     targets = torch.tensor(packed.target_ids, device=device)
-    inner = D.unwrap(model)
+    inner = distributed.unwrap(model)
     mask = attention.tree_attention_mask(inner, ends, kernel)
     extra = {"tree_buckets": attention.tree_buckets(packed.subtree_end, device)} if kernel == "tree" else {}
     with attention.kernel_backend(inner, kernel):
-        if D.active():
-            with fp32_head(inner):
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                               logits_to_keep=pred_index, **extra).logits[0]
-            parts = [checkpoint(_logits_logprobs, logits[s:s + chunk], targets[s:s + chunk],
-                                use_reentrant=False)
-                     if torch.is_grad_enabled() and logits.requires_grad
-                     else _logits_logprobs(logits[s:s + chunk], targets[s:s + chunk])
-                     for s in range(0, len(targets), chunk)]
-            return torch.cat(parts) if parts else logits.new_zeros(0)
+        if distributed.active():   # torchrun: the model's own forward, where DDP's and FSDP2's hooks are
+            return distributed.model_logprobs(model, ids, mask, positions, pred_index, targets, chunk, extra)
         hidden = inner.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
                                      use_cache=False, **extra).last_hidden_state[0]
-    return chunked_logprobs(inner.get_output_embeddings(), hidden, pred_index, targets, chunk)
+    # lm_head + fp32 log-softmax `chunk` targets at a time: [chunk, vocab] fp32 logits, never the whole
+    # sequence's (plus, per chunk, an fp32 copy of the lm_head weight: ≈ 1.2 GB for Qwen2.5-3B, transient);
+    # under autograd each chunk is recomputed in the backward (activation checkpointing), so only the
+    # hidden states stay alive
+    head, grad, parts = inner.get_output_embeddings(), torch.is_grad_enabled() and hidden.requires_grad, []
+    for s in range(0, len(targets), chunk):
+        args = (head, hidden.index_select(0, pred_index[s:s + chunk]), targets[s:s + chunk])
+        parts.append(checkpoint(target_logprobs, *args, use_reentrant=False) if grad
+                     else target_logprobs(*args))
+    return torch.cat(parts) if parts else hidden.new_zeros(0)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -551,9 +537,43 @@ def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: lis
     return out
 
 
-def micro_logprobs(model, micro: MicroBatch, pad_id: int, device, kernel: str = "dense",
-                   bucket_tokens: int | None = None) -> torch.Tensor:
-    """Log-probs of a micro-batch's targets, in `micro.gidx` order (bucket_tokens: packed_logprobs)."""
-    if micro.packed is not None:
-        return packed_logprobs(model, micro.packed, device, kernel, bucket_tokens=bucket_tokens)
-    return torch.cat(row_logprobs(model, micro.rows, pad_id, device))
+class Forward:
+    """The update's forward (Phase 4): which layout and attention kernel it runs, the micro-batch size
+    (`size`: tokens per packed micro-batch, or rows per micro-batch in the rows layout; halved on out of
+    memory) and the model. While the context is open the packed kernel is the model's attention backend —
+    through every backward too, since activation checkpointing recomputes the forward there."""
+
+    def __init__(self, policy, cfg, pad_id: int, device):
+        self.policy, self.pad_id, self.device, self.precision = policy, pad_id, device, cfg.precision
+        self.model = distributed.unwrap(policy)             # the HF model inside a DDP wrapper
+        self.packed = cfg.train_layout == "packed"
+        self.kernel = attention.update_kernel(cfg, device, self.model) if self.packed else "rows"
+        self.size = cfg.max_tokens_per_micro_batch if self.packed else cfg.micro_batch_size
+        self.max_tokens, self.rows_per_micro = cfg.max_tokens_per_micro_batch, cfg.micro_batch_size
+        self._backend = contextlib.nullcontext()
+
+    def __enter__(self) -> "Forward":
+        self._backend = attention.kernel_backend(self.model, self.kernel if self.packed else "dense")
+        self._backend.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return bool(self._backend.__exit__(*exc))
+
+    def micro_batches(self, trees: list[TrainTree], units: list[Unit], offsets: list[list[int]],
+                      size: int) -> list[MicroBatch]:
+        """A mini-batch's micro-batches: `size` tokens each (packed layout) or `size` rows (rows layout)."""
+        if self.packed:
+            return layout_micro_batches(trees, units, offsets, "packed", size, self.rows_per_micro)
+        return layout_micro_batches(trees, units, offsets, "rows", self.max_tokens, size)
+
+
+def micro_logprobs(forward: Forward, micro: MicroBatch) -> torch.Tensor:
+    """fp32 log-probs of a micro-batch's targets, in `micro.gidx` order, in the run's precision: one packed
+    sequence under the tree mask (flex: lengths padded to buckets of the micro-batch budget, static shapes),
+    or the rows layout's left-padded rows."""
+    with models.autocast(forward.device, forward.precision):
+        if micro.packed is not None:
+            return packed_logprobs(forward.policy, micro.packed, forward.device, forward.kernel,
+                                   bucket_tokens=forward.max_tokens).float()
+        return torch.cat(row_logprobs(forward.policy, micro.rows, forward.pad_id, forward.device)).float()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import atb
 import engine as E
 import methods as M
 import tree as T
@@ -73,9 +74,8 @@ class Sampler:
 
     @classmethod
     def from_config(cls, model, tokenizer, cfg, backoff: E.Backoff | None = None) -> "Sampler":
-        engine = "generate" if cfg.naive_prefill else cfg.rollout_engine   # naive re-prefill is generate's
         return cls(model, stop_token_ids(tokenizer, model), tokenizer.pad_token_id,
-                   cfg.temperature, cfg.top_k, cfg.top_p, engine,
+                   cfg.temperature, cfg.top_k, cfg.top_p, cfg.rollout_engine,
                    cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size), cfg.max_kv_tokens,
                    compile_decode=cfg.compile_decode, backoff=backoff or E.Backoff(), decode=cfg.decode_step)
 
@@ -119,42 +119,6 @@ def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_t
 
 
 # --------------------------------------------------------------------------------------------------------
-# Attention-based forking (ATB) needs one attention-returning forward pass per base response
-# --------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def atb_step_scores(model, prompt_ids: list[int], response_ids: list[int], spans: list[tuple[int, int]],
-                    gap: int = 4) -> list[float]:
-    """FCI of each step of one response (tree.fci_step_scores) from one attention-returning forward pass.
-
-    The model runs once with eager attention (the only kind that returns weights). Each layer's
-    [heads, L, L] weights are reduced to step level [heads, S, S] on the device as they are produced
-    (float64), so memory holds one layer's token attention at a time and only [layers·heads, S, S] reaches
-    the CPU — not ~2.4 GB of fp32 maps per 1,024-token response.
-    """
-    per_layer: list[torch.Tensor] = []
-    p = len(prompt_ids)
-
-    def keep(module, args, output):
-        weights = output[1]
-        if weights is None:
-            raise RuntimeError("attention weights unavailable: ATB needs eager attention")
-        per_layer.append(T.step_attention(weights[0, :, p:, p:], spans))
-
-    previous = model.config._attn_implementation
-    handles = [m.register_forward_hook(keep) for name, m in model.named_modules()
-               if name.endswith("self_attn")]
-    try:
-        model.set_attn_implementation("eager")
-        device = next(model.parameters()).device
-        model(input_ids=torch.tensor([prompt_ids + response_ids], device=device), logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.set_attn_implementation(previous)
-    return T.fci_step_scores(torch.cat(per_layer).cpu().numpy(), gap=gap)
-
-
-# --------------------------------------------------------------------------------------------------------
 # The tree rollout (App. C Algorithm "Tree Rollout" + Sec. 4.1)
 # --------------------------------------------------------------------------------------------------------
 @dataclass
@@ -174,19 +138,21 @@ class RolloutStats:
     seconds_ahead: float = 0.0           # decode seconds attributed to them (their share of each step's rows)
 
 
-def choose_forks(method: str, k: int, tokenizer, model, prompt_ids, tokens, entropies, rng, cfg) -> list[int]:
-    """Forks for one base response, computing what the method needs (sentences, steps, attention)."""
+def choose_forks(strategy: str, k: int, tokenizer, model, prompt_ids, tokens, entropies, rng,
+                 cfg) -> list[int]:
+    """Forks for one base response by the forking strategy (--fork), computing what it needs (sentences,
+    steps, attention)."""
     if k <= 0 or len(tokens) < 2:
         return []
     spans = scores = None
-    if method in ("sent-entropy", "atb"):
+    if strategy in ("sent-entropy", "atb"):
         text, offsets = T.decode_with_offsets(tokenizer, tokens)
-        if method == "sent-entropy":
+        if strategy == "sent-entropy":
             spans = T.sentence_spans(text, offsets)
         else:
             spans = T.step_spans(text, offsets)
-            scores = atb_step_scores(model, prompt_ids, tokens, spans, gap=cfg.atb_gap)
-    return T.select_forks(method, k, entropies, spans=spans, rng=rng, min_dist=cfg.fork_min_dist,
+            scores = atb.step_scores(model, prompt_ids, tokens, spans, gap=cfg.atb_gap)
+    return T.select_forks(strategy, k, entropies, spans=spans, rng=rng, min_dist=cfg.fork_min_dist,
                           step_scores=scores, quantile=cfg.atb_quantile, keep_token=cfg.fork_keeps_token)
 
 
@@ -273,8 +239,8 @@ def rollout_engine(sampler: Sampler, cfg, prompt_ids: list[list[int]], ahead_ids
 
 
 def branch_requests(plan: T.ForkPlan, cfg) -> list[E.BranchRequest]:
-    """B̂ branches at each fork of the plan, each with its budget of new tokens (tree.branch_limit)."""
-    return [E.BranchRequest(j, f, plan.b_hat, T.branch_limit(cfg.max_new_tokens, f, cfg.branch_budget))
+    """B̂ branches at each fork of the plan, each with its limit of new tokens (tree.branch_limit)."""
+    return [E.BranchRequest(j, f, plan.b_hat, T.branch_limit(cfg.max_new_tokens, f, cfg.branch_length))
             for j, forks in enumerate(plan.forks) for f in forks]
 
 

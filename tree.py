@@ -8,9 +8,7 @@ Paper map:
                        sent-entropy) and App. D.4 (distance-forced tok-entropy); one function each:
                        random_forks, fixed_segment_forks, tok_entropy_tokens, sent_entropy_tokens, atb_tokens
   sentence_spans       App. D.1: PySBD sentences aligned to tokens through the offset mapping
-  step_spans           App. D.1 (ATB): steps delimited by blank lines
-  step_attention, fci_step_scores
-                       App. D.1 (ATB): Forward Context Influence of each step (AttnRL)
+  step_spans           App. D.1 (ATB): steps delimited by blank lines (their FCI scores: atb.py)
   branch_limit, max_path_tokens
                        App. F.2: how many new tokens a branch may add (the 1024-token limit per generation)
   split_at_forks, Block, Tree
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FORK_METHODS = ("random", "fixed-seg", "atb", "tok-entropy", "sent-entropy")
+FORK_STRATEGIES = ("random", "fixed-seg", "atb", "tok-entropy", "sent-entropy")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -170,38 +168,6 @@ def step_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int
     return _char_spans_to_token_spans(sorted(set(char_starts)), offsets, text)
 
 
-def step_attention(attention, spans: list[tuple[int, int]]):
-    """Step-to-step attention α[h, j, k] = mean over tokens i ∈ step j, m ∈ step k of a[h, i, m].
-
-    attention: [heads, n, n] token attention (query i, key m) of one layer, a NumPy array or a torch tensor
-    (reduced where it lives, in float64: on the GPU only [heads, S, S] ever leaves the device); returns
-    [heads, S, S] of the same kind.
-    """
-    n = attention.shape[-1]
-    if isinstance(attention, np.ndarray):
-        average = np.zeros((len(spans), n))
-    else:
-        import torch
-
-        attention = attention.to(torch.float64)
-        average = torch.zeros(len(spans), n, dtype=torch.float64, device=attention.device)
-    for s, (a, b) in enumerate(spans):
-        average[s, a:b] = 1.0 / (b - a)
-    return average @ attention @ average.T
-
-
-def fci_step_scores(step_attn: np.ndarray, gap: int = 4) -> list[float]:
-    """Forward Context Influence of each step (ATB, App. D.1; AttnRL, Liu et al. 2025).
-
-    step_attn: [layers·heads, S, S] step-level attention (step_attention of every layer, stacked).
-    y_k = max over (layer, head) of Σ_{j ≥ k+gap} α[j, k]: how much the steps at least `gap` steps later
-    attend to step k. AttnRL's released code uses gap Δ = 4 (which DATPO's App. F.2 lists as "Δ = 4").
-    """
-    steps = step_attn.shape[-1]
-    later = np.tril(np.ones((steps, steps), dtype=bool), k=-gap)       # query j ≥ key k + gap
-    return (step_attn * later).sum(axis=-2).max(axis=0).tolist() if steps else []
-
-
 # --------------------------------------------------------------------------------------------------------
 # Forking-point selection (App. D, Algorithm "Forking Points Selection")
 # --------------------------------------------------------------------------------------------------------
@@ -211,7 +177,7 @@ def _top_positions(scores: list[float], positions: list[int], k: int) -> list[in
     return [positions[i] for i in order[:k]]
 
 
-def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist: float = 0.0,
+def select_forks(strategy: str, k: int, entropies, spans=None, rng=None, min_dist: float = 0.0,
                  step_scores=None, quantile: float = 0.8, keep_token: bool = True) -> list[int]:
     """K forking positions f (sorted, distinct, 1 ≤ f ≤ n−1) in a response of n = len(entropies) tokens.
 
@@ -235,18 +201,19 @@ def select_forks(method: str, k: int, entropies, spans=None, rng=None, min_dist:
     k = min(k, n - 1)
     shift = 1 if keep_token else 0                   # f = t + shift
     lo, hi = 1 - shift, n - 1 - shift                # candidate tokens t: lo ≤ t ≤ hi  ⇔  1 ≤ f ≤ n−1
-    if method == "random":
+    if strategy == "random":
         return random_forks(n, k, rng)
-    if method == "fixed-seg":
+    if strategy == "fixed-seg":
         return fixed_segment_forks(n, k)
-    if method == "tok-entropy":
+    if strategy == "tok-entropy":
         tokens = tok_entropy_tokens(entropies, k, lo, hi, min_dist)
-    elif method == "sent-entropy":
+    elif strategy == "sent-entropy":
         tokens = sent_entropy_tokens(entropies, k, lo, hi, spans)
-    elif method == "atb":
+    elif strategy == "atb":
         tokens = atb_tokens(k, lo, hi, spans, step_scores, quantile)
     else:
-        raise ValueError(f"unknown fork method {method!r}; expected one of {', '.join(FORK_METHODS)}")
+        raise ValueError(f"unknown forking strategy {strategy!r}; expected one of "
+                         f"{', '.join(FORK_STRATEGIES)}")
     return sorted(t + shift for t in tokens)
 
 
@@ -310,27 +277,27 @@ def atb_tokens(k: int, lo: int, hi: int, spans, step_scores, quantile: float = 0
 
 
 # --------------------------------------------------------------------------------------------------------
-# Branch budget (App. F.2 "maximum generation length of 1024 tokens")
+# Branch length (App. F.2 "maximum generation length of 1024 tokens")
 # --------------------------------------------------------------------------------------------------------
-BRANCH_BUDGETS = ("full", "remaining")
+BRANCH_LENGTHS = ("full", "remaining")
 
 
-def branch_limit(max_new_tokens: int, fork: int, budget: str = "full") -> int:
+def branch_limit(max_new_tokens: int, fork: int, length: str = "full") -> int:
     """New tokens a branch at fork f may generate. "full": max_new_tokens — App. F.2's limit applies to every
     generation, and the release generates each branch with max_gen_len new tokens; "remaining":
     max_new_tokens − f, so that every root-to-leaf response stays within max_new_tokens."""
-    if budget == "full":
+    if length == "full":
         return max_new_tokens
-    if budget == "remaining":
+    if length == "remaining":
         return max_new_tokens - fork
-    raise ValueError(f"branch budget must be one of {', '.join(BRANCH_BUDGETS)}, got {budget!r}")
+    raise ValueError(f"branch length must be one of {', '.join(BRANCH_LENGTHS)}, got {length!r}")
 
 
-def max_path_tokens(max_new_tokens: int, budget: str = "full") -> int:
+def max_path_tokens(max_new_tokens: int, length: str = "full") -> int:
     """The longest root-to-leaf response a tree can hold: a base response has ≤ max_new_tokens tokens and a
     fork keeps f ≤ max_new_tokens − 1 of them (select_forks), so a "full" branch path reaches
     2·max_new_tokens − 1; with "remaining" every path stays within max_new_tokens."""
-    return max_new_tokens - 1 + branch_limit(max_new_tokens, max_new_tokens - 1, budget)
+    return max_new_tokens - 1 + branch_limit(max_new_tokens, max_new_tokens - 1, length)
 
 
 # --------------------------------------------------------------------------------------------------------

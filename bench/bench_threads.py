@@ -43,27 +43,32 @@ def measure(threads: str, eval_problems: int, prompts: int) -> dict:
         from harness import threads as policy
 
         os.environ.update(policy.policy_env([], os.environ))
-    import contextlib
 
     import torch
 
     import config as C
     import evaluate
+    import optim
     import train
     from harness import loop
 
-    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as held:
+    with tempfile.TemporaryDirectory() as out:
         cfg = C.make_config("demo", threads=0, eval_every=1, eval_limit=eval_problems,
                             prompts_per_step=prompts, steps=1, save_every=0, out_dir=str(Path(out) / "run"))
-        s, run = loop.setup(cfg, held)
-        t0 = time.perf_counter()
-        evaluate.evaluate_problems(s.model, s.tokenizer, s.eval_problems, cfg, k=cfg.eval_k,
-                                   max_new_tokens=cfg.eval_max_new_tokens, progress=False)
-        t_eval = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        train.train_step(s, run)
-        t_step = time.perf_counter() - t0
-        s.log.close()
+        with loop.Run(cfg) as run:   # train.train's set-up, then one evaluation and one step
+            model, tokenizer = run.load_policy()
+            learner = train.Learner(cfg, model, tokenizer, optim.build_optimizer(model.parameters(), cfg),
+                                    run.load_embedder())
+            stream = run.prompt_stream(learner)
+            run.start(learner)
+            t0 = time.perf_counter()
+            evaluate.evaluate_problems(model, tokenizer, run.eval_problems, cfg, k=cfg.eval_k,
+                                       max_new_tokens=cfg.eval_max_new_tokens, progress=False)
+            t_eval = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            train.train_step(learner, stream.next_batch(0), 0, run.rng)
+            t_step = time.perf_counter() - t0
+            run.log.close()
     return {"eval_s": t_eval, "step_s": t_step, "torch_threads": torch.get_num_threads(),
             "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins a while, then sleeps)"),
             "spin_count": os.environ.get("GOMP_SPINCOUNT", "unset")}

@@ -214,7 +214,7 @@ def memory_table() -> None:
     norm intermediates ≈ 4.7 MB. With activation checkpointing (--gradient_checkpointing) each layer keeps
     only its input (h bf16 = 4 KB, ×36 = 147 KB per token) and one layer's activations live at a time during
     the backward (+130 KB per token). Log-probs: one [2048, vocab] fp32 chunk and its gradient ≈ 2.5 GB, and
-    the fp32 copy of the lm_head weight and its gradient (fp32 logits, packing._target_logprobs) ≈ 2.5 GB.
+    the fp32 copy of the lm_head weight and its gradient (fp32 logits, packing.target_logprobs) ≈ 2.5 GB.
     Weights + gradients + AdamW state per parameter: 2 + 2 + 4 B (bf16, --optimizer_dtype param: the release),
     2 + 2 + 4 + 8 B (bf16 with fp32 master + moments, --optimizer_dtype fp32), 4 + 4 + 8 B (bf16-autocast)."""
     print("peak memory, paper's update on one 80 GB GPU (computed, not measured):", flush=True)

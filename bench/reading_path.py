@@ -10,12 +10,26 @@ It also prints the longest functions and classes of those files, lines over 100 
 size of the README's reading order, and the files at the top level. Static: a call through an object
 whose type it cannot see (e.g. `s.guard.snapshot()`) is not followed, so the counts are a floor. Harness:
 harness/, and the files it was split from (faults, runs, tracking, distributed, viz at the top level).
+
+Issue 34's measures, each from the code of the checkout given:
+  harness names    the distinct harness names train_step and ppo_update use: `module.name` through a harness
+                   import, and `param.field` of a parameter typed by a harness class (s: Setup)
+  nesting          the deepest nesting of compound statements (if/for/while/with/try) in a function on the
+                   path, in the reading-order files (a nested function counts on its own)
+  loss → log-prob  run, not read: one ppo_update on a tiny random model under a profiler; the calls from the
+                   function that forms the loss (the caller of clipped_objective) down to the project
+                   function that takes the log-softmax (calls torch.logsumexp) and to the one that computes
+                   the logits (fp32_logits)
+  method/preset    for each method with a preset of its name, the config fields where `--method X` and
+                   `--preset X` differ (out_dir aside)
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 SKIP = ("tests/", "bench/", "docs/")
@@ -132,6 +146,151 @@ def report(repo: Path) -> None:
           + ", ".join(f"{f} {n}" for f, n in zip(order, sizes)))
     top = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True).stdout.split()
     print("  top-level .py files: " + " ".join(sorted(f for f in top if "/" not in f and f.endswith(".py"))))
+    issue34(repo, reached)
+
+
+def harness_names(repo: Path, functions=(("train", "train_step"), ("train", "ppo_update"))) -> list[str]:
+    """The distinct harness names the functions use (see the module docstring)."""
+    modules = project_modules(repo)
+    parsed = {m: Module(m, p, modules) for m, p in modules.items()}
+    names: set[str] = set()
+    for mod, name in functions:
+        module = parsed[mod]
+        node = module.defs[name]
+        typed = {}
+        for arg in node.args.args:
+            target = module.imports.get(getattr(arg.annotation, "id", None))
+            if isinstance(target, tuple) and is_harness(target[0]):
+                typed[arg.arg] = target
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+                base = module.imports.get(sub.value.id)
+                if (isinstance(base, str) and is_harness(base)) or sub.value.id in typed:
+                    names.add(f"{sub.value.id}.{sub.attr}")
+            elif isinstance(sub, ast.Name):
+                target = module.imports.get(sub.id)
+                if isinstance(target, tuple) and is_harness(target[0]) and sub.id not in typed:
+                    names.add(sub.id)
+    return sorted(names)
+
+
+def nesting(node, depth: int = 0) -> int:
+    """Deepest nesting of compound statements below `node` (nested functions and classes not counted)."""
+    compound = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith)
+    deepest = depth
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        deepest = max(deepest, nesting(child, depth + 1 if isinstance(child, compound) else depth))
+    return deepest
+
+
+def deepest_nesting(repo: Path, reached) -> list[tuple[int, str]]:
+    """(nesting, file:function) of every function on the path in the reading-order files, deepest first."""
+    modules = project_modules(repo)
+    out = []
+    for mod, name in reached:
+        path = modules.get(mod)
+        if path is None or str(path.relative_to(repo)) not in READ_ORDER:
+            continue
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        for part in name.split("."):   # a function, or Class.method
+            node = next((n for n in body if getattr(n, "name", None) == part), None)
+            body = getattr(node, "body", [])
+        if isinstance(node, ast.FunctionDef):
+            out.append((nesting(node), f"{path.relative_to(repo)}:{name}"))
+    return sorted(set(out), reverse=True)
+
+
+# Run in a child process inside the checkout measured: one ppo_update of a tiny random model, profiled.
+CALLS_CHILD = """
+import json, random, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import config as C, models, packing as P, train
+repo = sys.argv[1]
+tok = models.load_tokenizer("smollm2-135m") if hasattr(models, "load_tokenizer") else None
+model = models.tiny_random_model(512, seed=0)
+cfg = C.make_config("tiny", ppo_epochs=2, mini_batch_size=4)
+tree = P.TrainTree([1, 2, 3], [None, 0, 0], [[4, 5], [6, 7, 8], [9, 10]], [0.5, -0.5, 1.0], [1.0, 1.0, 1.0])
+stack, found = [], {"loss": set(), "logsumexp": [], "logits": []}
+def profile(frame, event, arg):
+    if event == "call" and frame.f_code.co_name.startswith("<"):   # comprehensions: not a call one reads
+        return
+    if event == "call" and frame.f_code.co_filename.startswith(repo):
+        stack.append(frame.f_code.co_name)
+        if frame.f_code.co_name == "clipped_objective":
+            found["loss"].add(stack[-2])
+        if frame.f_code.co_name == "fp32_logits":
+            found["logits"].append(list(stack))
+    elif event == "return" and frame.f_code.co_filename.startswith(repo) and stack \
+            and not frame.f_code.co_name.startswith("<"):
+        stack.pop()
+    elif event == "c_call" and getattr(arg, "__name__", "") == "logsumexp":
+        found["logsumexp"].append(list(stack))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+sys.setprofile(profile)
+train.ppo_update(model, optimizer, [tree], cfg, 0, "cpu", random.Random(0))
+sys.setprofile(None)
+def distance(stacks):
+    best = None
+    for st in stacks:
+        if "backward" in st:   # checkpointing recomputes it in the backward: not the forward's path
+            continue
+        for loss in found["loss"]:
+            if loss in st:
+                chain = st[st.index(loss):]
+                best = chain if best is None or len(chain) < len(best) else best
+    return best
+print(json.dumps({"log-softmax": distance(found["logsumexp"]), "logits": distance(found["logits"])}))
+"""
+
+
+def loss_to_logprob(repo: Path) -> dict:
+    """{"log-softmax": [loss function, ..., the function calling logsumexp], "logits": [...]} (run)."""
+    proc = subprocess.run([sys.executable, "-c", CALLS_CHILD, str(repo)], cwd=repo, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+METHOD_CHILD = """
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+import config as C, methods as M
+out = {}
+for name in M.METHODS:
+    if name in C.PRESETS:
+        a, b = C.make_config("paper", method=name), C.make_config(name)
+        out[name] = {f.name: [getattr(a, f.name), getattr(b, f.name)] for f in dataclasses.fields(a)
+                     if f.name != "out_dir" and getattr(a, f.name) != getattr(b, f.name)}
+print(json.dumps(out))
+"""
+
+
+def method_vs_preset(repo: Path) -> dict:
+    """{method: {field: [--method X's value, --preset X's value]}} where they differ."""
+    proc = subprocess.run([sys.executable, "-c", METHOD_CHILD, str(repo)], cwd=repo, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode:
+        return {"error": proc.stderr}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def issue34(repo: Path, reached) -> None:
+    """The measures of issue 34 (see the module docstring)."""
+    names = harness_names(repo)
+    print(f"  harness names in train_step + ppo_update: {len(names)} ({', '.join(names)})")
+    deepest = deepest_nesting(repo, reached)
+    print("  deepest nesting on the path: " + ", ".join(f"{where} {n}" for n, where in deepest[:4]))
+    chains = loss_to_logprob(repo)
+    for what, chain in chains.items():
+        shown = " → ".join(chain) if isinstance(chain, list) else chain
+        print(f"  loss → {what}: {len(chain) - 1 if isinstance(chain, list) else '?'} calls ({shown})")
+    for name, fields in method_vs_preset(repo).items():
+        print(f"  --method {name} vs --preset {name}: "
+              + (", ".join(f"{k} {v[0]!r} vs {v[1]!r}" for k, v in fields.items()) or "the same run"))
 
 
 def main() -> None:

@@ -6,18 +6,24 @@ docs/tour.py — a guided tour of one real DATPO step: docs/tour.md, written fro
 
 It runs `train.train_step` once — the real step, not a copy of it — with the stage functions it calls wrapped
 so that each records what it was given and what it gave back (`Trace`). The page then follows Algorithm DATPO
-(App. E) phase by phase with those numbers, naming the function that produced each one: the prompts, the N
-base responses with their token entropies and sentences, V(root), K̂ and B̂, the forks, the tree's blocks,
-the Monte-Carlo values, Â_base, Div_sib and α, the final advantages, and the clipped loss of the update.
-tests/test_tour.py regenerates it at tiny scale and checks every number it prints against the formulas.
+(App. E.3) phase by phase with those numbers, each phase beside the code that computed them (excerpts read
+from the source by this script, so they cannot drift): the prompts, the N base responses with their token
+entropies and sentences, V(root), K̂ and B̂, the forks, the tree's blocks, the Monte-Carlo values, Â_base,
+Div_sib and α, the final advantages, a packed tree and its attention mask, and the clipped loss of the update
+in both of its epochs — the second one's ratios moved by the first epoch's AdamW step, some of them clipped.
+
+So that the clip is seen acting, the tour's step runs two PPO epochs (the demo: one).
+It runs in float64, so that any CPU writes the same page to the last printed digit (fp32 sums round
+differently on other matrix kernels): the committed docs/tour.md is exactly what this script writes, and
+tests/test_tour.py regenerates it and compares.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
+import inspect
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -29,22 +35,27 @@ from harness import threads  # noqa: E402
 
 # OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
-import advantage as A  # noqa: E402
-import config as C  # noqa: E402
-import packing as P  # noqa: E402
-import rollout as R  # noqa: E402
+import torch  # noqa: E402
+
+import advantage  # noqa: E402
+import config  # noqa: E402
+import optim  # noqa: E402
+import packing  # noqa: E402
+import rollout  # noqa: E402
 import train  # noqa: E402
-import tree as T  # noqa: E402
+import tree  # noqa: E402
 from harness import loop  # noqa: E402
 
-# What the tour runs: the demo's model and settings, 2 prompts, the first step of a 24-step run (α = 0.2).
+# What the tour runs: the demo's model and settings, 2 prompts, the first step of a 24-step run (α = 0.2),
+# two PPO epochs so that the second epoch's ratios move and the clip acts.
 TOUR = dict(prompts_per_step=2, n_base=4, k_max=2, b_max=2, fork="sent-entropy", log_trees_every=0,
-            eval_every=0, save_every=0, seed=6)
+            eval_every=0, save_every=0, seed=6, ppo_epochs=2)
 SCALES = {"demo": dict(preset="demo", max_new_tokens=48),
           "tiny": dict(preset="tiny", max_new_tokens=16, alpha_start=0.2)}
-# The functions the tour watches: (module, name). Each call's arguments and result are recorded in order.
-WATCHED = [(train, "sample_prompts"), (R, "plan_prompt"), (T, "sentence_spans"), (T, "select_forks"),
-           (R, "rollout_trees"), (A, "alpha_at"), (A, "score_tree"), (P, "loss_normaliser"),
+# The functions the tour watches: (owner, name). Each call's arguments and result are recorded in order.
+WATCHED = [(rollout, "plan_prompt"), (tree, "sentence_spans"), (tree, "select_forks"),
+           (rollout, "rollout_trees"), (advantage, "alpha_at"), (advantage, "score_tree"),
+           (packing, "minibatches"), (packing, "loss_normaliser"), (packing, "pack"),
            (train, "clipped_objective"), (train, "ppo_update")]
 
 
@@ -59,14 +70,14 @@ class Trace:
     @contextlib.contextmanager
     def watching(self):
         """Wrap the WATCHED functions while the step runs; put the originals back after."""
-        originals = [(module, name, getattr(module, name)) for module, name in WATCHED]
-        for module, name, real in originals:
-            setattr(module, name, self._recorder(name, real))
+        originals = [(owner, name, getattr(owner, name)) for owner, name in WATCHED]
+        for owner, name, real in originals:
+            setattr(owner, name, self._recorder(name, real))
         try:
             yield self
         finally:
-            for module, name, real in originals:
-                setattr(module, name, real)
+            for owner, name, real in originals:
+                setattr(owner, name, real)
 
     def _recorder(self, name: str, real):
         @functools.wraps(real)
@@ -77,19 +88,54 @@ class Trace:
         return record
 
 
-def tour_config(scale: str, out_dir: str) -> C.Config:
+def tour_config(scale: str, out_dir: str) -> config.Config:
     values = dict(SCALES[scale])
     preset = values.pop("preset")
-    return C.make_config(preset, **TOUR, **values, out_dir=out_dir, threads=1)
+    return config.make_config(preset, **TOUR, **values, out_dir=out_dir, threads=1)
 
 
-def run_step(cfg: C.Config) -> tuple[Trace, loop.Setup, dict]:
-    """Set up a run as train.py does (harness/loop.py) and trace its first step."""
-    with contextlib.ExitStack() as held:
-        s, run = loop.setup(cfg, held)
+def run_step(cfg: config.Config):
+    """Set up a run as train.train does (harness/loop.py's Run), in float64, and trace its first step."""
+    with loop.Run(cfg) as run:
+        model, tokenizer = run.load_policy()
+        model.double()                                     # float64: the same page on any CPU
+        embedder = run.load_embedder()
+        if embedder is not None:
+            embedder.double()
+        optimizer = optim.build_optimizer(model.parameters(), cfg)
+        learner = train.Learner(cfg, model, tokenizer, optimizer, embedder)
+        stream = run.prompt_stream(learner)
+        run.start(learner)
+        batch = stream.next_batch(0)
         with Trace().watching() as trace:
-            record = train.train_step(s, run)
-    return trace, s, record
+            result = train.train_step(learner, batch, 0, run.rng)
+        run.log.close()
+    return trace, tokenizer, batch, result
+
+
+# --------------------------------------------------------------------------------------------------------
+# Code excerpts, read from the source
+# --------------------------------------------------------------------------------------------------------
+def excerpt(function, start: str | None = None, stop: str | None = None) -> str:
+    """The source of `function` (its docstring left out), or its lines from the first containing `start`
+    through the first after it containing `stop`, as a fenced block headed by where it is."""
+    lines = inspect.getsourcelines(inspect.unwrap(function))[0]
+    path = Path(inspect.getsourcefile(inspect.unwrap(function))).relative_to(ROOT)
+    if start is None:
+        body = inspect.getsource(inspect.unwrap(function))
+        doc = inspect.getdoc(function)
+        if doc:
+            quoted = body.index('"""')
+            body = body[:quoted] + body[body.index('"""', quoted + 3) + 3:].lstrip("\n")
+            body = body.replace("\n\n", "\n")
+        text = body.rstrip()
+    else:
+        begin = next(i for i, line in enumerate(lines) if start in line)
+        end = next(i for i, line in enumerate(lines) if i >= begin and stop in line) if stop else begin
+        text = "".join(lines[begin:end + 1]).rstrip()
+        indent = min(len(line) - len(line.lstrip()) for line in text.splitlines() if line.strip())
+        text = "\n".join(line[indent:] for line in text.splitlines())
+    return f"`{path}`, `{function.__qualname__}`:\n\n```python\n{text}\n```\n"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -111,23 +157,36 @@ def num(x, digits: int = 4) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
-def intro(cfg: C.Config, commit: str) -> str:
+def render(trace: Trace, tok, batch, result, cfg: config.Config) -> str:
+    trees = result.trees
+    plans = planned(trace, trees)
+    return "\n".join([intro(cfg), section_prompts(batch), section_bases(plans, tok),
+                      section_budget(plans, cfg), section_forks(plans, tok), section_blocks(trees),
+                      section_advantages(trace, trees), section_packed(trace, result),
+                      section_update(trace, result.update, cfg)])
+
+
+def intro(cfg: config.Config) -> str:
     return f"""# A guided tour of one DATPO step
 
-Algorithm DATPO (paper App. E) with real numbers: one training step of `{cfg.model}` on `{cfg.train_data}`,
+Algorithm DATPO (paper App. E.3) with real numbers: one training step of `{cfg.model}` on `{cfg.train_data}`,
 {cfg.prompts_per_step} prompts, N = {cfg.n_base} base responses each, K_max = {cfg.k_max}, \
 B_max = {cfg.b_max},
-{cfg.fork} forks, α from {cfg.alpha_start} to {cfg.alpha_end} over {cfg.steps} steps, seed {cfg.seed}.
-Written by `python docs/tour.py` (commit {commit}): it runs `train.train_step` once and records what each
-function below was given and returned; nothing on this page is computed by the page itself.
-Read it beside the code: `train.train_step` is the step, top to bottom.
+{cfg.fork} forks, α from {cfg.alpha_start} to {cfg.alpha_end} over {cfg.steps} steps, seed {cfg.seed}, lr \
+{cfg.lr:g}; {cfg.ppo_epochs} PPO epochs (the demo runs one: the second shows the clip at work), in float64
+(so that every CPU writes this page to the last digit).
+Written by `python docs/tour.py`, which runs `train.train_step` once and records what each function below
+was given and returned; nothing on this page is computed by the page itself, and the code shown is read from
+the source as it is. tests/test_tour.py writes the page again and compares.
+Read it beside the code: `train.train` is the loop, `train.train_step` the step, top to bottom.
 
-"""
+{excerpt(train.train, "for step in run.steps", "run.end_step")}"""
 
 
-def section_prompts(prompts: list[str], answers: list[str]) -> str:
-    rows = [[i, cell(p[-160:], 90), cell(a, 20)] for i, (p, a) in enumerate(zip(prompts, answers))]
-    return ("## 1. Sample prompts q ~ Q — `train.sample_prompts`\n\n"
+def section_prompts(batch) -> str:
+    rows = [[i, cell(p[-160:], 90), cell(a, 20)]
+            for i, (p, a) in enumerate(zip(batch.prompts, batch.answers))]
+    return ("## 1. Sample prompts q ~ Q — `prompts.PromptStream.next_batch`\n\n"
             "The data stream (`data.problem_index`: shuffled epochs) gives the step's problems; "
             "`data.format_prompt` turns each into the prompt the model sees (its end shown).\n\n"
             + table(["prompt", "prompt text (end)", "gold answer"], rows))
@@ -141,12 +200,12 @@ class Planned:
     tokens: list
     entropies: list
     rewards: list
-    plan: T.ForkPlan                                     # V(root), K̂, B̂, forks per response
+    plan: tree.ForkPlan                                  # V(root), K̂, B̂, forks per response
     sentences: dict = field(default_factory=dict)        # response j -> (text, token spans)
     forks: dict = field(default_factory=dict)            # response j -> chosen prefix lengths f
 
 
-def planned(trace: Trace, trees: list[T.Tree]) -> list[Planned]:
+def planned(trace: Trace, trees: list[tree.Tree]) -> list[Planned]:
     """Group the calls by prompt. A call is recorded when it returns, so a prompt's sentence_spans and
     select_forks calls come just before its plan_prompt; a response is recognised by its entropy list."""
     out, pending = [], []
@@ -172,18 +231,9 @@ def planned(trace: Trace, trees: list[T.Tree]) -> list[Planned]:
     return sorted(out, key=lambda x: x.prompt)
 
 
-def render(trace: Trace, s: loop.Setup, record: dict, commit: str) -> str:
-    cfg, tok = s.cfg, s.tokenizer
-    prompts, answers, _ = trace.of("sample_prompts")[0][3]
-    trees = trace.of("rollout_trees")[0][3][0]
-    plans = planned(trace, trees)
-    return "\n".join([intro(cfg, commit), section_prompts(prompts, answers), section_bases(plans, tok),
-                      section_budget(plans, cfg), section_forks(plans, tok, cfg), section_blocks(trees),
-                      section_advantages(trace, trees), section_update(trace, record, cfg)])
-
-
 def section_bases(plans: list[Planned], tok) -> str:
     out = ["## 2. Phase 1: N base responses — `rollout.rollout_trees` (Sec. 3.2, App. C)\n\n",
+           excerpt(train.train_step, "# ---- Phase 1+2", "tree_rollouts(") + "\n",
            "Each prompt is prefilled once and its N responses are sampled from it (`engine/`). For every "
            "token the engine records H_t, the entropy of the distribution it was sampled from (App. D.1); "
            "`reward.compute_reward` grades each response 0/1 against the gold answer (math-verify).\n"]
@@ -200,7 +250,7 @@ def section_bases(plans: list[Planned], tok) -> str:
     return "".join(out)
 
 
-def section_budget(plans: list[Planned], cfg: C.Config) -> str:
+def section_budget(plans: list[Planned], cfg: config.Config) -> str:
     rows = [[item.prompt, " ".join(num(r, 0) for r in item.rewards), num(item.plan.v_root, 4),
              item.plan.k_hat, item.plan.b_hat] for item in plans]
     return ("\n## 3. Difficulty: V(root), K̂ and B̂ — `rollout.plan_prompt`, `tree.adaptive_budget` "
@@ -208,37 +258,46 @@ def section_budget(plans: list[Planned], cfg: C.Config) -> str:
             "V(root) is the mean reward of the N base responses; the budget grows with difficulty: "
             f"K̂ = ⌈K_max(1−V)⌉ forks per response (K_max = {cfg.k_max}) and B̂ = ⌈B_max(1−V)⌉ branches per "
             f"fork (B_max = {cfg.b_max}). A prompt every response solves (V = 1) grows no tree.\n\n"
+            + excerpt(tree.adaptive_budget) + "\n"
             + table(["prompt", "base rewards", "V(root)", "K̂", "B̂"], rows))
 
 
-def section_forks(plans: list[Planned], tok, cfg: C.Config) -> str:
+def section_forks(plans: list[Planned], tok) -> str:
     out = ["\n## 4. Forks at the starts of the highest-entropy sentences — `tree.select_forks` "
            "(App. D, sent-entropy)\n\n",
            "Each response is split into sentences (`tree.sentence_spans`: PySBD, maths masked); a sentence's "
            "entropy H^S is the mean H_t of its tokens; the K̂ sentences with the highest H^S give the forks. "
            "A fork f is a prefix length: a branch keeps the response's first f tokens — the chosen "
            "sentence's first token included (Alg. \"Tree Rollout\": x_f = [q; τ_1:f]) — and samples "
-           "token f on.\n"]
+           "token f on.\n\n", excerpt(tree.sent_entropy_tokens)]
+    at_one = total = 0
     for item in plans:
         for j, (text, spans) in sorted(item.sentences.items()):
             h = item.entropies[j]
             forks = set(item.forks.get(j, []))
+            at_one, total = at_one + (1 in forks), total + 1
             rows = [[m, f"[{a}, {b})", num(sum(h[a:b]) / (b - a), 3),
                      "fork f = " + str(a + 1) if a + 1 in forks else "",
                      cell(tok.decode(item.tokens[j][a:b], skip_special_tokens=True), 60)]
                     for m, (a, b) in enumerate(spans) if b > a]
             out.append(f"\n**Prompt {item.prompt}, response {j}** (K̂ = {item.plan.k_hat}): forks "
                        f"{sorted(forks)}\n\n" + table(["sentence", "tokens", "H^S", "chosen", "text"], rows))
+    out.append(f"\n**Forks at f = 1** ({at_one} of the {total} responses above). The first sentence is a "
+               "candidate like any other, and a short answer's first sentence — the model deciding how to "
+               "begin — is often its most uncertain. A branch at f = 1 keeps only the response's first token "
+               "and samples the rest: nearly a fresh response from the prompt, but one that counts as a "
+               "sibling of the base response's continuation under the same fork (Eq. 10), not as another "
+               "base response in V(root).\n")
     return "".join(out)
 
 
-def section_blocks(trees: list[T.Tree]) -> str:
+def section_blocks(trees: list[tree.Tree]) -> str:
     out = ["\n## 5. Phase 2: branches, and the tree cut into blocks — `rollout.rollout_trees` (App. C)\n\n",
            "B̂ branches grow from each fork, all prompts' rows in one running batch (`engine/`: a branch "
            "starts the moment its prompt's N bases end, its prefix read from the base's cached keys and "
            "values). Each base response is cut at its forks, and each branch is one more block: every "
            "generated token is in exactly one block. A terminal block carries the 0/1 reward of its whole "
-           "root-to-leaf response.\n"]
+           "root-to-leaf response.\n\n", excerpt(tree.split_at_forks)]
     for p, tr in enumerate(trees):
         rows = [[i, "prompt" if b.parent is None else b.parent, b.base, b.start,
                  "branch" if b.branch else "base", len(b.token_ids), num(b.reward, 0), cell(b.text, 60)]
@@ -250,16 +309,18 @@ def section_blocks(trees: list[T.Tree]) -> str:
     return "".join(out)
 
 
-def section_advantages(trace: Trace, trees: list[T.Tree]) -> str:
+def section_advantages(trace: Trace, trees: list[tree.Tree]) -> str:
     (_, args, _, alpha), = trace.of("alpha_at")
     out = ["\n## 6. Phase 3: values, advantages and sibling diversity — `advantage.score_tree` "
            "(Sec. 4.2, App. E.1)\n\n",
+           excerpt(train.train_step, "# ---- Phase 3", "train_trees = ") + "\n",
            f"α = `advantage.alpha_at`({args[0]}, {args[1]}, {args[2]}, {args[3]}) = {num(alpha, 4)} "
            "(annealed linearly over the run). For each block b from state s_start to s_end: V_MC(s) is the "
            "mean reward of every terminal block below s (V after a terminal block is 0; V(root) averages "
            "every leaf of the tree); Â_base(b) = r(b) + V(s_end) − V(s_start) (Eq. 3); Div_sib(b) = 1 − mean "
            "cosine similarity to the blocks with the same start state (Eq. 10, `advantage.embed_blocks` "
-           "embeds them); Â(b) = Â_base(b) + 1[Â_base(b) > 0]·α·Div_sib(b) (Eq. 4).\n"]
+           "embeds them); Â(b) = Â_base(b) + 1[Â_base(b) > 0]·α·Div_sib(b) (Eq. 4).\n\n",
+           excerpt(advantage.score_tree)]
     for (_, args, _, scores), p in zip(trace.of("score_tree"), range(len(trees))):
         tr = args[0]
         rows = [[i, num(b.reward, 0) if b.terminal else "—", num(sc.v_start), num(sc.v_end),
@@ -270,39 +331,98 @@ def section_advantages(trace: Trace, trees: list[T.Tree]) -> str:
     return "".join(out)
 
 
-def section_update(trace: Trace, record: dict, cfg: C.Config) -> str:
+def depth_first(tr: packing.TrainTree) -> list[int]:
+    """The tree's blocks in the order packing.pack lays them out (a block, then its children's subtrees)."""
+    kids = packing.children_of(tr.parents)
+
+    def visit(b: int) -> list[int]:
+        return [b] + [x for c in kids[b] for x in visit(c)]
+    return [x for root in kids[None] for x in visit(root)]
+
+
+def section_packed(trace: Trace, result) -> str:
+    """The first packed micro-batch's first tree, block by block: who attends to whom."""
+    calls = trace.of("pack")
+    if not calls:
+        return ""
+    (_, (trees, items, _), _, packed) = calls[0]
+    t = min(it.tree for it in items)                                   # pack lays trees out in order
+    tr = trees[t]
+    needed = set(packing.needed_blocks(trees, [it for it in items if it.tree == t])[t])
+    order = [b for b in depth_first(tr) if b in needed]
+    assert packed.input_ids[:len(tr.prompt_ids) + sum(len(tr.tokens[b]) for b in order)] == \
+        tr.prompt_ids + [x for b in order for x in tr.tokens[b]]        # the layout pack wrote
+    labels = ["q"] + [f"b{b}" for b in order]
+    lines = ["query \\ key  " + " ".join(f"{x:>3}" for x in labels)]
+    for row, name in enumerate(labels):
+        block = order[row - 1] if row else None
+        path = {None, block} | set(packing.ancestors(tr.parents, block) if row else ())
+        marks = ["■" if (order[col - 1] if col else None) in path else "·" for col in range(row + 1)]
+        lines.append(f"{name:>11}  " + " ".join(m.rjust(3) for m in marks))
+    sizes = ", ".join(f"b{b} {len(tr.tokens[b])}" for b in order)
+    return ("\n## 7. Phase 4's forward: a tree packed under its attention mask — `packing.pack`\n\n"
+            "The update forwards each tree once: the prompt q, then every block once, depth-first. A token "
+            "attends to the prompt, to the blocks on its own root-to-leaf path and to the earlier tokens of "
+            "its own block — so its log-probability is the one a separate forward of its root-to-leaf "
+            "sequence gives, and a token shared by many paths is computed once. The first micro-batch of "
+            f"this update packs prompt {t}'s tree ({len(packed)} tokens with the other trees packed beside "
+            f"it; its blocks, in tokens: q {len(tr.prompt_ids)}, {sizes}). Block by block (■ attends, · does "
+            "not; within a block, causal):\n\n```\n" + "\n".join(lines) + "\n```\n\n"
+            "`packing.pack`'s docstring draws the same mask token by token on a 3-block tree "
+            "(tests/test_packing.py checks that picture against pack itself). The rows layout "
+            "(`--train_layout rows`: every leaf's path as its own row) computes the same log-probabilities "
+            "and is the oracle the tests hold the packed layout to.\n")
+
+
+def micro_rows(call, limit: int = 12) -> tuple[list[list], int, int]:
+    """The first `limit` tokens of one clipped_objective call as table rows, and its clipped / all tokens."""
+    (_, args, _, (objective, active)) = call
+    new, old, adv = args[0].detach(), args[1].detach(), args[2].detach()
+    ratio, objective = (new - old).exp(), objective.detach()
+    order = sorted(range(len(adv)), key=lambda i: (not bool(active[i]), i))[:limit]   # clipped ones first
+    rows = [[i, num(float(adv[i]), 4), num(float(ratio[i]), 4), num(float(objective[i]), 4),
+             "yes" if active[i] else ""] for i in order]
+    return rows, int(active.sum()), len(adv)
+
+
+def section_update(trace: Trace, record: dict, cfg: config.Config) -> str:
+    head = ("\n## 8. Phase 4: the clipped token-level loss — `train.ppo_update` (Eq. DATPO, App. F.2)\n\n"
+            + excerpt(train.minibatch_gradient, "new = packing.micro_logprobs", "distributed.backward"))
+    calls = trace.calls
     if not trace.of("clipped_objective"):
-        return ("\n## 7. Phase 4: the clipped token-level loss — `train.ppo_update` (Eq. DATPO)\n\n"
-                "Every advantage of this step is 0 (each prompt's responses all scored alike and no block "
-                "earned a diversity bonus): no token has a gradient, so nothing was forwarded.\n")
-    (_, args, _, (objective, active)) = trace.of("clipped_objective")[0]
-    new, old, adv = args[0], args[1], args[2]
-    new, old, adv, objective = new.detach(), old.detach(), adv.detach(), objective.detach()
-    ratio = (new - old).exp()
+        return (head + "\nEvery advantage of this step is 0 (each prompt's responses all scored alike and no "
+                "block earned a diversity bonus): no token has a gradient, so nothing was forwarded.\n")
+    epoch_starts = [i for i, c in enumerate(calls) if c[0] == "minibatches"]
+    first = next(c for c in calls[epoch_starts[0]:] if c[0] == "clipped_objective")
+    second = [c for c in calls[epoch_starts[-1]:] if c[0] == "clipped_objective"]
+    second = max(second, key=lambda c: int(c[3][1].sum())) if len(epoch_starts) > 1 else None
     norm = trace.of("loss_normaliser")[0][3]
-    rows = [[t, num(float(a), 4), num(float(r), 4), num(float(o), 4), "yes" if c else ""]
-            for t, (a, r, o, c) in enumerate(zip(adv, ratio, objective, active)) if t < 12]
-    return ("\n## 7. Phase 4: the clipped token-level loss — `train.ppo_update` (Eq. DATPO, App. F.2)\n\n"
-            "Every block's tokens carry its Â. The update forwards each tree once under a tree attention "
-            "mask (`packing.py`), takes ρ = π_θ/π_θold per token and minimises "
-            "−Σ min(ρÂ, clip(ρ, 1−ε_low, 1+ε_high)Â) / (tokens of the mini-batch), then clips the gradient "
-            f"norm to {cfg.max_grad_norm} and takes one AdamW step per mini-batch. In the first mini-batch "
-            "of a one-epoch update θ_old = θ, so ρ = 1 and no token is clipped. First micro-batch "
-            f"(`train.clipped_objective`, its first {min(12, len(adv))} of {len(adv)} tokens; normaliser "
-            f"`packing.loss_normaliser` = {norm}):\n\n"
-            + table(["token", "Â", "ρ", "min(ρÂ, clip(ρ)Â)", "clipped"], rows)
-            + f"\nOver all {len(adv)} tokens of the micro-batch Σ min(ρÂ, clip(ρ)Â) = "
-              f"{num(float(objective.sum()), 6)}, so its share of the loss is −Σ / {norm} = "
-              f"{num(-float(objective.sum()) / norm, 6)}.\n\n"
-            + "The update's record (`train.ppo_update` → metrics.jsonl):\n\n"
-            + table(["loss", "clip_frac", "grad_norm", "optimizer_steps", "trained_blocks", "unique_tokens"],
-                    [[num(record["loss"], 6), num(record["clip_frac"], 4), num(record["grad_norm"], 4),
-                      record["optimizer_steps"], record["trained_blocks"], record["unique_tokens"]]]))
-
-
-def git_commit() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return sha.stdout.strip() or "unknown"
+    headers = ["token", "Â", "ρ", "min(ρÂ, clip(ρ)Â)", "clipped"]
+    rows, clipped, n = micro_rows(first)
+    objective = first[3][0].detach()
+    out = [head, "\nEvery block's tokens carry its Â. For each micro-batch the update takes ρ = π_θ/π_θold "
+           "per token and adds −Σ min(ρÂ, clip(ρ, 1−ε_low, 1+ε_high)Â) / (tokens of the mini-batch) to the "
+           "loss; "
+           f"after the mini-batch it clips the gradient norm to {cfg.max_grad_norm} and takes one AdamW "
+           f"step (ε_low = {cfg.clip_low}, ε_high = {cfg.clip_high}).\n\n"
+           f"**Epoch 1.** θ_old = θ: ρ = 1 and no token is clipped. Its first micro-batch "
+           f"(`train.clipped_objective`, {len(rows)} of its {n} tokens; normaliser "
+           f"`packing.loss_normaliser` = {norm}):\n\n" + table(headers, rows)
+           + f"\nOver all {n} tokens Σ min(ρÂ, clip(ρ)Â) = {num(float(objective.sum()), 6)}, so its share of "
+             f"the loss is −Σ / {norm} = {num(-float(objective.sum()) / norm, 6)}.\n"]
+    if second is not None:
+        rows, clipped, n = micro_rows(second)
+        out.append("\n**Epoch 2.** The tokens again, after epoch 1's AdamW steps: ρ ≠ 1 now. In this "
+                   f"epoch's micro-batch with the most clipped tokens, {clipped} of its {n} tokens are "
+                   "clipped — ρ above 1 + ε_high where Â > 0, or below 1 − ε_low where Â < 0 — and their "
+                   "gradient is cut: the objective no longer rewards moving them further (clipped tokens "
+                   "first):\n\n" + table(headers, rows))
+    out.append("\nThe update's record (`train.ppo_update` → metrics.jsonl):\n\n"
+               + table(["loss", "clip_frac", "grad_norm", "optimizer_steps", "trained_blocks",
+                        "unique_tokens"],
+                       [[num(record["loss"], 6), num(record["clip_frac"], 4), num(record["grad_norm"], 4),
+                         record["optimizer_steps"], record["trained_blocks"], record["unique_tokens"]]]))
+    return "".join(out)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -310,9 +430,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--scale", choices=list(SCALES), default="demo")
     parser.add_argument("--out", default=str(ROOT / "docs" / "tour.md"))
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as run_dir:
-        trace, s, record = run_step(tour_config(args.scale, run_dir))
-        page = render(trace, s, record, git_commit())
+        cfg = tour_config(args.scale, run_dir)
+        trace, tok, batch, result = run_step(cfg)
+        page = render(trace, tok, batch, result, cfg)
     Path(args.out).write_text(page, encoding="utf-8")
     print(f"wrote {args.out}")
     return Path(args.out)

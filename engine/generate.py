@@ -95,7 +95,7 @@ class EntropyRecorder(LogitsProcessor):
 
 
 class RowLimits(StoppingCriteria):
-    """Per-row budget of new tokens (with --branch_budget remaining a branch at fork f adds
+    """Per-row budget of new tokens (with --branch_length remaining a branch at fork f adds
     max_new_tokens − f)."""
 
     def __init__(self, start: int, limits: torch.Tensor):

@@ -9,22 +9,22 @@ import math
 import os
 import re
 
-import advantage as A
 import methods as M
 import optim as O
+import release
 import tree as T
 
 # The stages own their choice lists (one source each): methods.py's table, tree.py's forking strategies and
-# branch budgets, advantage.py's value estimates, optim.py's optimizer state dtypes.
-METHODS = tuple(M.METHODS)                  # datpo, grpo, drgrpo, treerl, attnrl: one row each in methods.py
-FORKS = T.FORK_METHODS
+# branch lengths, release.py's value estimates and sibling groups, optim.py's optimizer state dtypes.
+METHODS = M.METHODS                         # datpo, grpo, drgrpo, treerl, attnrl: a row each in methods.py
+FORKS = T.FORK_STRATEGIES
 ALPHA_SCOPES = ("positive", "all")
 PRECISIONS = ("bf16-autocast", "bf16", "fp32")
 PROMPT_STYLES = ("release", "chat", "plain")
 LOSS_NORMS = ("token", "constant")
-BRANCH_BUDGETS = T.BRANCH_BUDGETS
-VALUE_ESTIMATES = A.VALUE_ESTIMATES
-SIBLING_GROUPS = A.SIBLING_GROUPS
+BRANCH_LENGTHS = T.BRANCH_LENGTHS
+VALUE_ESTIMATES = release.VALUES          # paper | release (release.py)
+SIBLING_GROUPS = release.SIBLING_GROUPS
 TRAIN_LAYOUTS = ("packed", "rows")
 GROUPINGS = ("trees", "blocks")
 ATTENTION_KERNELS = ("auto", "tree", "dense", "flex")
@@ -40,7 +40,7 @@ CHOICES = {
     "precision": PRECISIONS,
     "prompt_style": PROMPT_STYLES,
     "loss_norm": LOSS_NORMS,
-    "branch_budget": BRANCH_BUDGETS,
+    "branch_length": BRANCH_LENGTHS,
     "value_estimate": VALUE_ESTIMATES,
     "sibling_groups": SIBLING_GROUPS,
     "train_layout": TRAIN_LAYOUTS,
@@ -78,6 +78,9 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "keep_checkpoints": (0, _MANY), "log_trees_every": (0, _MANY), "max_bad_steps": (1, _MANY),
     "seed": (0, 2**32 - 1),    # NumPy's range; derived seeds (seed + rank, seed + epoch) stay within torch's
 }
+DEFAULT_INT_RANGE = (0, _MANY)  # an integer knob with no entry above
+FLOAT_BOUND = 1e12              # every float knob, before its own check below (a new knob is bounded too)
+UNBOUNDED_FLOATS = ("max_grad_norm",)   # a huge norm means no clipping: a legitimate choice
 MAX_ALPHA = 10.0               # |α|: Eq. 4 adds α·Div_sib(b) to Â_base(b); see check_ranges
 TEMPERATURE_RANGE = (1e-3, 100.0)
 MAX_STOP_TIMEOUT = 86400.0     # s: one day; setitimer overflows past ~1e11 s
@@ -117,10 +120,12 @@ def check_ranges(cfg) -> None:
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{f.name}: got {value}, expected a finite number")
-    for name, (low, high) in INT_RANGES.items():
-        if not low <= getattr(cfg, name) <= high:
-            raise ValueError(f"--{name}: got {getattr(cfg, name)}, expected an integer >= {low} and <= "
-                             f"{high}")
+    for f in dataclasses.fields(cfg):   # ints by INT_RANGES; a knob without an entry gets DEFAULT_INT_RANGE
+        value = getattr(cfg, f.name)
+        if f.type in ("int", int):
+            low, high = INT_RANGES.get(f.name, DEFAULT_INT_RANGE)
+            if not low <= value <= high:
+                raise ValueError(f"--{f.name}: got {value}, expected an integer >= {low} and <= {high}")
     cores = usable_cores()
     if not 0 <= cfg.threads <= THREADS_PER_CORE * cores:
         raise ValueError(f"--threads: got {cfg.threads}, expected an integer >= 0 (0: torch's default) and "
@@ -147,6 +152,10 @@ def check_ranges(cfg) -> None:
                          f"seconds (a day; 0: wait for the end of the step)")
     if not cfg.max_grad_norm > 0:
         raise ValueError(f"--max_grad_norm: got {cfg.max_grad_norm}, expected > 0")
+    for f in dataclasses.fields(cfg):   # last: a float knob without a check of its own is bounded too
+        value = getattr(cfg, f.name)
+        if f.type in ("float", float) and abs(value) > FLOAT_BOUND and f.name not in UNBOUNDED_FLOATS:
+            raise ValueError(f"--{f.name}: got {value}, expected a magnitude <= {FLOAT_BOUND:g}")
 
 
 def check_fractions(cfg) -> None:
@@ -177,6 +186,10 @@ def check_combinations(cfg) -> None:
     if cfg.off_policy_steps not in (0, 1):
         raise ValueError(f"--off_policy_steps: got {cfg.off_policy_steps}, expected 0 (on-policy) or 1 "
                          f"(one-step off-policy)")
+    if cfg.naive_prefill and cfg.rollout_engine != "generate":
+        raise ValueError("--naive_prefill re-prefills each branch's prefix in HF generate (the reference "
+                         "path without KV-cache reuse): expected --rollout_engine generate with it (the "
+                         "engine shares prefixes in its pool and never recomputes them)")
     if cfg.compile_decode and cfg.rollout_engine != "engine":
         raise ValueError("--compile_decode compiles the engine's decode step: expected --rollout_engine "
                          "engine (HF generate has its own compile options)")
@@ -196,7 +209,7 @@ def kv_pool_responses(cfg, evaluation: bool = True) -> list[tuple[int, str]]:
     needs them: a training tree, N base responses kept for their forks plus one branch, or a GRPO group's
     rows decoded at once; with `evaluation`, a held-out evaluation's k samples. Responses are taken at their
     full length, as a random or looping model writes them. Empty when the engine does not run."""
-    if not cfg.max_kv_tokens or cfg.rollout_engine != "engine" or cfg.naive_prefill:
+    if not cfg.max_kv_tokens or cfg.rollout_engine != "engine":
         return []
     rows = cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size)
     if M.METHODS[cfg.method].rollout == "parallel":
@@ -217,7 +230,7 @@ def kv_pool_responses(cfg, evaluation: bool = True) -> list[tuple[int, str]]:
 def kv_pool_shortfall(cfg, n_prompt: int = 0, where: str = "") -> str | None:
     """Why --max_kv_tokens cannot hold one prompt and its responses (kv_pool_responses), or None. Checked at
     start (n_prompt 0: before any prompt is known) and for each training prompt `where` of n_prompt tokens
-    (train.check_fits), so a pool that is too small is one line, not an error inside the engine mid-step."""
+    (prompts.check_fits), so a pool that is too small is one line, not an error inside the engine mid-step."""
     for tokens, what in kv_pool_responses(cfg, evaluation=not n_prompt):
         if cfg.max_kv_tokens < n_prompt + tokens:
             prompt = f"{where}'s {n_prompt} prompt tokens + " if n_prompt else ""

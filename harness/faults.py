@@ -240,7 +240,7 @@ def model_context(model) -> int | None:
 def check_prompt_fits(n_prompt: int, new_tokens: int, context: int | None, where: str, flags: str = "",
                       fix: str = "a shorter problem or a smaller --max_new_tokens") -> None:
     """A prompt plus the most tokens generated after it must fit in the model's context: one response when
-    evaluating, a whole root-to-leaf path of a tree when training (train.check_fits). flags: the settings
+    evaluating, a whole root-to-leaf path of a tree when training (prompts.check_fits). flags: the settings
     that set new_tokens, shown in parentheses; fix: what to do instead."""
     if context and n_prompt + new_tokens > context:
         raise UserError(f"{where}: the prompt is {n_prompt} tokens and up to {new_tokens} new tokens follow"

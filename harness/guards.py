@@ -1,28 +1,17 @@
 """harness/guards.py — the update's guards against non-finite numbers: no broken step is ever applied.
 
-  skip_nonfinite   a mini-batch whose loss or gradient norm is NaN/inf is not applied (weights and optimizer
-                   state untouched).
   WeightGuard      an update that makes a weight (or the next forward's logits) non-finite is undone bit for
-                   bit; all_finite / logits_finite are its cheap checks.
-  sampling_guard   "probability tensor contains inf/nan" while sampling becomes a NonFiniteStop line.
+                   bit; all_finite / logits_finite are its cheap checks. (A mini-batch whose loss or gradient
+                   norm is NaN/inf is never applied: train.ppo_update skips it, one line.)
+  sampling_stop    "probability tensor contains inf/nan" while sampling becomes a NonFiniteStop line
+                   (loop.Run; sampling_guard around a block).
 """
 from __future__ import annotations
 
 import contextlib
-import math
 
 from harness import distributed as D
 from harness.faults import NonFiniteStop
-
-
-def skip_nonfinite(loss: float, grad_norm, optimizer) -> bool:
-    """Non-finite guard of one optimizer step (a mini-batch): True when its loss or gradient norm is NaN/inf.
-    Then its gradients are dropped so the caller skips optimizer.step(): weights and optimizer state
-    (moments, step count) are untouched, as if the mini-batch had not been drawn."""
-    if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):
-        return False
-    optimizer.zero_grad(set_to_none=True)
-    return True
 
 
 def _local(t):
@@ -42,7 +31,7 @@ def all_finite(tensors) -> bool:
 
 
 class WeightGuard:
-    """Protects the weights, not only the loss (skip_nonfinite covers a non-finite loss or gradient): an
+    """Protects the weights, not only the loss (ppo_update skips a non-finite loss or gradient): an
     update whose result is a non-finite weight — a huge learning rate, an overflow in AdamW's moments — is
     undone bit for bit.
 
@@ -155,20 +144,29 @@ def logits_finite(model, input_ids) -> bool:
         return bool(torch.isfinite(model(input_ids=ids).logits.float()).all())
 
 
+def sampling_stop(err: RuntimeError, step: int, run_dir) -> NonFiniteStop | None:
+    """Sampling that met non-finite probabilities (torch.multinomial: "probability tensor contains either
+    inf, nan or element < 0") — weights the finiteness checks let through, e.g. logits that overflow only on
+    some prompts — as a NonFiniteStop line naming the run's last checkpoint, not a traceback (loop.Run raises
+    it); None for any other error."""
+    if "probability tensor contains" not in str(err):
+        return None
+    import models
+
+    last = models.resolve_checkpoint(str(run_dir))
+    return NonFiniteStop(f"step {step}: sampling met non-finite probabilities (the policy's logits); the "
+                         f"latest checkpoint {last if last != str(run_dir) else '(none)'} holds the "
+                         f"weights that produced them; expected a resume from an earlier checkpoint with "
+                         f"a lower --lr")
+
+
 @contextlib.contextmanager
 def sampling_guard(step: int, run_dir):
-    """Sampling that meets non-finite probabilities (torch.multinomial: "probability tensor contains either
-    inf, nan or element < 0") — weights the finiteness checks let through, e.g. logits that overflow only on
-    some prompts — is a NonFiniteStop line naming the run's last checkpoint, not a traceback."""
+    """sampling_stop around a block."""
     try:
         yield
     except RuntimeError as err:
-        if "probability tensor contains" not in str(err):
+        stop = sampling_stop(err, step, run_dir)
+        if stop is None:
             raise
-        import models
-
-        last = models.resolve_checkpoint(str(run_dir))
-        raise NonFiniteStop(f"step {step}: sampling met non-finite probabilities (the policy's logits); the "
-                            f"latest checkpoint {last if last != str(run_dir) else '(none)'} holds the "
-                            f"weights that produced them; expected a resume from an earlier checkpoint with "
-                            f"a lower --lr") from err
+        raise stop from err

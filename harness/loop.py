@@ -1,15 +1,21 @@
-"""harness/loop.py — the harness around Algorithm DATPO's step: set-up, the loop, evaluation, checkpoints.
+"""harness/loop.py — the harness around Algorithm DATPO's loop: set-up, resume, evaluation, checkpoints.
 
-train.py holds the algorithm (train_step, ppo_update); `train.train(cfg)` hands its step to `loop.train`,
-which does everything a run needs that is not the algorithm:
+train.py holds the algorithm and its loop (`train`: load the policy, build AdamW, `for step in
+run.steps(...)`: train_step). `Run` wraps that loop from outside with everything a run needs that is not
+the algorithm:
 
-  setup              pre-flight checks (each user mistake one line, before anything slow runs), the run folder
-                     (locked) and its log, data, models, optimizer, the flex probe, fault injection
-                     (harness/inject.py), and with --resume the checkpoint's weights and trainer state
-  the loop           step after step: the metrics line, the non-finite guard, evaluation every --eval_every
-                     steps, a checkpoint every --save_every steps, stop signals (harness/signals.py)
-  RunState / Setup   what the loop carries from step to step (saved whole in checkpoints) / what every step
-                     uses and none changes
+  Run(cfg)           entered: pre-flight checks (each user mistake one line, before anything slow runs), the
+                     run folder (locked) and its log, stop signals (harness/signals.py), the training data,
+                     fault injection (harness/inject.py), and with --resume the checkpoint to continue from
+  load_policy        the policy (cfg.model, or the checkpoint resumed) and its tokenizer, checked
+  load_embedder      Div_sib's sentence embedder, or None when α is 0 all run
+  prompt_stream      the training prompts (prompts.PromptStream), each one checked to fit
+  steps              the step numbers still to run: first the checkpoint's optimizer and trainer state, the
+                     config record and the held-out evaluation before training; between steps, the weight
+                     guard's snapshot and stop signals
+  end_step           after a step: the weight guard's verdict, the metrics line, the tree log, the non-finite
+                     guard, evaluation every --eval_every steps, a checkpoint every --save_every steps
+  RunState           what the loop carries from step to step (saved whole in checkpoints)
   save_checkpoint    weights (safetensors), tokenizer, optimizer and trainer state, written atomically
 """
 from __future__ import annotations
@@ -23,140 +29,246 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
 
+import advantage
 import attention
 import config as C
-import engine as E
 import evaluate
 import methods as M
 import models
-import offpolicy
-import optim as O
-import tree as T
-from advantage import BlockScore
+import release
 from harness import distributed as D
 from harness import faults, guards, inject, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
+from prompts import PromptStream
 
 
 @dataclass
 class RunState:
-    """What the loop carries from one step to the next; a checkpoint saves and restores it whole."""
+    """What the loop carries from one step to the next; a checkpoint saves and restores it whole, with the
+    prompt stream's state (prompts.PromptStream.state: cursor, skipped prompts, batch size, the next
+    off-policy batch)."""
     step: int = 0                   # steps done
-    cursor: int = 0                 # position in the endless stream of shuffled problems (problem_index)
-    skipped_prompts: int = 0        # prompts longer than --max_prompt_tokens, so far
-    batch_size: int = 0             # prompts per step: cfg.prompts_per_step, or AttnRL's dynamic batch size
     bad_steps_in_a_row: int = 0     # steps with a non-finite loss or gradient (nonfinite_guard)
     rng: random.Random = field(default_factory=random.Random)   # fork choice, mini-batch order
-    # problems skipped as longer than --max_prompt_tokens (named once)
-    too_long: set = field(default_factory=set)
-    ahead: offpolicy.Batch | None = None   # one-step off-policy: the next step's prompts, their bases sampled
     pending_eval: str | None = None   # "during"/"after": that evaluation a stop skipped; a resume runs it
+    prompts: PromptStream | None = None
 
     def trainer_state(self, rng: dict | None = None) -> dict:
         """The checkpoint's trainer_state.pt fields (besides the optimizer and the config). `rng`: the RNG
         states to save instead of the current ones (a skipped evaluation's: as it found them)."""
-        return {"step": self.step, "cursor": self.cursor, "skipped_prompts": self.skipped_prompts,
-                "batch_size": self.batch_size, "bad_steps_in_a_row": self.bad_steps_in_a_row,
-                "rng": rng or rng_state(self.rng), "too_long": sorted(self.too_long),
-                "ahead": self.ahead.to_state() if self.ahead else None,
+        return {"step": self.step, "bad_steps_in_a_row": self.bad_steps_in_a_row,
+                "rng": rng or rng_state(self.rng), **(self.prompts.state() if self.prompts else {}),
                 **({"pending_eval": self.pending_eval} if self.pending_eval else {})}
 
     def restore(self, state: dict) -> None:
         """Back to a checkpoint's trainer state (older checkpoints lack the later fields)."""
-        self.step, self.cursor = state["step"], state["cursor"]
-        self.skipped_prompts = state.get("skipped_prompts", 0)
-        self.batch_size = state.get("batch_size", self.batch_size)
+        self.step = state["step"]
         self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)
-        self.too_long = set(state.get("too_long", ()))
-        self.ahead = offpolicy.Batch.from_state(state.get("ahead"))
         self.pending_eval = state.get("pending_eval")
+        if self.prompts is not None:
+            self.prompts.restore(state)
         set_rng_state(self.rng, state["rng"])
 
 
-@dataclass
-class Setup:
-    """What every step uses and none changes: the config and its method row, the models, the data, the run."""
-    cfg: C.Config
-    method: M.Method
-    device: torch.device
-    run_dir: Path
-    log: Log
-    model: torch.nn.Module          # the HF model (generation, evaluation, checkpoints)
-    policy: torch.nn.Module         # what the update runs: `model`, or under torchrun its FSDP2/DDP form
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    guard: guards.WeightGuard       # undoes an update that breaks the weights (--guard_weights)
-    embedder: object                # sentence embedder for Div_sib, or None when α is 0 all run
-    problems: list[dict]
-    eval_problems: list[dict]
-    # the rollout engine's sizes after running out of memory
-    backoff: E.Backoff = field(default_factory=E.Backoff)
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
+class NothingLeft(Exception):
+    """A resume that finds nothing left to run (Run.__enter__ said so): load_policy raises it so that the
+    loop's body never runs, and Run.__exit__ ends the run quietly."""
 
 
-# --------------------------------------------------------------------------------------------------------
-# The loop
-# --------------------------------------------------------------------------------------------------------
-def train(cfg: C.Config, step: Callable[[Setup, RunState], dict]) -> Path:
-    """Run (or resume) training with `step` (train.train_step: one step of the algorithm, its metrics record
-    returned); returns the run folder. The first SIGTERM/SIGINT stops it at the end of the
-    step with a checkpoint (signals.GracefulStop; a second signal, or --stop_timeout seconds without reaching
-    the end of the step, stops at once); --resume then continues exactly. `held`: the run lock (runs.RunLock),
-    released on the way out whatever happens."""
-    with signals.GracefulStop(timeout=cfg.stop_timeout) as stop, contextlib.ExitStack() as held:
-        return _train(cfg, step, stop, held)
+class Run:
+    """The harness around train.py's loop (see the module's docstring). `with Run(cfg) as run:` — the
+    attributes below are set as the loop reaches them; the helpers of this module read them."""
 
+    def __init__(self, cfg: C.Config):
+        self.cfg, self.method = cfg, M.method_of(cfg)
+        self.model = self.policy = self.tokenizer = self.optimizer = self.embedder = self.guard = None
+        self.learner = None
+        self.record: dict | None = None
+        self.stopped_early = False
+        self._stack = contextlib.ExitStack()
 
-def _train(cfg: C.Config, step: Callable, stop: signals.GracefulStop, held: contextlib.ExitStack) -> Path:
-    t_run = time.perf_counter()
-    s, run = setup(cfg, held)
-    if s is None:   # a resume with nothing left to run (setup said so)
-        return Path(cfg.out_dir)
-    start_step, log = run.step, s.log
-    if cfg.eval_every and start_step == 0:   # a signal during set-up skips it (the loop then stops at once)
-        run_eval(s, "before", 0, stop)
-    pending = run.pending_eval
-    if pending:   # a stop skipped it before the checkpoint: run it now, as an uninterrupted run did
-        run_pending_eval(s, run, stop)
-    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc=cfg.method,
-               dynamic_ncols=True, disable=not D.is_main())
-    for _ in bar:
-        if D.any_rank(stop.requested):   # the signal came before any step ran: nothing new to save
-            log.say(f"stopped by {stop.requested} before step {run.step + 1}")
-            return s.run_dir
-        inject.crash_point("step")
-        record = step(s, run)
+    # ---- before the first step ---------------------------------------------------------------------------
+    def __enter__(self) -> "Run":
+        """Pre-flight checks (faults.UserError lines, before anything slow runs), the run folder (locked) and
+        its log, stop signals, data; with --resume the checkpoint and its trainer state (read, not applied
+        yet). A resume with nothing left to run is said here, before the model loads."""
+        cfg = self.cfg
+        self.t_run = time.perf_counter()
+        self.stop = self._stack.enter_context(signals.GracefulStop(timeout=cfg.stop_timeout))
+        try:
+            self._open(cfg)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _open(self, cfg: C.Config) -> None:
+        D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
+        # tests: DATPO_OOM_AT=site,... makes those stage functions run out of memory once
+        inject.install()
+        self.device = models.pick_device(cfg.device)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.run_dir, self.log, self.checkpoint, self.state = open_run(cfg, self._stack)
+        self.run = RunState(rng=random.Random(cfg.seed))
+        self.rng = self.run.rng
+        state = self.state
+        self.nothing_left = bool(state and state["step"] >= cfg.steps
+                                 and not pending_eval_due(self.run_dir, state))
+        if self.nothing_left:   # e.g. a finished run
+            self.log.say(f"nothing left to run: {self.checkpoint} is at step {state['step']} of --steps "
+                         f"{cfg.steps}; raise --steps to train further")
+            return
+        if cfg.resume and self.checkpoint is None:   # killed before its first checkpoint: safe in job scripts
+            self.log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
+        if self.checkpoint is None:
+            faults.check_model(cfg.model)
+        self.wants_embedder = self.method.embeds and (cfg.alpha_start != 0 or cfg.alpha_end != 0)
+        models.check_loadable(self.checkpoint or cfg.model, self.wants_embedder and cfg.embed_model,
+                              cfg.trust_remote_code)
+        if self.wants_embedder:
+            faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
+        self.problems = faults.load_data(cfg.train_data, "--train_data")
+        self.eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None)
+                              if cfg.eval_every else [])
+        torch.manual_seed(cfg.seed)
+
+    def __exit__(self, kind, err, trace) -> bool:
+        """Releases the run lock and the signal handlers whatever happened. Sampling that met non-finite
+        probabilities becomes a NonFiniteStop line naming the run's last checkpoint (guards.sampling_stop)."""
+        try:
+            if isinstance(err, RuntimeError):
+                stop = guards.sampling_stop(err, self.run.step + 1, self.run_dir)
+                if stop is not None:
+                    raise stop from err
+        finally:
+            self._stack.close()
+        return isinstance(err, NothingLeft)
+
+    def load_policy(self):
+        """The policy and its tokenizer: cfg.model, or the weights of the checkpoint resumed; checked (chat
+        template, finite weights), gradient checkpointing on when asked (the update only)."""
+        if self.nothing_left:
+            raise NothingLeft
+        cfg, source = self.cfg, self.checkpoint or self.cfg.model
+        try:
+            model, tokenizer = models.load_policy(source, self.device, models.policy_dtype(cfg.precision),
+                                                  seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+        except OSError as err:
+            raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
+        models.check_chat_template(tokenizer, cfg.prompt_style, source)   # --prompt_style chat: before any
+        # an old checkpoint (before the weight guard) or a broken model
+        if not guards.all_finite(model.parameters()):
+            raise faults.UserError(f"{'--resume' if self.checkpoint else '--model'} {source}: its weights "
+                                   f"hold non-finite values; expected an earlier checkpoint of the run "
+                                   f"or a healthy model")
+        if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
+            models.enable_gradient_checkpointing(model)
+        self.model, self.tokenizer = model, tokenizer
+        return model, tokenizer
+
+    def load_embedder(self):
+        """Div_sib's sentence embedder (cfg.embed_model), or None: never loaded when α is 0 all run."""
+        if not self.wants_embedder:
+            return None
+        return models.load_embedder(self.cfg.embed_model, self.device, self.cfg.trust_remote_code)
+
+    def prompt_stream(self, learner) -> PromptStream:
+        """The training prompts (prompts.PromptStream), restored from the checkpoint by steps()."""
+        self.run.prompts = PromptStream(self.problems, self.cfg, learner.tokenizer,
+                                        faults.model_context(learner.model), say=self.log.say)
+        return self.run.prompts
+
+    def steps(self, learner, stream: PromptStream):
+        """The steps still to run, 0-based. First: the flex probe, the checkpoint's optimizer and trainer
+        state (--resume), the config record, the weight guard, the held-out evaluation before training (or
+        the one a stop skipped). Before each step: a stop signal ends the run (nothing new to save), the
+        weight guard's snapshot. After the last: the before → after line and training.png."""
+        self.start(learner)
+        cfg, run, start, pending = self.cfg, self.run, self.run.step, self.run.pending_eval
+        if cfg.eval_every and start == 0:   # a signal during set-up skips it (the loop then stops at once)
+            run_eval(self, "before", 0, self.stop)
+        if pending:   # a stop skipped it before the checkpoint: run it now, as an uninterrupted run did
+            run_pending_eval(self, run, self.stop)
+        self.bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.method,
+                        dynamic_ncols=True, disable=not D.is_main())
+        for step in self.bar:
+            if D.any_rank(self.stop.requested):   # the signal came before any step ran: nothing new to save
+                self.log.say(f"stopped by {self.stop.requested} before step {run.step + 1}")
+                return
+            inject.crash_point("step")
+            self.guard.snapshot()   # weights and optimizer state, restored if the update breaks them
+            self.t_step = time.perf_counter()
+            yield step
+            if self.stopped_early:   # end_step said so
+                return
+        self.bar.close()
+        finish(self, start < cfg.steps or bool(pending), self.t_run)
+
+    def start(self, learner) -> None:
+        """What the first step needs besides the models: the flex probe (one line if it falls back), the
+        resumed optimizer and trainer state, the log made consistent with them, config.json, the guard.
+        steps() calls it; a script that runs train_step itself (docs/tour.py) calls it once first."""
+        if self.guard is not None:
+            return
+        cfg, run = self.cfg, self.run
+        self.learner, self.policy = learner, learner.policy
+        self.optimizer, self.embedder = learner.optimizer, learner.embedder
+        if cfg.train_layout == "packed":   # flex: the start-up probe, not after a whole rollout
+            attention.update_kernel(cfg, self.device, self.model)
+        if self.checkpoint:
+            load_trainer_state(self.state, self.model, self.optimizer, run)
+            self.log.say(f"resumed from {self.checkpoint} at step {run.step}")
+            set_aside_later(cfg, self.run_dir, self.checkpoint, run.step, self.log)
+        # Lines logged after the checkpoint are redone (at step 0: all, the "before" eval included).
+        with write_errors(self.log.path, "no step has run; the checkpoints are intact"):
+            dropped = self.log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
+        if dropped:
+            self.log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
+        if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps with no record
+            same_run = runs.run_folder_of(cfg.resume) == self.run_dir.resolve()
+            for line in tracking.lost_records(self.log.path, run.step, self.log.torn_lines,
+                                              same_run=same_run):
+                self.log.say(line)
+        record_config(cfg, self.run_dir, self.checkpoint, self.state, run.step)
+        self.guard = guards.WeightGuard(self.model, self.optimizer, cfg.guard_weights)
+        # the update stops at a non-finite weight (every rank takes the same verdict)
+        learner.weights_ok = lambda: not D.any_rank(not self.guard.weights_finite())
+
+    # ---- after each step ---------------------------------------------------------------------------------
+    def end_step(self, result) -> None:
+        """After train_step: the weight guard's verdict (an update that broke the weights or the logits is
+        undone), the metrics line, the tree log, the non-finite guard, evaluation and checkpoint; a stop
+        signal ends the run here with a checkpoint."""
+        cfg, run, log = self.cfg, self.run, self.log
+        self.guard.undo_if_broken(result.update, self.policy, result.trees[0].prompt_ids)
+        run.step += 1
+        record = tracking.step_record(run.step, result, run.prompts, self.t_step)
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = (
             run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"]
             else 0)
+        log_trees(self, run.step, result)
         log.write(record)
-        nonfinite_guard(s, run, record)
-        bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
-                        leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{record['loss']:.3f}")
-        stopping = D.any_rank(stop.requested)   # torchrun: every rank stops at the same step
+        nonfinite_guard(self, run, record)
+        self.bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
+                             leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{record['loss']:.3f}")
+        stopping = D.any_rank(self.stop.requested)   # torchrun: every rank stops at the same step
         if stopping:
-            stop.cancel_timeout()   # the safe point is reached: --stop_timeout no longer applies
-        saved, stopping = evaluate_and_save(s, run, stop, stopping)
+            self.stop.cancel_timeout()   # the safe point is reached: --stop_timeout no longer applies
+        saved, stopping = evaluate_and_save(self, run, self.stop, stopping)
         if stopping and run.step < cfg.steps:
-            bar.close()
-            log.say(f"stopped by {stop.requested} after step {run.step}: checkpoint {saved}; continue with "
-                    f"the same command plus --resume {s.run_dir}")
-            return s.run_dir
-    bar.close()
-    finish(s, start_step < cfg.steps or bool(pending), t_run)
-    return s.run_dir
+            self.bar.close()
+            log.say(f"stopped by {self.stop.requested} after step {run.step}: checkpoint {saved}; continue "
+                    f"with the same command plus --resume {self.run_dir}")
+            self.stopped_early = True
 
 
-def run_pending_eval(s: Setup, run: RunState, stop: signals.GracefulStop) -> None:
+def run_pending_eval(s: Run, run: RunState, stop: signals.GracefulStop) -> None:
     """The evaluation a stop skipped at the checkpoint's step (RunState.pending_eval), from the RNG state it
     would have found (saved in the checkpoint): the same samples and numbers as an uninterrupted run, and the
     RNG after it the same for the steps that follow. A resume from that checkpoint always runs it (the RNG
@@ -164,81 +276,6 @@ def run_pending_eval(s: Setup, run: RunState, stop: signals.GracefulStop) -> Non
     logged = any(r.get("eval") == run.pending_eval and r.get("step") == run.step for r in s.log.read())
     if run_eval(s, run.pending_eval, run.step, stop, write=not logged) is not None:
         run.pending_eval = None
-
-
-# --------------------------------------------------------------------------------------------------------
-# Before the first step
-# --------------------------------------------------------------------------------------------------------
-def setup(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Setup | None, RunState]:
-    """Everything before the first step: pre-flight checks (each user mistake is one line, faults.UserError,
-    before anything slow runs), the run folder (locked into `held`) and its log, data, models, optimizer,
-    and — with --resume — the checkpoint's weights and trainer state. (None, run) when a resume finds
-    nothing left to run: said before loading the model."""
-    D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
-    # tests: DATPO_OOM_AT=site,... makes those stage functions run out of memory once
-    inject.install()
-    device = models.pick_device(cfg.device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    run_dir, log, checkpoint, state = open_run(cfg, held)
-    run = RunState(batch_size=cfg.prompts_per_step, rng=random.Random(cfg.seed))
-    if state and state["step"] >= cfg.steps and not pending_eval_due(run_dir, state):   # e.g. a finished run
-        log.say(f"nothing left to run: {checkpoint} is at step {state['step']} of --steps {cfg.steps}; "
-                f"raise --steps to train further")
-        return None, run
-    if cfg.resume and checkpoint is None:   # killed before its first checkpoint: safe in every job script
-        log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
-    if checkpoint is None:
-        faults.check_model(cfg.model)
-    method = M.method_of(cfg)
-    wants_embedder = method.embeds and (cfg.alpha_start != 0 or cfg.alpha_end != 0)
-    models.check_loadable(checkpoint or cfg.model, wants_embedder and cfg.embed_model, cfg.trust_remote_code)
-    if wants_embedder:
-        faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
-    problems = faults.load_data(cfg.train_data, "--train_data")
-    eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None)
-                     if cfg.eval_every else [])
-    torch.manual_seed(cfg.seed)
-
-    source = checkpoint or cfg.model
-    try:
-        model, tokenizer = models.load_policy(source, device, models.policy_dtype(cfg.precision),
-                                              seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
-    except OSError as err:
-        raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
-    models.check_chat_template(tokenizer, cfg.prompt_style, source)   # --prompt_style chat: before any prompt
-    # an old checkpoint (before the weight guard) or a broken model
-    if not guards.all_finite(model.parameters()):
-        raise faults.UserError(f"{'--resume' if checkpoint else '--model'} {source}: its weights hold "
-                               f"non-finite values; expected an earlier checkpoint of the run "
-                               f"or a healthy model")
-    if cfg.gradient_checkpointing:   # the update's forward/backward only; generation keeps its KV cache
-        models.enable_gradient_checkpointing(model)
-    policy = D.wrap(model, cfg.parallel, cfg.precision)   # torchrun: FSDP2-sharded or DDP; else `model`
-    # flex: the start-up probe, not after a whole rollout (one line if it falls back)
-    if cfg.train_layout == "packed":
-        attention.update_kernel(cfg, device, model)
-    optimizer = O.build_optimizer(model.parameters(), cfg)   # --optimizer_dtype param | fp32 (optim.py)
-    if checkpoint:
-        load_trainer_state(state, model, optimizer, run)
-        log.say(f"resumed from {checkpoint} at step {run.step}")
-        set_aside_later(cfg, run_dir, checkpoint, run.step, log)
-    # Lines logged after the checkpoint are about to be redone (at step 0: all, the "before" eval included).
-    with write_errors(log.path, "no step has run; the checkpoints are intact"):
-        dropped = log.truncate_after(run.step if run.step else -1) if cfg.resume else 0
-    if dropped:
-        log.say(f"dropped {dropped} log lines of steps after {run.step} (they are redone)")
-    if cfg.resume and D.is_main():   # torn lines anywhere are named; so are earlier steps left with no record
-        for line in tracking.lost_records(log.path, run.step, log.torn_lines,
-                                          same_run=runs.run_folder_of(cfg.resume) == run_dir.resolve()):
-            log.say(line)
-    record_config(cfg, run_dir, checkpoint, state, run.step)
-    # never loaded when α is 0 for the whole run
-    embedder = models.load_embedder(cfg.embed_model, device, cfg.trust_remote_code) if wants_embedder \
-        else None
-    guard = guards.WeightGuard(model, optimizer, cfg.guard_weights)
-    return Setup(cfg, method, device, run_dir, log, model, policy, tokenizer, optimizer, guard, embedder,
-                 problems, eval_problems), run
 
 
 def pending_eval_due(run_dir: Path, state: dict) -> bool:
@@ -332,10 +369,10 @@ def load_trainer_state(state: dict, model, optimizer, run: RunState) -> None:
 # --------------------------------------------------------------------------------------------------------
 # After each step
 # --------------------------------------------------------------------------------------------------------
-def nonfinite_guard(s: Setup, run: RunState, record: dict) -> None:
+def nonfinite_guard(s: Run, run: RunState, record: dict) -> None:
     """After a step whose update skipped mini-batches with a non-finite loss or gradient norm
-    (guards.skip_nonfinite) or was undone by the weight guard (undo_broken_update): say so, and stop the run
-    after --max_bad_steps such steps in a row."""
+    (train.ppo_update) or was undone by the weight guard (WeightGuard.undo_if_broken): say so, and stop the
+    run after --max_bad_steps such steps in a row."""
     if record["nonfinite_minibatches"]:
         s.log.say(f"step {run.step}: {record['nonfinite_minibatches']} mini-batch(es) with a non-finite loss "
                   f"or gradient norm not applied ({run.bad_steps_in_a_row} step(s) in a row)")
@@ -350,17 +387,27 @@ def nonfinite_guard(s: Setup, run: RunState, record: dict) -> None:
             f"{last if last != str(s.run_dir) else 'none'}; expected a lower --lr or a check of the data")
 
 
-def log_trees(s: Setup, step: int, trees: list[T.Tree], scores: list[list[BlockScore]], alpha: float) -> None:
+def log_trees(s: Run, step: int, result) -> None:
     """RUN/trees/step_XXXXXX.jsonl at step 1 and every --log_trees_every steps: each tree with its Phase 3
-    records as the step computed them (tracking.write_trees; train_step embeds the blocks on these steps even
-    once α has annealed to 0, so Div_sib is always there to see)."""
+    records as the step computed them (tracking.write_trees). A step that embedded nothing because α is 0
+    (annealed to 0 by the end of the run) gets its blocks embedded here, for the log only, so Div_sib is
+    always there to see."""
     cfg = s.cfg
-    if D.is_main() and tracking.trees_due(step, cfg.log_trees_every):
-        tracking.write_trees(s.run_dir, step, trees, s.tokenizer, scores, alpha, cfg.method,
-                             cfg.value_estimate, cfg.sibling_groups)
+    if not (D.is_main() and tracking.trees_due(step, cfg.log_trees_every)):
+        return
+    scores = result.scores
+    if s.embedder is not None and result.alpha == 0:
+        estimators = release.estimators(cfg.value_estimate, cfg.sibling_groups)
+        embeddings = advantage.embed_blocks(s.embedder, result.trees, cfg.embed_batch_size, estimators)
+        for tr, tree_scores, emb in zip(result.trees, scores, embeddings):
+            if emb is not None:
+                for score, div in zip(tree_scores, estimators.diversity(tr, emb)):
+                    score.div_sib = div
+    tracking.write_trees(s.run_dir, step, result.trees, s.tokenizer, scores, result.alpha, cfg.method,
+                         cfg.value_estimate, cfg.sibling_groups)
 
 
-def evaluate_and_save(s: Setup, run: RunState, stop: signals.GracefulStop, stopping: bool
+def evaluate_and_save(s: Run, run: RunState, stop: signals.GracefulStop, stopping: bool
                       ) -> tuple[Path | None, bool]:
     """Held-out evaluation every --eval_every steps and at the end; a checkpoint every --save_every steps, at
     the end, and when a stop signal came — before or during that evaluation, which is then skipped
@@ -383,7 +430,7 @@ def evaluate_and_save(s: Setup, run: RunState, stop: signals.GracefulStop, stopp
     return saved, stopping
 
 
-def finish(s: Setup, wrote: bool, t_run: float) -> None:
+def finish(s: Run, wrote: bool, t_run: float) -> None:
     """The before → after held-out line, training.png (when this process `wrote` records), and closing the
     log and the process group."""
     cfg, log = s.cfg, s.log
@@ -403,7 +450,7 @@ def finish(s: Setup, wrote: bool, t_run: float) -> None:
     D.shutdown()
 
 
-def run_eval(s: Setup, label: str, step: int, stop: signals.GracefulStop, write: bool = True) -> dict | None:
+def run_eval(s: Run, label: str, step: int, stop: signals.GracefulStop, write: bool = True) -> dict | None:
     """The held-out evaluation `label` ("before", "during", "after") at `step`: its metrics record, written
     (unless not `write`) and said. A stop signal skips it — one that came before (set-up, the step) skips it
     whole; one during it stops it after the current generate call (evaluate_problems' `stop`) — and None is

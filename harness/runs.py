@@ -209,9 +209,20 @@ def check_resume_target(resume: str, out_dir: str | Path, overwrite: bool) -> bo
     return True
 
 
+# Config fields renamed since a run was saved: its config.json is read with the new names.
+RENAMED_FIELDS = {"branch_budget": "branch_length"}
+
+
+def upgrade(saved: dict) -> dict:
+    """A saved config (config.json, a checkpoint's) with today's field names (RENAMED_FIELDS)."""
+    return {RENAMED_FIELDS.get(k, k): v for k, v in saved.items()}
+
+
 def config_changes(saved: dict, new: dict) -> dict[str, tuple]:
     """{field: (saved value, new value)} for every field both configs have that differs (a field one side
-    lacks is a knob added or removed since: its default reproduces the old behaviour)."""
+    lacks is a knob added or removed since: its default reproduces the old behaviour; a renamed field is
+    read by its new name, upgrade)."""
+    saved = upgrade(saved)
     keys = sorted(set(saved) & set(new))
     return {k: (saved.get(k), new.get(k)) for k in keys if k != "history" and saved.get(k) != new.get(k)}
 

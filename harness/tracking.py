@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,9 +35,6 @@ import advantage as A
 import tree as T
 from harness import checks, faults, runs
 
-if TYPE_CHECKING:   # types only
-    from harness.loop import RunState
-    from packing import TrainTree
 
 def tags(record: dict) -> dict[str, float]:
     """The tracker names of a metrics.jsonl record's numeric fields (see the module docstring)."""
@@ -200,13 +196,15 @@ def lost_records(path, upto: int, torn: list[int], same_run: bool = True) -> lis
 # --------------------------------------------------------------------------------------------------------
 # The step's line of metrics.jsonl
 # --------------------------------------------------------------------------------------------------------
-def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree], update: dict, alpha: float,
-                rank_stats: list, seconds: dict, t_step: float) -> dict:
-    """The step's line of metrics.jsonl: rollouts (reward, V(root), tree sizes), the update's statistics,
-    rollout counters summed over ranks, and where the time went."""
+def step_record(step: int, result, prompts, t_step: float) -> dict:
+    """The step's line of metrics.jsonl (`step`: steps done; `result`: train.StepResult; `prompts`:
+    prompts.PromptStream): rollouts (reward, V(root), tree sizes), the update's statistics, rollout counters
+    summed over ranks, and where the time went."""
+    trees, train_trees, update, alpha = result.trees, result.train_trees, result.update, result.alpha
+    rank_stats, seconds = result.rollout_stats, result.seconds
     rewards = [b.reward for tr in trees for b in tr.blocks if b.terminal]
     record = {
-        "step": run.step,
+        "step": step,
         "reward": float(np.mean(rewards)),
         "v_root": float(np.mean([tr.v_root for tr in trees])),
         "pass_rate": float(np.mean([tr.pass_rate for tr in trees])),
@@ -226,7 +224,7 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree]
         "policy_lag": max(tr.policy_lag for tr in trees),
         "stale_tokens": sum(len(b.token_ids) for tr in trees if tr.policy_lag
                             for b in tr.blocks if not b.branch),
-        "ahead_prompts": len(run.ahead.prompts) if run.ahead else 0,
+        "ahead_prompts": len(prompts.ahead.prompts) if prompts.ahead else 0,
         "row_steps": sum(r.row_steps for r in rank_stats),
         "ahead_row_steps": sum(r.ahead_row_steps for r in rank_stats),
         # the engine's rows per decode step (0: generate)
@@ -234,7 +232,7 @@ def step_record(run: RunState, trees: list[T.Tree], train_trees: list[TrainTree]
         if any(r.decode_steps for r in rank_stats) else 0.0,
         "seconds_generation_ahead": max(r.seconds_ahead for r in rank_stats),   # part of seconds_generation
         "oom_retries": sum(r.oom_retries for r in rank_stats) + update["oom_retries"],   # rollout + update
-        "skipped_prompts": run.skipped_prompts,
+        "skipped_prompts": prompts.skipped,
         **{f"seconds_{name}": value for name, value in seconds.items()},
         "seconds_step": time.perf_counter() - t_step,
     }

@@ -193,7 +193,7 @@ def strategy_records(study: Study, setup: Sampling, embedder, strategy: tuple, b
     with models.autocast(setup.device, cfg.precision):
         subtrees = growth.grow_from_forks(setup.sampler, setup.tokenizer, base, forks, o["b"], answers,
                                           cfg.max_new_tokens, cfg.branch_chunk_size, cfg.answer_fallback,
-                                          rewards, cfg.branch_budget)
+                                          rewards, cfg.branch_length)
     texts = [b.text for r in range(len(group)) for b in subtrees[r]]
     vectors = embedder.encode(texts, batch_size=cfg.embed_batch_size, convert_to_numpy=True,
                               show_progress_bar=False) if texts else []

@@ -22,17 +22,17 @@ from engine import generate as G
 def grow_from_forks(sampler: R.Sampler, tokenizer, base: G.BaseBatch, forks: dict[int, list[int]],
                     count: int, answers: list[str], max_new_tokens: int, chunk_size: int,
                     answer_fallback: bool = False, base_rewards: list[float] | None = None,
-                    budget: str = "full") -> dict[int, list[T.Block]]:
+                    length: str = "full") -> dict[int, list[T.Block]]:
     """forks: base row → fork prefix lengths (each branch keeps response[:f]); count: B branches per fork;
-    answers: the gold answer of each base row; budget: tree.branch_limit's (cfg.branch_budget); chunk_size:
+    answers: the gold answer of each base row; length: tree.branch_limit's (cfg.branch_length); chunk_size:
     branches per generate call (the engine's row and KV budget decide instead). Returns, per row in `forks`,
     its subtree as blocks: the base response cut at its forks (tree.base_blocks; the last block carries the
     base reward) followed by `count` branch blocks per fork, each rewarded on prefix + continuation as in
     rollout_trees. The base is never modified, so it can be branched again with other forks."""
     if sampler.engine == "engine":
-        by_fork = branches_on_given_bases(sampler, base, forks, count, max_new_tokens, budget)
+        by_fork = branches_on_given_bases(sampler, base, forks, count, max_new_tokens, length)
     else:
-        requests = [E.BranchRequest(r, f, count, T.branch_limit(max_new_tokens, f, budget))
+        requests = [E.BranchRequest(r, f, count, T.branch_limit(max_new_tokens, f, length))
                     for r, fs in forks.items() for f in sorted(fs)]
         grown = G.sample_branches(sampler, base, requests, chunk_size) if requests and count else []
         by_fork = {(req.base, req.fork): out for req, out in zip(requests, grown)}
@@ -46,7 +46,7 @@ def grow_from_forks(sampler: R.Sampler, tokenizer, base: G.BaseBatch, forks: dic
 
 
 def branches_on_given_bases(sampler: R.Sampler, base: G.BaseBatch, forks: dict[int, list[int]], count: int,
-                            max_new_tokens: int, budget: str = "full") -> dict[tuple[int, int], list]:
+                            max_new_tokens: int, length: str = "full") -> dict[tuple[int, int], list]:
     """`count` branches at each fork of the given base rows, through engine.Engine.run(given_bases=...):
     {(row, f): [Sample]}. Each base row with forks is one engine prompt (N = 1) whose response is fed once
     (prompt + tokens[:-1]: keys/values and the hidden states at the forks) and never resampled; its branches
@@ -55,7 +55,7 @@ def branches_on_given_bases(sampler: R.Sampler, base: G.BaseBatch, forks: dict[i
     rows = [r for r in sorted(forks) if forks[r] and count]
     if not rows:
         return {}
-    limits = {f: T.branch_limit(max_new_tokens, f, budget) for r in rows for f in forks[r]}
+    limits = {f: T.branch_limit(max_new_tokens, f, length) for r in rows for f in forks[r]}
     prompt_ids = [base.prompt_ids[r] for r in rows]
     given = {i: [base.sample(r)] for i, r in enumerate(rows)}
     most_rows = len(rows) * (1 + count * max(len(forks[r]) for r in rows))

@@ -103,7 +103,7 @@ def group_records(study: Study, setup: Sampling, group: list[int], repeat: int,
         with models.autocast(setup.device, cfg.precision):
             subtrees[method] = growth.grow_from_forks(setup.sampler, tokenizer, base, forks, o["b"], answers,
                                                       cfg.max_new_tokens, cfg.branch_chunk_size,
-                                                      cfg.answer_fallback, rewards, cfg.branch_budget)
+                                                      cfg.answer_fallback, rewards, cfg.branch_length)
     records = []
     for g, index in enumerate(group):
         rows = range(g * m_max, (g + 1) * m_max)

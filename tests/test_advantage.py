@@ -1,10 +1,22 @@
-"""advantage.py against hand computations from the paper's formulas (Sec. 4.2, App. E) and the baselines'."""
+"""advantage.py against hand computations from the paper's formulas (Sec. 4.2, App. E) and the baselines';
+release.py's estimates (--preset release) against the release's."""
 import math
 
 import numpy as np
 import pytest
 
 import advantage as A
+import release as R
+
+
+def paper_base(parents, rewards):
+    """Eq. 3 with V_MC (App. E.1): the composition score_tree runs."""
+    return A.base_advantages(rewards, *A.mc_values(parents, rewards))
+
+
+def release_base(parents, rewards, branch):
+    """Eq. 3 with the release's estimates."""
+    return A.base_advantages(rewards, *R.release_values(parents, rewards, branch))
 
 # A base response (reward 0) with two forks p1 < p2 and two branches at each:
 #   block 0: base [0, p1)            parent None
@@ -28,7 +40,7 @@ def test_mc_values_two_forks_by_hand():
 
 
 def test_base_advantages_two_forks_by_hand():
-    adv = A.base_advantages(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS)
+    adv = paper_base(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS)
     v_root, v_p1, v_p2 = 0.6, 0.6, 2 / 3
     expected = [
         0 + v_p1 - v_root,       # block 0
@@ -47,7 +59,7 @@ def test_single_branch_fork_is_not_forced_to_zero():
     # so the branch is credited (the released code scored forks with new branches only → always 0 here)
     parents = [None, 0, 0]
     rewards = [None, 0.0, 1.0]
-    adv = A.base_advantages(parents, rewards)
+    adv = paper_base(parents, rewards)
     assert adv == pytest.approx([0.0, 0 - 0.5, 1 - 0.5])
     assert adv[2] != 0
 
@@ -59,21 +71,21 @@ TWO_FORKS_BRANCH = [False, False, False, True, True, True, True]
 def test_release_values_two_forks_by_hand():
     # V(root) = mean of the N = 1 base responses = 0; V(p1) = branches 3, 4 only = 0.5; V(p2) = branches
     # 5, 6 only = 1 (the base tail, r = 0, is not counted: it is not a sibling of the branches)
-    v_start, v_end = A.release_values(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, TWO_FORKS_BRANCH)
+    v_start, v_end = R.release_values(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, TWO_FORKS_BRANCH)
     assert v_start == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.5, 1.0, 1.0])
     assert v_end == pytest.approx([0.5, 1.0, 0, 0, 0, 0, 0])
-    adv = A.base_advantages(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, "release", TWO_FORKS_BRANCH)
+    adv = release_base(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, TWO_FORKS_BRANCH)
     assert adv == pytest.approx([0.5 - 0, 1 - 0.5, 0 - 1, 1 - 0.5, 0 - 0.5, 1 - 1, 1 - 1])
     # the paper's V_MC on the same tree gives other numbers (test_base_advantages_two_forks_by_hand)
-    assert adv != pytest.approx(A.base_advantages(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS, "paper"))
+    assert adv != pytest.approx(paper_base(TWO_FORKS_PARENTS, TWO_FORKS_REWARDS))
 
 
 def test_release_values_single_branch_fork_gives_the_branch_zero():
     parents, rewards, branch = [None, 0, 0], [None, 0.0, 1.0], [False, False, True]
     # release: V(fork) = the one branch's reward (1), V(root) = the base response's (0)
-    assert A.base_advantages(parents, rewards, "release", branch) == pytest.approx([1 - 0, 0 - 1, 1 - 1])
+    assert release_base(parents, rewards, branch) == pytest.approx([1 - 0, 0 - 1, 1 - 1])
     # paper: V(fork) = mean(base tail 0, branch 1) = 0.5, V(root) = mean of both leaves = 0.5
-    assert A.base_advantages(parents, rewards, "paper") == pytest.approx([0.5 - 0.5, 0 - 0.5, 1 - 0.5])
+    assert paper_base(parents, rewards) == pytest.approx([0.5 - 0.5, 0 - 0.5, 1 - 0.5])
 
 
 def test_release_and_paper_values_two_bases_by_hand():
@@ -83,37 +95,40 @@ def test_release_and_paper_values_two_bases_by_hand():
     rewards = [None, None, 1.0, 0.0, 1.0, 0.0, 0.0]
     branch = [False, False, False, True, True, True, False]
     # paper: V(root) = 2/5 (every leaf), V(p1) = (1+0+1+0)/4, V(p2) = (1+0)/2
-    assert A.base_advantages(parents, rewards, "paper") == pytest.approx(
+    assert paper_base(parents, rewards) == pytest.approx(
         [0.5 - 0.4, 0.5 - 0.5, 1 - 0.5, 0 - 0.5, 1 - 0.5, 0 - 0.5, 0 - 0.4])
     # release: V(root) = mean(base 0: 1, base 1: 0) = 0.5, V(p1) = (0+1)/2, V(p2) = 0 (one branch)
-    assert A.base_advantages(parents, rewards, "release", branch) == pytest.approx(
+    release = release_base(parents, rewards, branch)
+    assert release == pytest.approx(
         [0.5 - 0.5, 0 - 0.5, 1 - 0, 0 - 0.5, 1 - 0.5, 0 - 0, 0 - 0.5])
     # the diversity bonus composes the same way: only blocks with A_base > 0 get α·Div
     emb = np.eye(7)
     emb[3] = emb[4]                             # branches 3, 4 identical: Div = 0 between them
-    got = A.datpo_advantages(parents, rewards, emb, 0.2, value_estimate="release", branch=branch)
+    got = A.diversity_bonus(release, A.sibling_diversity(parents, emb), 0.2)
     div = A.sibling_diversity(parents, emb)
     assert got == pytest.approx([0.0, -0.5, 1 + 0.2 * div[2], -0.5, 0.5 + 0.2 * div[4], 0.0, -0.5])
 
 
 def test_release_values_bad_input():
-    with pytest.raises(ValueError, match="branch flags"):
-        A.base_advantages([None], [1.0], "release")
+    with pytest.raises(ValueError, match="differ in length"):
+        R.release_values([None], [1.0], [])
     with pytest.raises(ValueError, match="no branch"):
-        A.release_values([None, 0], [None, 1.0], [False, False])
+        R.release_values([None, 0], [None, 1.0], [False, False])
     with pytest.raises(ValueError, match="paper"):
-        A.base_advantages([None], [1.0], "mine")
+        R.estimators("mine")
+    assert R.estimators() == A.PAPER and R.estimators("release").values is R.tree_values
 
 
 def test_v_root_one_gives_all_zero():
     parents = [None, None, None, None]          # V = 1: no expansion, 4 correct base responses
-    assert A.base_advantages(parents, [1.0] * 4) == [0.0] * 4
-    assert A.datpo_advantages(parents, [1.0] * 4, np.eye(4), alpha=0.2) == [0.0] * 4
+    base = paper_base(parents, [1.0] * 4)
+    assert base == [0.0] * 4
+    assert A.diversity_bonus(base, A.sibling_diversity(parents, np.eye(4)), alpha=0.2) == [0.0] * 4
 
 
 def test_base_only_tree_is_reward_minus_mean():
     rewards = [1.0, 0.0, 0.0, 1.0]
-    assert A.base_advantages([None] * 4, rewards) == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    assert paper_base([None] * 4, rewards) == pytest.approx([0.5, -0.5, -0.5, 0.5])
 
 
 def test_sibling_diversity_by_hand_with_unnormalised_embeddings():
@@ -133,18 +148,18 @@ def test_datpo_advantage_positive_scope_vs_all():
     parents = [None, 0, 0, 0]
     rewards = [None, 1.0, 0.0, 1.0]
     emb = [[1, 0], [1, 0], [0, 1], [1, 1]]
-    base = A.base_advantages(parents, rewards)             # [0, 1/3, -2/3, 1/3]
+    base = paper_base(parents, rewards)                     # [0, 1/3, -2/3, 1/3]
     div = A.sibling_diversity(parents, emb)
     alpha = 0.2
-    positive = A.datpo_advantages(parents, rewards, emb, alpha, scope="positive")
-    everything = A.datpo_advantages(parents, rewards, emb, alpha, scope="all")
+    positive = A.diversity_bonus(base, div, alpha, scope="positive")
+    everything = A.diversity_bonus(base, div, alpha, scope="all")
     assert base == pytest.approx([0, 1 / 3, -2 / 3, 1 / 3])
     assert positive == pytest.approx([0, 1 / 3 + alpha * div[1], -2 / 3, 1 / 3 + alpha * div[3]])
     assert everything == pytest.approx([b + alpha * d for b, d in zip(base, div)])
     assert everything[2] > positive[2]                      # "all" also rewards the wrong branch's diversity
-    assert A.datpo_advantages(parents, rewards, None, 0.0) == pytest.approx(base)  # α = 0 needs no embeddings
+    assert A.diversity_bonus(base, None, 0.0) == pytest.approx(base)  # α = 0 needs no embeddings
     with pytest.raises(ValueError):
-        A.datpo_advantages(parents, rewards, emb, alpha, scope="some")
+        A.diversity_bonus(base, div, alpha, scope="some")
 
 
 def test_alpha_linear_annealing():
@@ -205,7 +220,7 @@ def test_release_sibling_groups_by_hand():
     e = np.eye(4)
     emb = [e[0], e[1], (e[0] + e[1]) / np.sqrt(2), e[2], (e[2] + e[3]) / np.sqrt(2), e[3], e[0], e[1]]
     whole = [e[0], (e[0] + e[1]) / np.sqrt(2), e[1]]           # the three base responses' whole texts
-    div = A.release_sibling_diversity(parents, rewards, branch, base, emb, whole)
+    div = R.release_sibling_diversity(parents, rewards, branch, base, emb, whole)
     c = 1 / np.sqrt(2)
     expected = [
         1 - c,                     # 0: forked first block vs block 2 only: cos(e0, (e0+e1)/√2) = 1/√2
@@ -224,9 +239,9 @@ def test_release_sibling_groups_by_hand():
     assert paper[1] == pytest.approx(1.0) and div[1] == 0.0
     # block 0 (e0) vs blocks 2 and 7 (e1), not block 2 alone
     assert paper[0] == pytest.approx(1 - (c + 0) / 2)
-    # datpo_advantages takes the release's Div_sib through `diversity`
-    adv = A.datpo_advantages(parents, rewards, emb, 0.2, diversity=div)
-    base_adv = A.base_advantages(parents, rewards)
+    # Eq. 4 takes the release's Div_sib as it takes Eq. 10's
+    base_adv = paper_base(parents, rewards)
+    adv = A.diversity_bonus(base_adv, div, 0.2)
     assert adv == pytest.approx([a + (0.2 * d if a > 0 else 0.0) for a, d in zip(base_adv, div)])
 
 
@@ -235,13 +250,8 @@ def test_release_sibling_groups_drop_empty_texts():
     # and is not counted
     parents, rewards, branch, base = [None, None, None], [1.0, 0.0, 1.0], [False] * 3, [0, 1, 2]
     e = np.eye(3)
-    div = A.release_sibling_diversity(parents, rewards, branch, base, e, e,
+    div = R.release_sibling_diversity(parents, rewards, branch, base, e, e,
                                       response_valid=[True, True, False])
     assert div == pytest.approx([1.0, 1.0, 0.0])
-    # block_diversity: one switch; "release" reads the response rows after the block rows
-    assert A.block_diversity(parents, rewards, branch, base, np.vstack([e, e]), "release") == pytest.approx(
-        A.release_sibling_diversity(parents, rewards, branch, base, e, e))
-    assert A.block_diversity(parents, rewards, branch, base, e, "paper") == pytest.approx(
-        A.sibling_diversity(parents, e))
     with pytest.raises(ValueError, match="differ in length"):
-        A.release_sibling_diversity(parents, rewards, branch, [0, 1], e, e)
+        R.release_sibling_diversity(parents, rewards, branch, [0, 1], e, e)

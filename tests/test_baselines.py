@@ -10,6 +10,7 @@ from test_train import stand_in_reward
 import config as C
 import methods as M
 import packing as P
+import prompts
 import rollout as R
 import train
 import tree as T
@@ -32,9 +33,9 @@ def test_attnrl_expansion_by_hand():
 
 def test_attnrl_batch_size_by_hand():
     # kept half the target leaves → the raw target doubles the batch; EMA with λ = 0.9
-    assert train.attnrl_batch_size(16, 240, 480, 0.9, cap=64) == math.ceil(0.1 * 32 + 0.9 * 16)   # 18
-    assert train.attnrl_batch_size(16, 480, 480, 0.9, cap=64) == 16
-    assert train.attnrl_batch_size(16, 0, 480, 0.9, cap=64) == 64                              # capped
+    assert prompts.attnrl_batch_size(16, 240, 480, 0.9, cap=64) == math.ceil(0.1 * 32 + 0.9 * 16)   # 18
+    assert prompts.attnrl_batch_size(16, 480, 480, 0.9, cap=64) == 16
+    assert prompts.attnrl_batch_size(16, 0, 480, 0.9, cap=64) == 64                              # capped
 
 
 def test_attnrl_filters_uniform_trees_and_trains_branched_paths_only():

@@ -80,7 +80,7 @@ def run_to_end(engine, prompts, n, max_new_tokens, branches=None, keep_hidden=No
 def test_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, budget):
     tok = smollm_tokenizer
     model = tiny_model(arch, len(tok))
-    cfg = _cfg(top_k=1, branch_budget=budget)
+    cfg = _cfg(top_k=1, branch_length=budget)
     ours, ours_stats = rollout(model, tok, cfg, "engine")
     ref, ref_stats = rollout(model, tok, cfg, "generate")
     assert tree_tokens(ours) == tree_tokens(ref)

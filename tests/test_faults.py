@@ -243,7 +243,7 @@ def test_update_that_makes_weights_nonfinite_is_undone_bit_for_bit(smollm_tokeni
     for group in opt.param_groups:
         group["lr"] = float("inf")
     stats = train.ppo_update(model, opt, _rows(tok), cfg, tok.pad_token_id, "cpu", random.Random(0),
-                             guard=guard)
+                             weights_ok=guard.weights_finite)
     assert stats["nonfinite_updates"] == 1 and stats["nonfinite_minibatches"] == 0
     assert stats["optimizer_steps"] == 0                                 # the first bad step ends the update
     assert not all(torch.isfinite(p).all() for p in model.parameters())  # the step did break them ...

@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import config as C
 import evaluate
 import models
 import offpolicy
 import optim as O
+import prompts
 import rollout as R
 from engine import Sample
 from harness import faults, journal, loop, runs, viz
@@ -100,7 +102,10 @@ def test_trainer_state_of_every_kind_loads_with_weights_only(tmp_path):
     model(torch.ones(1, 3, dtype=torch.bfloat16)).float().sum().backward()
     optimizer.step()
     ahead = offpolicy.Batch(["p"], ["1"], [None], [[Sample([1, 2], [0.5, 0.25], [-1.0, -2.0])]], 1)
-    run_state = loop.RunState(step=2, cursor=5, batch_size=4, too_long={7, 3}, ahead=ahead)
+    cfg = C.make_config("tiny")
+    stream = prompts.PromptStream([], cfg, None, None)
+    stream.cursor, stream.batch_size, stream.too_long, stream.ahead = 5, 4, {7, 3}, ahead
+    run_state = loop.RunState(step=2, prompts=stream)
     saved = {"optimizer": optimizer.state_dict(), **run_state.trainer_state(),
              "config": {"lr": 1e-3, "x": [1]}}
     torch.save(saved, tmp_path / "trainer_state.pt")
@@ -108,10 +113,10 @@ def test_trainer_state_of_every_kind_loads_with_weights_only(tmp_path):
     assert why is None
     master = state["optimizer"]["state"][0]["master"]
     assert master.dtype == torch.float32 and torch.equal(master, saved["optimizer"]["state"][0]["master"])
-    again = loop.RunState()
+    again = loop.RunState(prompts=prompts.PromptStream([], cfg, None, None))
     again.restore(state)
-    assert (again.step, again.cursor, again.too_long) == (2, 5, {3, 7})
-    assert again.ahead == run_state.ahead and state["config"] == saved["config"]
+    assert (again.step, again.prompts.cursor, again.prompts.too_long) == (2, 5, {3, 7})
+    assert again.prompts.ahead == run_state.prompts.ahead and state["config"] == saved["config"]
     assert again.rng.getstate() == run_state.rng.getstate()
     # a state of another shape is damaged (skipped like a torn one), not a traceback
     torch.save({**saved, "step": "two"}, tmp_path / "trainer_state.pt")

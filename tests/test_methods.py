@@ -1,5 +1,6 @@
 """methods.py: each row's rollout shape, trained paths and filter by hand; harness.loop.RunState saves and
 restores whole."""
+import dataclasses
 import math
 import random
 
@@ -9,6 +10,7 @@ import torch
 import advantage as A
 import config as C
 import methods as M
+import release as release_py
 import train
 import tree as T
 from harness import checks, loop
@@ -26,10 +28,28 @@ def _tree():
 
 
 def test_every_method_is_one_row_and_config_accepts_exactly_those():
-    assert checks.METHODS == tuple(M.METHODS) == ("datpo", "grpo", "drgrpo", "treerl", "attnrl")
-    assert checks.FORKS is T.FORK_METHODS and checks.BRANCH_BUDGETS is T.BRANCH_BUDGETS
+    assert checks.METHODS is M.METHODS and {"datpo", "grpo", "drgrpo", "treerl", "attnrl"} <= set(M.METHODS)
+    assert checks.FORKS is T.FORK_STRATEGIES and checks.BRANCH_LENGTHS is T.BRANCH_LENGTHS
     with pytest.raises(ValueError, match="--method"):
         M.method_of(C.Config(method="ppo"))
+
+
+@pytest.mark.parametrize("name", [n for n in M.METHODS if n in C.PRESETS])
+def test_method_flag_and_preset_are_the_same_run(name):
+    """--method X brings the row's own settings (methods.py), so it equals --preset X but for the folder."""
+    by_flag, by_preset = C.make_config("paper", method=name), C.make_config(name)
+    assert dataclasses.replace(by_flag, out_dir=by_preset.out_dir) == by_preset
+    assert {k: getattr(by_preset, k) for k in M.METHODS[name].settings} == M.METHODS[name].settings
+
+
+def test_a_new_row_needs_no_other_edit(monkeypatch):
+    """One more row is a method the command line, the checks and the presets accept, with its settings."""
+    row = M.Method("treerl-wide", M.treerl_rule, paths=M.leaf_paths,
+                   settings=dict(fork="tok-entropy", adaptive=False, n_base=4, k_max=3, b_max=4))
+    monkeypatch.setitem(M.METHODS, row.name, row)
+    cfg = C.make_config("tiny", method="treerl-wide")
+    assert (cfg.fork, cfg.adaptive, cfg.n_base, cfg.k_max, cfg.b_max) == ("tok-entropy", False, 4, 3, 4)
+    assert M.method_of(cfg) is row
 
 
 def test_rollout_shapes_by_hand():
@@ -44,8 +64,9 @@ def test_rollout_shapes_by_hand():
     for name in ("grpo", "drgrpo"):                                               # G parallel responses
         n, budget, expand = M.METHODS[name].rollout_shape(cfg)
         assert (n, budget(0.0), expand) == (7, (0, 0), None)
-    # always fixed, picks responses
-    n, budget, expand = M.METHODS["attnrl"].rollout_shape(cfg)
+    # AttnRL's row: fixed (K_max, B_max) (settings adaptive=False), picks the responses it expands
+    attnrl = C.make_config("tiny", method="attnrl", k_max=3, b_max=4, n_base=5)
+    n, budget, expand = M.METHODS["attnrl"].rollout_shape(attnrl)
     assert (n, budget(1.0), expand) == (5, (3, 4), T.attnrl_expansion)
 
 
@@ -69,30 +90,34 @@ def test_paths_weights_and_filter_by_hand():
 
 def test_run_state_saves_and_restores_whole():
     import offpolicy
+    import prompts
     from engine import Sample
 
+    cfg = C.make_config("tiny")
     ahead = offpolicy.Batch(["q"], ["4"], [2], [[Sample([5, 6], [0.5, 0.1], [-0.7, -2.0])]], sampled_at=2)
-    run = loop.RunState(step=3, cursor=17, skipped_prompts=2, batch_size=5, bad_steps_in_a_row=1,
-                         rng=random.Random(4), too_long={9, 2}, ahead=ahead)
+    stream = prompts.PromptStream([], cfg, None, None)
+    stream.cursor, stream.skipped, stream.batch_size, stream.too_long, stream.ahead = 17, 2, 5, {9, 2}, ahead
+    run = loop.RunState(step=3, bad_steps_in_a_row=1, rng=random.Random(4), prompts=stream)
     run.rng.random()
     saved = run.trainer_state()
+    # the checkpoint's fields, as before the prompt stream had its own file (old checkpoints resume)
     assert set(saved) == {"step", "cursor", "skipped_prompts", "batch_size", "bad_steps_in_a_row", "rng",
                           "too_long", "ahead"}
     expected = [run.rng.random() for _ in range(3)], torch.rand(2)
-    back = loop.RunState(rng=random.Random(0))
+    back = loop.RunState(rng=random.Random(0), prompts=prompts.PromptStream([], cfg, None, None))
     back.restore(saved)
-    assert (back.step, back.cursor, back.skipped_prompts, back.batch_size, back.bad_steps_in_a_row) \
-        == (3, 17, 2, 5, 1)
-    assert back.too_long == {2, 9}                  # a skipped problem is not named again after a resume
+    assert (back.step, back.bad_steps_in_a_row) == (3, 1)
+    assert (back.prompts.cursor, back.prompts.skipped, back.prompts.batch_size) == (17, 2, 5)
+    assert back.prompts.too_long == {2, 9}          # a skipped problem is not named again after a resume
     # the next step's batch, its bases sampled (one-step off-policy)
-    assert back.ahead == ahead
+    assert back.prompts.ahead == ahead
     got = [back.rng.random() for _ in range(3)], torch.rand(2)
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])            # the same streams continue
 
 
 def test_release_sibling_groups_embed_whole_responses_and_match_the_release_formula():
     """--sibling_groups release: embed_blocks adds one row per base response (its whole text) after the block
-    rows, and advantage.tree_diversity reads them as advantage.release_sibling_diversity does (real MiniLM
+    rows, and release.tree_diversity reads them as release.release_sibling_diversity does (real MiniLM
     embedder)."""
     import numpy as np
 
@@ -108,14 +133,15 @@ def test_release_sibling_groups_embed_whole_responses_and_match_the_release_form
               block(None, "The sum of 3 and 4 is 8.", 1, 0.0)]
     tr = T.Tree(prompt="p", prompt_ids=[1], answer="7", blocks=blocks, v_root=0.5, k_hat=1, b_hat=2)
     embedder = models.load_embedder("all-minilm-l6-v2")
+    groups = release_py.estimators("paper", "release")
     paper = A.embed_blocks(embedder, [tr], 8)[0]
-    release = A.embed_blocks(embedder, [tr], 8, "release")[0]
+    release = A.embed_blocks(embedder, [tr], 8, groups)[0]
     assert paper.shape[0] == 5 and release.shape[0] == 5 + 2
     whole = embedder.encode(["We add 3 and 4. So the answer is 7.", "The sum of 3 and 4 is 8."])
     assert np.allclose(release[5:], whole, atol=1e-5)
     assert np.allclose(release[:5], embedder.encode([b.text for b in blocks]), atol=1e-5)
-    div = A.tree_diversity(tr, release, "release")
-    assert div == pytest.approx(A.release_sibling_diversity(tr.parents, tr.rewards, tr.branch_flags,
-                                                            [0, 0, 0, 0, 1], release[:5], release[5:]))
+    div = groups.diversity(tr, release)
+    assert div == pytest.approx(release_py.release_sibling_diversity(
+        tr.parents, tr.rewards, tr.branch_flags, [0, 0, 0, 0, 1], release[:5], release[5:]))
     assert div[1] == 0.0 and div[2] > 0 and div[3] > 0  # the base continuation is no sibling; branches are
-    assert A.tree_diversity(tr, paper, "paper") == pytest.approx(A.sibling_diversity(tr.parents, paper))
+    assert A.PAPER.diversity(tr, paper) == pytest.approx(A.sibling_diversity(tr.parents, paper))

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -132,6 +133,13 @@ def test_packed_logprobs_equal_separate_root_to_leaf_forwards(family, attn, kern
         assert sorted(seen) == list(range(len(reference)))          # every tree token trained exactly once
 
 
+def chunked_logprobs(head, hidden, pred, targets, chunk):
+    """packed_logprobs's last lines: target_logprobs `chunk` targets at a time, recomputed in the backward."""
+    return torch.cat([checkpoint(P.target_logprobs, head, hidden.index_select(0, pred[s:s + chunk]),
+                                 targets[s:s + chunk], use_reentrant=False)
+                      for s in range(0, len(targets), chunk)])
+
+
 def test_chunked_logprobs_values_and_gradients_match_one_chunk():
     model = tiny("qwen2")
     hidden = torch.randn(7, SIZES["hidden_size"], requires_grad=True)
@@ -140,7 +148,7 @@ def test_chunked_logprobs_values_and_gradients_match_one_chunk():
     grads = []
     for chunk in (2, 100):
         hidden.grad = None
-        lp = P.chunked_logprobs(model.get_output_embeddings(), hidden, pred, targets, chunk)
+        lp = chunked_logprobs(model.get_output_embeddings(), hidden, pred, targets, chunk)
         (lp * torch.arange(7.0)).sum().backward()
         grads.append((lp.detach(), hidden.grad.clone()))
     assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
@@ -164,7 +172,7 @@ def test_logprobs_of_a_bf16_model_come_from_fp32_logits():
     bf16_logits = head(hidden).detach().float()
     former = bf16_logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(bf16_logits, -1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = P.chunked_logprobs(head, hidden, pred, targets, chunk=16)
+        ours = chunked_logprobs(head, hidden, pred, targets, chunk=16)
     assert ours.dtype == torch.float32
     assert (ours.double() - exact).abs().max() < 1e-4 < (former.double() - exact).abs().max()
     ours.sum().backward()
@@ -285,3 +293,20 @@ def test_multiplicity_weighting_reproduces_the_flattened_path_loss(method):
                for a, b in zip(packed.parameters(), flat.parameters()))
     assert stats["forwarded_tokens"] == len(tree.prompt_ids) + tree.generated_tokens - (
         3 if method == "attnrl" else 0)                     # each token once (AttnRL: not the unbranched one)
+
+
+def test_the_picture_in_pack_is_what_pack_does():
+    """packing.pack's docstring draws a 3-block tree packed with its mask; its numbers are pack's own."""
+    tr = P.TrainTree([100, 101], [None, 0, 0], [[1, 2], [3], [4, 5]], [1.0] * 3, [1.0] * 3)
+    pk = P.pack([tr], P.split_items(tr, 0, [0, 1, 2], 100), P.token_offsets([tr]))
+    lines = {line.split()[0]: line.split()[1:] for line in P.pack.__doc__.splitlines() if line.strip()}
+    assert [int(x) for x in lines["position_ids"][:7]] == pk.position_ids
+    assert [int(x) for x in lines["subtree_end"][:7]] == pk.subtree_end
+    names = lines["key"][1:8]                                  # p0 p1 a0 a1 c0 b0 b1
+    rows = [line for line in P.pack.__doc__.splitlines() if "■" in line]
+    assert len(rows) == len(names)
+    for q, row in enumerate(rows):                             # ■ where k ≤ q < subtree_end[k], else ·
+        marks = [c for c in row.split() if c in ("■", "·")]
+        assert marks == ["■" if q < pk.subtree_end[k] else "·" for k in range(q + 1)]
+    predicted_at = lines["pred_index"][lines["pred_index"].index("at") + 1:][:5]
+    assert [names.index(x) for x in predicted_at] == pk.pred_index

@@ -87,7 +87,8 @@ def test_resume_with_another_experiment_is_refused_listing_the_fields(run, capsy
     lines = run_cli(capsys, TINY + ["--steps", "3", "--method", "grpo", "--lr", "2e-3", "--out_dir", str(run),
                                     "--resume", str(run)], code=2)
     assert lines[-1].endswith("error: --resume: the command line changes the experiment of the run it "
-                              "resumes (lr 0.001 -> 0.002, method 'datpo' -> 'grpo'); expected the run's "
+                              "resumes (clip_high 0.2 -> 0.28, lr 0.001 -> 0.002, method 'datpo' -> 'grpo'); "
+                              "expected the run's "
                               "own settings (its config.json), or --allow_config_change true to continue it "
                               "as a mix")
     assert folder_hash(run) == before
@@ -115,6 +116,11 @@ def test_check_resume_config_splits_allowed_from_experiment_fields():
     with pytest.raises(faults.UserError, match=r"\(seed 0 -> 1\)"):
         runs.check_resume_config(saved, {**new, "seed": 1})
     assert runs.check_resume_config(saved, {**new, "seed": 1}, allow=True)["seed"] == (0, 1)
+    # a field renamed since (runs.RENAMED_FIELDS) is compared under its new name
+    with pytest.raises(faults.UserError, match=r"\(branch_length 'remaining' -> 'full'\)"):
+        runs.check_resume_config({**saved, "branch_budget": "remaining"}, {**new, "branch_length": "full"})
+    assert runs.check_resume_config({**saved, "branch_budget": "full"}, {**new, "branch_length": "full"}) \
+        == {"report_to": (["none"], ["tensorboard"]), "steps": (10, 20)}
 
 
 def test_resume_into_a_folder_holding_another_run_is_refused(run, tmp_path, capsys):

@@ -119,7 +119,7 @@ def test_grow_from_forks_builds_subtrees_on_an_untouched_base(tiny_policy, monke
             assert parent.start + len(parent.token_ids) == b.start and len(b.token_ids) <= 12
             assert tok.decode(saved[r][:b.start] + b.token_ids, skip_special_tokens=True) in graded
     again = growth.grow_from_forks(sampler, tok, base, {0: [2]}, 2, ["7", "7"], 12, chunk_size=4,
-                                   budget="remaining")
+                                   length="remaining")
     assert base.tokens == saved and len(again[0]) == 2 + 2      # the base can be branched again
     assert all(2 + len(b.token_ids) <= 12 for b in again[0] if b.branch)   # "remaining": the path fits in 12
 

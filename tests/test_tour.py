@@ -1,5 +1,6 @@
-"""docs/tour.py: the guided tour regenerated at tiny scale; every section there, and every number it prints
-agreeing with the paper's formulas and with the project's functions recomputed from the page's own tables."""
+"""docs/tour.py: the guided tour regenerated at tiny scale, every section there and every number it prints
+agreeing with the paper's formulas and with the project's functions recomputed from the page's own tables;
+and the committed docs/tour.md regenerated at demo scale and compared, byte for byte."""
 import math
 import re
 import sys
@@ -15,13 +16,14 @@ import tree as T
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
 import tour  # noqa: E402
 
-SECTIONS = ["## 1. Sample prompts q ~ Q — `train.sample_prompts`",
+SECTIONS = ["## 1. Sample prompts q ~ Q — `prompts.PromptStream.next_batch`",
             "## 2. Phase 1: N base responses — `rollout.rollout_trees`",
             "## 3. Difficulty: V(root), K̂ and B̂ — `rollout.plan_prompt`, `tree.adaptive_budget`",
             "## 4. Forks at the starts of the highest-entropy sentences — `tree.select_forks`",
             "## 5. Phase 2: branches, and the tree cut into blocks — `rollout.rollout_trees`",
             "## 6. Phase 3: values, advantages and sibling diversity — `advantage.score_tree`",
-            "## 7. Phase 4: the clipped token-level loss — `train.ppo_update`"]
+            "## 7. Phase 4's forward: a tree packed under its attention mask — `packing.pack`",
+            "## 8. Phase 4: the clipped token-level loss — `train.ppo_update`"]
 
 
 def tables(text: str) -> list[list[dict]]:
@@ -65,7 +67,7 @@ def page(tmp_path_factory):
 def test_every_phase_of_algorithm_datpo_has_its_section(page):
     for title in SECTIONS:
         assert title in page, title
-    assert page.index(SECTIONS[0]) < page.index(SECTIONS[3]) < page.index(SECTIONS[6])
+    assert [page.index(title) for title in SECTIONS] == sorted(page.index(title) for title in SECTIONS)
 
 
 def test_v_root_is_the_mean_base_reward_and_the_budget_is_eq_1_2(page):
@@ -122,12 +124,55 @@ def test_blocks_cover_every_generated_token_once_and_values_match_the_functions(
 
 
 def test_the_first_minibatch_loss_is_minus_the_advantage_sum_over_the_normaliser(page):
-    text = section(page, 7)
-    rows = tables(text)[0]
-    assert rows and all(float(r["ρ"]) == 1.0 and not r["clipped"] for r in rows)   # θ_old = θ: ρ = 1
-    assert all(float(r["min(ρÂ, clip(ρ)Â)"]) == float(r["Â"]) for r in rows)
+    text = section(page, 8)
+    first, second, record = tables(text)
+    assert first and all(float(r["ρ"]) == 1.0 and not r["clipped"] for r in first)   # θ_old = θ: ρ = 1
+    assert all(float(r["min(ρÂ, clip(ρ)Â)"]) == float(r["Â"]) for r in first)
     total, norm, loss = re.search(r"Σ min\(ρÂ, clip\(ρ\)Â\) = (-?[\d.]+), so its share of the loss is "
                                   r"−Σ / ([\d.]+) = (-?[\d.]*\d)", text).groups()
     assert float(loss) == pytest.approx(-float(total) / float(norm), abs=1e-6)
-    record = tables(text)[1][0]
-    assert int(record["optimizer_steps"]) >= 1 and float(record["clip_frac"]) >= 0
+    assert int(record[0]["optimizer_steps"]) >= 2 and float(record[0]["clip_frac"]) >= 0
+
+
+def test_the_second_epoch_clips_by_the_rule(page):
+    """Epoch 2's ratios moved; a token is clipped exactly when ρ leaves [1 − ε, 1 + ε] on its advantage's
+    side, and its objective is then the clipped one (Eq. DATPO)."""
+    rows = tables(section(page, 8))[1]
+    assert any(float(r["ρ"]) != 1.0 for r in rows)
+    for r in rows:
+        adv, rho, objective = float(r["Â"]), float(r["ρ"]), float(r["min(ρÂ, clip(ρ)Â)"])
+        assert bool(r["clipped"]) == ((rho > 1.2 and adv > 0) or (rho < 0.8 and adv < 0))
+        assert objective == pytest.approx(min(rho * adv, min(max(rho, 0.8), 1.2) * adv), abs=2e-4)
+
+
+def test_the_packed_tree_mask_is_its_ancestry(page):
+    """Section 7's block-level mask: each block sees the prompt, its ancestors and itself (section 5's
+    parents), nothing else."""
+    text = section(page, 7)
+    tree_index = int(re.search(r"packs prompt (\d+)'s tree", text).group(1))
+    blocks = tables(section(page, 5))[tree_index]
+    parents = {int(b["block"]): None if b["parent"] == "prompt" else int(b["parent"]) for b in blocks}
+    grid = text.split("```")[1].strip().splitlines()
+    labels = grid[0].split()[3:]
+    assert labels[0] == "q"
+    for line in grid[1:]:
+        name, *marks = line.split()
+        seen = {labels[i] for i, m in enumerate(marks) if m == "■"}
+        if name == "q":
+            assert seen == {"q"}
+            continue
+        block, path = int(name[1:]), {"q", name}
+        node = parents[block]
+        while node is not None:
+            path.add(f"b{node}")
+            node = parents[node]
+        assert seen == path
+
+
+def test_the_committed_tour_is_what_the_script_writes(tmp_path):
+    """docs/tour.md is exactly what `python docs/tour.py` writes today (it runs in float64, so every CPU
+    writes the same digits): no hand edit, no stale number, no code excerpt the source no longer has."""
+    out = tmp_path / "tour.md"
+    tour.main(["--out", str(out)])
+    committed = (Path(__file__).resolve().parent.parent / "docs" / "tour.md").read_text(encoding="utf-8")
+    assert out.read_text(encoding="utf-8") == committed, "docs/tour.md is stale: run python docs/tour.py"

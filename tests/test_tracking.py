@@ -17,6 +17,7 @@ import advantage as A
 import config as C
 import methods as M
 import models
+import release
 import train
 import tree as T
 from harness import cli, tracking
@@ -130,7 +131,7 @@ def scores_of(tr, advantages=None, embeddings=None, value_estimate="paper"):
     """Phase 3's records for a tree (advantage.score_tree) with the given advantages as the method's (None:
     the tree was not trained)."""
     given = M.Method("given", lambda tr, base, div, alpha, scope: advantages or [0.0] * len(tr.blocks))
-    scores = A.score_tree(tr, given, 0.0, embeddings, value_estimate=value_estimate)
+    scores = A.score_tree(tr, given, 0.0, embeddings, estimators=release.estimators(value_estimate))
     return scores if advantages is not None else [dataclasses.replace(b, advantage=None) for b in scores]
 
 

@@ -13,6 +13,7 @@ import config as C
 import methods as M
 import models
 import packing as P
+import prompts
 import rollout as R
 import train
 import tree as T
@@ -78,7 +79,7 @@ def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
     paths = P.unit_rows(flat, flat.trained, P.token_offsets([flat])[0])
     assert max(r.n_targets for r in paths) == 7 and paths[1].gidx == [0, 1, 2, 4, 5, 6, 7]
     cfg = C.make_config("tiny", max_new_tokens=4, loss_norm="constant")
-    assert cfg.branch_budget == "full"
+    assert cfg.branch_length == "full"
     # DATPO: 3 blocks of ≤ max_new_tokens each; TreeRL: 2 paths of up to 2·4 − 1 tokens
     assert P.loss_normaliser([tt], [(0, (0, 1, 2))], cfg.loss_norm, 4,
                              M.method_of(cfg).max_row_targets(cfg)) == 3 * 4
@@ -86,7 +87,7 @@ def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
     assert P.loss_normaliser([flat], [(0, (0, 1, 2))], cfg.loss_norm, 4,
                              M.method_of(cfg).max_row_targets(cfg)) == 2 * 7
     assert all(r.n_targets <= M.method_of(cfg).max_row_targets(cfg) for r in paths)
-    cfg.branch_budget = "remaining"
+    cfg.branch_length = "remaining"
     assert M.method_of(cfg).max_row_targets(cfg) == 4
 
 
@@ -94,13 +95,13 @@ def test_prompts_are_kept_unless_they_cannot_fit_the_context():
     cfg = C.make_config("tiny", max_new_tokens=100)
     assert cfg.max_prompt_tokens == 512                                  # the tiny scale's filter, unchanged
     assert C.make_config("paper").max_prompt_tokens == 0                 # paper scale: nothing skipped
-    train.check_fits(1849, cfg, 2048, "x")                               # 1849 + (2·100 − 1) = 2048 fits
+    prompts.check_fits(1849, cfg, 2048, "x")                               # 1849 + (2·100 − 1) = 2048 fits
     with pytest.raises(ValueError,
                        match=r"arith problem #7: the prompt is 1850 tokens and up to 199 new tokens"):
-        train.check_fits(1850, cfg, 2048, "arith problem #7")
-    cfg.branch_budget = "remaining"
-    train.check_fits(1948, cfg, 2048, "x")                               # paths stay within 100
-    train.check_fits(10 ** 6, cfg, None, "x")                            # no known context: no check
+        prompts.check_fits(1850, cfg, 2048, "arith problem #7")
+    cfg.branch_length = "remaining"
+    prompts.check_fits(1948, cfg, 2048, "x")                               # paths stay within 100
+    prompts.check_fits(10 ** 6, cfg, None, "x")                            # no known context: no check
 
 
 def test_clipped_objective_by_hand():

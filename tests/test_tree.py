@@ -4,6 +4,7 @@ import random
 import numpy as np
 import pytest
 
+import atb
 import tree as T
 from studies import forks
 
@@ -167,17 +168,17 @@ def test_fci_scores_count_only_steps_far_enough_later():
     alpha[0, 4, 0] = 0.5      # 4 steps later → counts for step 0 with gap 4
     alpha[0, 3, 0] = 0.25     # 3 steps later → not counted with gap 4
     alpha[0, 4, 1] = 0.125
-    assert T.fci_step_scores(alpha, gap=4) == [0.5, 0.0, 0.0, 0.0, 0.0]
-    assert T.fci_step_scores(alpha, gap=3) == [0.75, 0.125, 0.0, 0.0, 0.0]
+    assert atb.fci_step_scores(alpha, gap=4) == [0.5, 0.0, 0.0, 0.0, 0.0]
+    assert atb.fci_step_scores(alpha, gap=3) == [0.75, 0.125, 0.0, 0.0, 0.0]
     # max over (layer, head): a second head with a larger value wins
     two = np.concatenate([alpha, alpha * 2], axis=0)
-    assert T.fci_step_scores(two, gap=3) == [1.5, 0.25, 0.0, 0.0, 0.0]
+    assert atb.fci_step_scores(two, gap=3) == [1.5, 0.25, 0.0, 0.0, 0.0]
 
 
 def test_step_attention_averages_token_pairs():
     att = np.arange(16, dtype=float).reshape(1, 4, 4)
     spans = [(0, 1), (1, 4)]
-    got = T.step_attention(att, spans)
+    got = atb.step_attention(att, spans)
     assert got.shape == (1, 2, 2)
     assert got[0, 1, 0] == pytest.approx(np.mean([4, 8, 12]))       # queries 1..3 → key 0
     assert got[0, 1, 1] == pytest.approx(att[0, 1:, 1:].mean())
