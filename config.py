@@ -98,6 +98,7 @@ class Config:
     compile_decode: bool = False            # engine: decode steps through torch.compile(dynamic=True); on the
                                             # 2-core CPU 1.13× tokens/s after a ~36 s compile
                                             # (measurements.md)
+    decode_step: str = "auto"               # engine: auto (paged on CUDA) | reference | paged | paged-eager
     off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. F runtime table,
                                             # offpolicy.py): step t+1's N base responses decode inside step
                                             # t's rollout with step t's weights (before its update);
@@ -113,9 +114,10 @@ class Config:
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
                                             # release = the authors' code's groups
                                             # (release.release_sibling_diversity)
-    embed_model: str = "Alibaba-NLP/gte-large-en-v1.5"  # sentence embedder of Div_sib (App. F.2), or
-                                            # "all-minilm-l6-v2" (embedded, offline); gte runs its own code
-                                            # from the hub: needs --trust_remote_code true
+    embed_model: str = "sentence-transformers/all-mpnet-base-v2"  # sentence embedder of Div_sib: App.
+                                            # F.5's all-mpnet-base-v2 (no remote code), "all-minilm-l6-v2"
+                                            # (embedded, offline), or the paper's Alibaba-NLP/gte-large-en-v1.5
+                                            # (F.2; runs hub code: needs --trust_remote_code true)
     embed_batch_size: int = 64              # texts per embedder call
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line

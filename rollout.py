@@ -70,13 +70,14 @@ class Sampler:
     max_kv_tokens: int = 0               # engine: KV pool tokens; 0 = the prompts + max_rows × max_new_tokens
     compile_decode: bool = False         # engine: decode steps through torch.compile
     backoff: E.Backoff = field(default_factory=E.Backoff)   # engine: what running out of memory taught
+    decode: str = "reference"            # engine: its decode step (--decode_step; engine/paged.py)
 
     @classmethod
     def from_config(cls, model, tokenizer, cfg, backoff: E.Backoff | None = None) -> "Sampler":
         return cls(model, stop_token_ids(tokenizer, model), tokenizer.pad_token_id,
                    cfg.temperature, cfg.top_k, cfg.top_p, cfg.rollout_engine,
                    cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size), cfg.max_kv_tokens,
-                   compile_decode=cfg.compile_decode, backoff=backoff or E.Backoff())
+                   compile_decode=cfg.compile_decode, backoff=backoff or E.Backoff(), decode=cfg.decode_step)
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """temperature, top-k, top-p applied to [rows, vocab] scores, exactly as generate applies them."""
@@ -97,7 +98,7 @@ class Sampler:
         capacity = self.max_kv_tokens or \
             (min(self.max_rows, rows) + n) * max_new_tokens + sum(map(len, prompt_ids))
         return E.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace,
-                        compile_decode=self.compile_decode, backoff=self.backoff)
+                        compile_decode=self.compile_decode, backoff=self.backoff, decode=self.decode)
 
 
 @torch.no_grad()

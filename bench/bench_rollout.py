@@ -7,6 +7,9 @@
     python bench/bench_rollout.py --model random-qwen2.5-3b --device cuda --precision bf16 --shapes a
         # Qwen2.5-3B's shape with random weights (bench/gpu_smoke.py; no hub): it never samples EOS, so
         # every row runs to max_new_tokens; the embedded SmolLM2 tokenizer
+    python bench/bench_rollout.py --model random-qwen2.5-3b --device cuda --precision bf16 --shapes a \
+        --rows 256 --max_new_tokens 128      # shape (a) at 256 rows (64 prompts × 4), all decoding at once
+    python bench/bench_rollout.py --shapes c --decode_step paged-eager   # the paged step on the CPU
 
 Shapes, both engines on the same prompts (arith-train, the demo's chat prompt with its worked example):
   (a) 16 prompts × 4 base responses × 256 new tokens, no branches (parallel sampling, GRPO-like)
@@ -24,9 +27,16 @@ ratio.
 The floor: after each shape, the model's own bare forward at the engine's mean batch (rows per decode step)
 and mean context (KV tokens a row reads), timed alone — one decode token per row through HF's forward with a
 DynamicCache, logits of the last position, no sampling, no scheduling, no grading — and the engine's tokens/s
-as a share of it: how far the engine is from the limit its model sets on this machine.
+as a share of it: how far the engine is from the limit its model sets on this machine. On CUDA also the
+graph floor: the same forward over a StaticCache, captured once as a CUDA graph and replayed (launches
+removed), its milliseconds per step against the weight-read time (the weights' bytes over the memory
+bandwidth measured by a 2 GiB device copy).
+--decode_step picks the engine's decode step (config.decode_step: auto is the paged step on CUDA);
+--rows N makes shape (a) N rows (N/4 prompts × 4) decoded at once by both engines, --max_new_tokens its
+length.
 """
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -45,15 +55,19 @@ import data  # noqa: E402
 import methods as M  # noqa: E402
 import models  # noqa: E402
 import rollout as R  # noqa: E402
+from engine.loop import decode_mode  # noqa: E402
 
 
-def shape_config(shape: str, args) -> tuple[C.Config, int, dict]:
-    """(config, number of prompts, rollout_trees keyword arguments) of a benchmark shape."""
-    common = dict(model=args.model, precision=args.precision)
+def shape_config(shape: str, args, rows: int = 0) -> tuple[C.Config, int, dict]:
+    """(config, number of prompts, rollout_trees keyword arguments) of a benchmark shape; shape (a) at `rows`
+    rows (rows / 4 prompts × 4, all decoded at once) when rows > 0."""
+    common = dict(model=args.model, precision=args.precision, decode_step=args.decode_step)
     if shape == "a":
-        cfg = C.make_config("grpo", "demo", max_new_tokens=256, group_size=4, **common)
-        return cfg, 16, dict(method=M.METHODS["grpo"])
-    cfg = C.make_config("demo", max_new_tokens=256 if shape == "b" else 64, **common)
+        sizes = dict(gen_batch_size=rows, max_batch_rows=rows) if rows else {}
+        cfg = C.make_config("grpo", "demo", max_new_tokens=args.max_new_tokens or 256, group_size=4, **sizes,
+                            **common)
+        return cfg, rows // 4 if rows else 16, dict(method=M.METHODS["grpo"])
+    cfg = C.make_config("demo", max_new_tokens=args.max_new_tokens or (256 if shape == "b" else 64), **common)
     return cfg, cfg.prompts_per_step, {}
 
 
@@ -67,6 +81,7 @@ def run(model, tokenizer, prompts, answers, cfg, engine, seed, kwargs):
     wall = time.perf_counter() - start
     tokens = stats.base_tokens + stats.branch_tokens
     return dict(wall=wall, tokens=tokens, tok_s=tokens / wall, ended=stats.ended_row_steps,
+                ms_step=wall * 1e3 / stats.decode_steps if stats.decode_steps else None,   # engine only
                 row_steps=stats.row_steps, kv=stats.peak_kv_bytes, recomputed=stats.recomputed_prefix_tokens,
                 branches=sum(1 for t in trees for b in t.blocks if b.branch),
                 shape=engine_shape(trees, stats))
@@ -106,6 +121,60 @@ def bare_forward_tokens_per_s(model, rows: int, context: int, repeats: int = 8) 
     return rows * repeats / (time.perf_counter() - start)
 
 
+@torch.no_grad()
+def graph_floor_ms(model, rows: int, context: int, repeats: int = 20) -> float:
+    """CUDA: milliseconds per decode step of the model's own forward for `rows` rows over a StaticCache of
+    context + a few tokens, captured once as a CUDA graph and replayed `repeats` times (each replay writes
+    the next position; the attention reads the whole static cache under its mask)."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    ids = torch.randint(100, model.config.vocab_size - 1, (rows, context + 1), device=device)
+    cache = StaticCache(config=model.config, max_cache_len=context + repeats + 8)
+    name = models.cache_arg(model)
+    model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1, **{name: cache})
+    step = ids[:, -1:].clone()
+    position = torch.full((rows, 1), context, device=device)
+
+    def forward():
+        return model(input_ids=step, position_ids=position, use_cache=True, logits_to_keep=1,
+                     **{name: cache}).logits
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()                                                     # warm-up, off the default stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def weight_read_ms(model) -> float:
+    """Milliseconds to read the model's weights once at the bandwidth a 2 GiB device-to-device copy reaches
+    (which reads and writes every byte)."""
+    device = next(model.parameters()).device
+    src = torch.empty(2**30, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bandwidth = 2 * src.numel() * src.element_size() * 5 / (time.perf_counter() - start)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    del src, dst
+    return weights / bandwidth * 1e3
+
+
 def paper_shape_kv(prompt: int = 256, new: int = 1024, prompts: int = 16, n: int = 4, k: int = 3, b: int = 4,
                    gen_batch: int = 64, chunk: int = 384) -> tuple[float, float]:
     """Peak KV bytes at the paper's shape, Qwen2.5-3B in bf16 (36 layers × 2 KV heads × 128 × 2 (K, V) × 2 B).
@@ -130,6 +199,15 @@ def main():
     parser.add_argument("--compile_decode", action="store_true",
                         help="compare the engine eager and with --compile_decode instead of "
                              "engine vs generate")
+    parser.add_argument("--decode_step", default="auto",
+                        choices=["auto", "reference", "paged", "paged-eager"],
+                        help="the engine's decode step (config.decode_step)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[0],
+                        help="shape (a): this many rows (rows / 4 prompts × 4), one run per value")
+    parser.add_argument("--max_new_tokens", type=int, default=0, help="override every shape's new tokens")
+    parser.add_argument("--engine_only", action="store_true",
+                        help="the engine alone (no generate run): its floor and DATPO/GRPO ratio in half the "
+                             "time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
@@ -140,29 +218,44 @@ def main():
     else:
         model, tokenizer = models.load_policy(args.model, device, models.policy_dtype(args.precision))
     model.eval()
-    print(f"model {args.model}, device {device}, {args.threads} threads, precision {args.precision}, "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    gpu = f" ({torch.cuda.get_device_name(device)}, torch {torch.__version__})" \
+        if device.type == "cuda" else ""
+    print(f"model {args.model}, device {device}{gpu}, {args.threads} threads, precision {args.precision}, "
+          f"decode step {args.decode_step}, load average {os.getloadavg()[0]:.2f}", flush=True)
     seconds_per_token = {}
-    for shape in args.shapes.split(","):
-        cfg, n_prompts, kwargs = shape_config(shape, args)
+    jobs = [(s, rows) for s in args.shapes.split(",") for rows in (args.rows if s == "a" else [0])]
+    for shape, rows in jobs:
+        cfg, n_prompts, kwargs = shape_config(shape, args, rows)
+        shape = f"{shape}@{rows}" if rows else shape
         problems = data.load_problems(cfg.train_data, limit=n_prompts)
         prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
                    for p in problems]
         answers = [p["answer"] for p in problems]
         engines = ("compiled", "engine") if args.compile_decode else ("engine", "generate")
+        engines = engines[:1] if args.engine_only else engines
+        paged = decode_mode(cfg.decode_step, device) != "reference"
+        if paged:
+            # the paged step's kernels are compiled per bucket and pool size: warm up on every prompt (the
+            # buckets the run decodes at) with the run's pool size, a few tokens each
+            rows_at_once = n_prompts * cfg.group_size if kwargs else \
+                (cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size)) + cfg.n_base
+            cfg.max_kv_tokens = rows_at_once * cfg.max_new_tokens + sum(len(tokenizer(p).input_ids)
+                                                                        for p in prompts)
+            warm_cfg = dataclasses.replace(cfg, max_new_tokens=8)
         for e in engines[:1]:                                                                   # warm-up
-            warm = run(model, tokenizer, prompts[:1], answers[:1], cfg, e, args.seed, kwargs)
-            print(f"({shape}) warm-up {e} (compiles the decode step under --compile_decode): "
-                  f"{warm['wall']:.1f} s", flush=True)
+            warm = run(model, tokenizer, prompts if paged else prompts[:1], answers if paged else answers[:1],
+                       warm_cfg if paged else cfg, e, args.seed, kwargs)
+            print(f"({shape}) warm-up {e} (compiles the decode step under --compile_decode or --decode_step "
+                  f"paged): {warm['wall']:.1f} s", flush=True)
         result = {}
         for e in engines:
             result[e] = run(model, tokenizer, prompts, answers, cfg, e, args.seed, kwargs)
             print(f"({shape}) {e}: {result[e]}, load average {os.getloadavg()[0]:.2f}", flush=True)
-        ours, ref = result[engines[0]], result[engines[1]]
+        ours, ref = result[engines[0]], result[engines[-1]]
         print(f"\n({shape}) {n_prompts} prompts, N = {kwargs.get('n_base', cfg.n_base)}, "
               f"{'no branches' if kwargs else f'K_max = {cfg.k_max}, B_max = {cfg.b_max}, {cfg.fork}'}, "
               f"max_new_tokens {cfg.max_new_tokens}; load average {os.getloadavg()[0]:.2f}")
-        print(f"{'':34s}{engines[0]:>14s}{engines[1]:>14s}{engines[0] + '/' + engines[1]:>17s}")
+        print(f"{'':34s}{engines[0]:>14s}{engines[-1]:>14s}{engines[0] + '/' + engines[-1]:>17s}")
         for label, key, fmt in [("wall seconds", "wall", "{:.1f}"), ("generated tokens", "tokens", "{:.0f}"),
                                 ("tokens / s", "tok_s", "{:.1f}"), ("branches", "branches", "{:.0f}"),
                                 ("row-steps run", "row_steps", "{:.0f}"),
@@ -181,6 +274,22 @@ def main():
               f"{context:.0f} tokens: {floor:.1f} tokens/s; {engines[0]} {ours['tok_s']:.1f} tokens/s = "
               f"{ours['tok_s'] / floor:.2f} of it (row-steps counted from the trees {counted}, the engine's "
               f"{ours['row_steps']}); load average {os.getloadavg()[0]:.2f}", flush=True)
+        if device.type == "cuda":
+            step_rows = max(1, round(rows))
+            try:
+                graph_ms = graph_floor_ms(model, step_rows, round(context))
+            except Exception as err:   # report, do not stop the table
+                print(f"({shape}) graph floor: capture failed ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0][:200] if str(err) else ''})", flush=True)
+                continue
+            graph = step_rows * 1e3 / graph_ms
+            read = weight_read_ms(model)
+            print(f"({shape}) graph floor: {graph_ms:.1f} ms per step = {graph:.1f} tokens/s "
+                  f"({graph / floor:.2f}× the eager floor); {engines[0]} = "
+                  f"{ours['tok_s'] / graph:.2f} of it; "
+                  f"weights read in {read:.1f} ms: graph floor step / weight read = {graph_ms / read:.2f}; "
+                  f"{engines[0]} ms per decode step (wall incl. prefill / decode steps) "
+                  f"{ours['ms_step']:.1f}", flush=True)
     if "a" in seconds_per_token and "b" in seconds_per_token and not args.compile_decode:
         for e in engines:
             print(f"DATPO (b) / GRPO-like (a) rollout seconds per generated token, {e}: "

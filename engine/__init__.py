@@ -33,7 +33,11 @@ What it does differently from HF `generate` (engine/generate.py keeps that path 
 
 The parts:
   samples.py    Sample (the project's one response type), BranchRequest, BasesDone, PromptResult
-  kv.py         the reference-counted KV slot pool, the attention function that reads it, the forward passes
+  kv.py         the reference-counted KV pool (pages of 1 token, or 16 for the paged step), the reference
+                attention function that reads it, the forward passes
+  paged.py      the static-shape decode step (--decode_step paged, the default on CUDA): decode state on the
+                device, FlexAttention over the pool's pages through the block table, sampling on the device,
+                one host transfer per step, rows padded to buckets, one CUDA graph per bucket
   scheduler.py  admission within the row and KV budgets; Backoff: what running out of memory taught
   loop.py       Engine: the decode loop, and EngineRun: one run's tree bookkeeping
   generate.py   the reference path on HF `generate`, group by group: the test oracle (greedy trees equal

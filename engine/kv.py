@@ -1,15 +1,22 @@
 """engine/kv.py — where the engine keeps keys and values, and the forward pass that reads and writes them.
 
-Keys/values live in one pre-allocated pool per layer, [capacity, 2, H_kv, d], written in place. A row's
-context is a list of pool slots (a block table with 1-token pages). A prompt is prefilled once and its N base
-rows point at the same slots; a branch at fork f points at its base row's first P + f slots. So a prefix is
-shared by reference: zero copies per fork or branch, and no prefix token is recomputed. Slots are
-reference-counted and return to the free list when the last row reading them is done.
+Keys/values live in one pre-allocated pool per layer, [pages × page, 2, H_kv, d], written in place. A row's
+context is a list of pool slots (slot = page × page_size + offset; a block table). A prompt is prefilled once
+and its N base rows read the same pages; a branch at fork f reads its base row's first P + f slots. So a
+prefix is shared by reference, and no prefix token is recomputed. Pages are reference-counted and return to
+the free list when the last row reading them is done.
 
-Attention runs through a registered HF attention function ("datpo_engine"): each layer writes the new tokens'
-keys/values into their slots, gathers each row's context slots and calls SDPA with a [rows, 1, q, T] mask.
-The gather reads the context once per step (as DynamicCache's torch.cat does); on a GPU, a paged kernel
-(flash-attn's block_table) could read the pool directly — left for later.
+Page size 1 (the reference, and the CPU default) makes a page one token: sharing copies nothing. A larger
+page (the paged decode step, engine/paged.py; 16 on a GPU, which its attention kernel needs) keeps every
+row's slots page-aligned — logical position t at offset t mod page — so a shared prefix that ends inside a
+page has that page's first tokens copied into a fresh page of the new row (copy on write, at most page − 1
+tokens per row; shared full pages are never written again).
+
+The reference attention is a registered HF attention function ("datpo_engine"): each layer writes the new
+tokens' keys/values into their slots, gathers each row's context slots and calls SDPA with a [rows, 1, q, T]
+mask. The gather reads the context once per step (as DynamicCache's torch.cat does); on CUDA a boolean mask
+with GQA sends SDPA to its math kernel, which is why a GPU decodes through engine/paged.py instead (a paged
+kernel reading the pool through the block table, no gather).
 """
 from __future__ import annotations
 
@@ -21,46 +28,119 @@ import torch
 ATTENTION = "datpo_engine"
 
 
-class KVPool:
-    """Keys and values of up to `capacity` tokens for every layer, allocated once. A slot holds one token's
-    keys and values; `refs[s]` counts the rows whose context reads slot s (a shared prefix is read by
-    many)."""
+def pages_needed(tokens: int, page: int, rows: int = 0) -> int:
+    """Pages that `tokens` more KV tokens may take, spread over `rows` rows: the tokens themselves when a page
+    is one token; else ⌈tokens / page⌉ plus one per row (a row's first page may start mid-page, holding its
+    copied prefix tail)."""
+    return tokens if page == 1 else -(-tokens // page) + rows
 
-    def __init__(self, model, capacity: int, device, dtype):
+
+class KVPool:
+    """Keys and values of up to `capacity` tokens (rounded up to whole pages of `page` tokens) for every
+    layer, allocated once. `refs[p]` counts the rows whose context reads page p (a shared prefix is read by
+    many). With `scratch`, one more page (`scratch_page`) that is never handed out: padded rows of the paged
+    decode step write there."""
+
+    def __init__(self, model, capacity: int, device, dtype, page: int = 1, scratch: bool = False):
         cfg = model.config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = [torch.empty(capacity, 2, kv_heads, head_dim, device=device, dtype=dtype)
+        pages = -(-capacity // page)
+        self.page, self.pages = page, pages
+        self.scratch_page = pages if scratch else None
+        slots = (pages + scratch) * page
+        # Paged: zeros, since a kernel reading a partly written page multiplies its unwritten (masked) values
+        # by a zero weight, and uninitialised memory may hold NaN.
+        make = torch.zeros if page > 1 or scratch else torch.empty
+        self.layers = [make(slots, 2, kv_heads, head_dim, device=device, dtype=dtype)
                        for _ in range(cfg.num_hidden_layers)]
-        self.capacity, self.device = capacity, device
+        self.capacity, self.device = pages * page, device
         self.bytes_per_token = cfg.num_hidden_layers * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        self.refs = [0] * capacity
-        self.free = list(range(capacity - 1, -1, -1))   # a stack: low slots first
-        self.peak = 0
+        self.refs = [0] * pages
+        self.free = list(range(pages - 1, -1, -1))   # a stack: low pages first
+        self.peak = 0                                # tokens held at most (whole pages)
 
     @property
     def used(self) -> int:
-        return self.capacity - len(self.free)
+        """Tokens held (whole pages)."""
+        return (self.pages - len(self.free)) * self.page
 
     def alloc(self, n: int) -> list[int]:
+        """n fresh pages (slots, when a page is one token), each read by one row."""
         if n > len(self.free):
-            raise RuntimeError(f"engine KV pool exhausted: {n} slots wanted, {len(self.free)} free "
+            raise RuntimeError(f"engine KV pool exhausted: {n} pages wanted, {len(self.free)} free "
                                f"(a scheduling bug: admission reserves every row's budget)")
-        slots = [self.free.pop() for _ in range(n)]
-        for s in slots:
-            self.refs[s] = 1
+        pages = [self.free.pop() for _ in range(n)]
+        for p in pages:
+            self.refs[p] = 1
         self.peak = max(self.peak, self.used)
-        return slots
+        return pages
 
-    def retain(self, slots: list[int]) -> None:
-        for s in slots:
-            self.refs[s] += 1
+    def retain(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
 
-    def release(self, slots: list[int]) -> None:
-        for s in slots:
-            self.refs[s] -= 1
-            if self.refs[s] == 0:
-                self.free.append(s)
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
+    def pages_of(self, context: list[int]) -> list[int]:
+        """The pages a (page-aligned) context reads, in order."""
+        return list(context) if self.page == 1 else [s // self.page for s in context[::self.page]]
+
+    def extend(self, context: list[int], n: int) -> None:
+        """Append n slots to a row's context (in place): the rest of its own last page, then fresh pages."""
+        if self.page == 1:
+            context += self.alloc(n)
+            return
+        size = self.page
+        own = min(n, -len(context) % size)
+        fresh = self.alloc(-(-(n - own) // size))
+        if own:
+            context += range(context[-1] + 1, context[-1] + 1 + own)
+        left = n - own
+        for p in fresh:
+            context += range(p * size, p * size + min(size, left))
+            left -= size
+
+    def shrink(self, context: list[int], n: int) -> None:
+        """Undo the last n slots of extend (in place): pages that held only those slots go back."""
+        if n <= 0:
+            return
+        dropped = context[len(context) - n:]
+        del context[len(context) - n:]
+        self.release(dropped if self.page == 1 else [s // self.page for s in dropped if s % self.page == 0])
+
+    def release_context(self, context: list[int]) -> None:
+        """A row is done with its context: each page it reads once."""
+        self.release(self.pages_of(context))
+
+    def share(self, sources: list[tuple[list[int], int]]) -> list[list[int]]:
+        """New contexts, one per (context, length): each reads context[:length] by reference. With pages of
+        more than one token, a length that ends inside a page gets that page's first tokens copied into a
+        fresh page of its own (one gather per layer for all of them), where the new row writes on."""
+        size = self.page
+        tails = sum(1 for _, length in sources if length % size)
+        fresh = self.alloc(tails) if tails else []
+        out, src, dst = [], [], []
+        for context, length in sources:
+            full = length - length % size
+            shared = list(context[:full])
+            self.retain(self.pages_of(shared))
+            if length % size:
+                page = fresh.pop()
+                src += context[full:length]
+                dst += range(page * size, page * size + length % size)
+                shared += range(page * size, page * size + length % size)
+            out.append(shared)
+        if src:
+            index = torch.tensor(src, device=self.device)
+            where = torch.tensor(dst, device=self.device)
+            for layer in self.layers:
+                layer.index_copy_(0, where, layer.index_select(0, index))
+        return out
 
 
 @dataclass
@@ -80,8 +160,12 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     output [rows, q, H, d]. Writes the new keys/values into their pool slots, then attends over each row's
     context slots (prefix, shared or not, + the new tokens)."""
     pool = engine_kv.pool.layers[module.layer_idx]
-    pool[engine_kv.write] = torch.stack((key, value), dim=1).permute(0, 3, 1, 2, 4).to(pool.dtype)
-    context = pool[engine_kv.read].to(query.dtype)                    # [rows, T, 2, H_kv, d]
+    rows, width = engine_kv.read.shape
+    new = torch.stack((key, value), dim=1).permute(0, 3, 1, 2, 4).to(pool.dtype)   # [rows, q, 2, H_kv, d]
+    pool.index_copy_(0, engine_kv.write.flatten(), new.flatten(0, 1))
+    # index_select: the same copy as pool[read], 2-4x faster on this CPU (docs/measurements.md, issue 37)
+    context = pool.index_select(0, engine_kv.read.flatten()).view(rows, width, *pool.shape[1:])
+    context = context.to(query.dtype)                                  # [rows, T, 2, H_kv, d]
     keys, values = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=engine_kv.mask,
                                                            scale=scaling, enable_gqa=True)
@@ -98,10 +182,11 @@ def register_attention() -> str:
 
 
 @contextlib.contextmanager
-def attention_backend(model):
-    """The attention layers read config._attn_implementation at every forward."""
+def attention_backend(model, name: str | None = None):
+    """The attention layers read config._attn_implementation at every forward: `name` (registered), by
+    default the reference attention."""
     old = model.config._attn_implementation
-    model.config._attn_implementation = register_attention()
+    model.config._attn_implementation = name or register_attention()
     try:
         yield
     finally:
@@ -111,7 +196,8 @@ def attention_backend(model):
 def decode_hidden(model, input_ids, position_ids, kv: StepKV) -> torch.Tensor:
     """One forward of the model (the root, as in forward) → the final hidden state [rows, q, d]:
     output_hidden_states' last entry is the final norm's output; no logits (an empty logits_to_keep)."""
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=kv.mask, use_cache=False,
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=getattr(kv, "mask", None),
+                use_cache=False,
                 engine_kv=kv, logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
                 output_hidden_states=True)
     return out.hidden_states[-1]
@@ -173,8 +259,7 @@ class Forward:
                 self.prefill_len = len(tokens[i:i + chunk])
                 hidden.append(self.prefill_forward(row, tokens[i:i + chunk]))
         except BaseException:
-            self.pool.release(row.slots[start:])
-            del row.slots[start:]
+            self.pool.shrink(row.slots, len(row.slots) - start)
             raise
         return torch.cat(hidden)
 
@@ -188,17 +273,17 @@ class Forward:
         produced token t). Out of memory: nothing of this prompt is kept."""
         try:
             first = self.prefill(rows[0], prompt, chunk)[-1]
-            prompt_slots = list(rows[0].slots)
+            shared = self.pool.share([(rows[0].slots, len(prompt))] * (len(rows) - 1))
+            for row in rows[1:]:
+                row.slots = shared.pop(0)
             for row, tokens in zip(rows, responses):
-                if row is not rows[0]:
-                    row.slots = list(prompt_slots)
-                    self.pool.retain(row.slots)
                 row.hidden = [first]
                 if len(tokens) > 1:
                     row.hidden += list(self.prefill(row, tokens[:-1], chunk))
         except BaseException:
             for row in rows:
-                self.pool.release(row.slots)
+                self.pool.release_context(row.slots)
+                row.slots = []
             raise
 
 
@@ -209,8 +294,15 @@ def forward(model, pool: KVPool, contexts: list[list[int]], new_tokens: list[lis
     hidden state of every new token, [rows, q, d]: position i's state produced the distribution of the token
     after it. On an error (e.g. out of memory) the contexts are as they were."""
     q = len(new_tokens[0])
-    for context in contexts:
-        context += pool.alloc(q)
+    done = []
+    try:
+        for context in contexts:
+            pool.extend(context, q)
+            done.append(context)
+    except BaseException:
+        for context in done:
+            pool.shrink(context, q)
+        raise
     kv, positions = step_kv(pool, contexts, q)
     # The model's own forward, as generate calls it (FSDP2's hooks under torchrun expect the root to run),
     # with no logits (an empty logits_to_keep: the engine projects only what it samples); the hidden state is
@@ -232,8 +324,7 @@ def forward(model, pool: KVPool, contexts: list[list[int]], new_tokens: list[lis
                       engine_kv=kv, logits_to_keep=torch.empty(0, dtype=torch.long, device=pool.device))
     except BaseException:                     # e.g. out of memory: the rows are as they were before
         for context in contexts:
-            pool.release(context[-q:])
-            del context[-q:]
+            pool.shrink(context, q)
         raise
     finally:
         if hook is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from engine import kv
+from engine import kv, paged
 from engine.kv import KVPool
 from engine.samples import BasesDone, BranchRequest, PromptResult, Sample
 from engine.scheduler import Backoff, DecodeRow, Scheduler
@@ -94,7 +94,7 @@ class EngineRun:
             self.bases_left[p] -= 1
             self.base_rows[p].append(row)
             if not self.keeps(p):                 # no branch will read it: its slots go back now
-                self.pool.release(row.slots)
+                self.pool.release_context(row.slots)
                 row.slots = []
             if self.bases_left[p] == 0:
                 self.events.append((step, "bases_done", p))
@@ -103,7 +103,7 @@ class EngineRun:
                 self.ungrown.add(p)
         else:
             self.results[p].branches.setdefault((row.base, row.fork), []).append(row.out)
-            self.pool.release(row.slots)
+            self.pool.release_context(row.slots)
         if self.rows_left[p] == 0 and p not in self.ungrown:
             self.tree_done(p, step)
 
@@ -119,17 +119,18 @@ class EngineRun:
         if requests and not self.keeps(prompt):
             raise ValueError(f"engine: branches requested for prompt {prompt} without keep_hidden "
                              f"(their first token needs the base rows' hidden states)")
-        rows, hidden = [], []
+        sources, made, hidden = [], [], []
         for req in requests:
             parent = self.base_rows[prompt][req.base]
             if not 0 <= req.fork < len(parent.out.tokens):
                 raise ValueError(f"engine: fork {req.fork} of prompt {prompt}'s base {req.base} is outside "
                                  f"its {len(parent.out.tokens)} tokens (expected 0 <= f < length)")
-            prefix = parent.slots[:len(self.prompts[prompt]) + req.fork]
             for _ in range(req.count):
-                self.pool.retain(prefix)
-                rows.append(self.new_row(prompt, req.base, req.fork, list(prefix), req.limit))
+                sources.append((parent.slots, len(self.prompts[prompt]) + req.fork))
+                made.append(req)
                 hidden.append(parent.hidden[req.fork])
+        rows = [self.new_row(prompt, req.base, req.fork, slots, req.limit)
+                for req, slots in zip(made, self.pool.share(sources))]
         self.rows_left[prompt] += len(rows)
         self.rows_started += len(rows)
         return rows, hidden
@@ -137,7 +138,7 @@ class EngineRun:
     def grown(self, prompt: int, step: int) -> None:
         """Prompt's branches are in: its base rows let go of their slots and hidden states."""
         for row in self.base_rows.pop(prompt):
-            self.pool.release(row.slots)
+            self.pool.release_context(row.slots)
             row.hidden = None
         self.ungrown.discard(prompt)
         if self.rows_left[prompt] == 0:
@@ -151,12 +152,39 @@ class EngineRun:
 
 
 def draw(model, warp, hidden: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
-    """Sample one token per row from lm_head(hidden) after the warpers; its H_t and log-probability."""
+    """Sample one token per row from lm_head(hidden) after the warpers; its H_t and log-probability, brought
+    to the host in one transfer (float64 holds the token ids and the float32 values exactly)."""
     scores = warp(model.get_output_embeddings()(hidden).float())
     logp = torch.log_softmax(scores, dim=-1)
-    tokens = torch.multinomial(logp.exp(), num_samples=1)
-    entropy = torch.special.entr(logp.exp()).sum(-1)
-    return tokens[:, 0].tolist(), entropy.tolist(), logp.gather(1, tokens)[:, 0].tolist()
+    probs = logp.exp()
+    tokens = torch.multinomial(probs, num_samples=1)
+    entropy = torch.special.entr(probs).sum(-1)
+    values = torch.stack((tokens[:, 0].double(), entropy.double(), logp.gather(1, tokens)[:, 0].double()))
+    token_list, entropies, logprobs = paged.to_host(values)
+    return [int(t) for t in token_list], entropies, logprobs
+
+
+def decode_mode(decode: str, device: torch.device) -> str:
+    """--decode_step as this engine runs it: auto is the paged step on a CUDA GPU outside torchrun (its
+    graphs and compiled kernels were not tried under FSDP), the reference step elsewhere."""
+    if decode != "auto":
+        return decode
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    cuda = torch.device(device).type == "cuda"
+    return "paged" if cuda and not distributed and not paged.DISABLED else "reference"
+
+
+def paged_pool(model, max_kv_tokens: int, max_rows: int, param: torch.Tensor) -> kv.KVPool:
+    """The paged step's pool: pages of paged.PAGE tokens, room for every row's partly filled first and last
+    pages, rounded up to 512 pages (so the compiled kernels, whose shapes include the pool's size, serve many
+    steps), a scratch page, and the keys/values in the autocast dtype when autocast is on (what the attention
+    computes in)."""
+    page = paged.PAGE
+    pages = -(-max_kv_tokens // page) + 2 * max_rows
+    pages = -(-pages // 512) * 512
+    device = param.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else param.dtype
+    return kv.KVPool(model, pages * page, device, dtype, page=page, scratch=True)
 
 
 class Engine:
@@ -164,14 +192,24 @@ class Engine:
     decoded at once; `max_kv_tokens`: pool capacity in tokens; `backoff`: what running out of memory taught
     earlier engines. `warp(scores)` applies temperature/top-k/top-p (rollout.Sampler.warp: HF's warpers, so
     the distribution is `generate`'s). `events` (step, kind, ...): prefill, end, bases_done, branches,
-    tree_done, and with trace=True decode."""
+    tree_done, and with trace=True decode. `decode` (--decode_step): "reference" (engine/kv.py), "paged" (the
+    static step of engine/paged.py; on CUDA graph-captured per bucket), "paged-eager" (the same, no graphs),
+    or "auto" (decode_mode)."""
 
     def __init__(self, model, stop_ids, warp, max_rows: int, max_kv_tokens: int, trace: bool = False,
-                 compile_decode: bool = False, backoff: Backoff | None = None):
+                 compile_decode: bool = False, backoff: Backoff | None = None, decode: str = "reference"):
         param = next(model.parameters())
         self.model, self.warp, self.stop_ids = model, warp, set(stop_ids)
         self.trace = trace
-        self.pool = kv.KVPool(model, max_kv_tokens, param.device, param.dtype)
+        self.decode, self.decode_auto = decode_mode(decode, param.device), decode == "auto"
+        self.static = None
+        if self.decode == "reference":
+            self.pool = kv.KVPool(model, max_kv_tokens, param.device, param.dtype)
+        else:
+            self.pool = paged_pool(model, max_kv_tokens, max_rows, param)
+            mode = "compile" if compile_decode else \
+                "graph" if self.decode == "paged" and param.device.type == "cuda" else "eager"
+            self.static = paged.StaticDecoder(model, self.pool, warp, self.stop_ids, max_rows, mode)
         self.forward = kv.Forward(model, self.pool, compile_decode)    # --compile_decode: torch.compile
         self.scheduler = Scheduler(self.pool, max_rows, backoff or Backoff())
         self.events: list[tuple] = []
@@ -263,9 +301,8 @@ class Engine:
         self.events.append((self.step, "prefill", p))
         self.stats["prefill_tokens"] += len(run.prompts[p])
         run.rows_started += len(rows)
-        for row in rows[1:]:
-            row.slots = list(rows[0].slots)
-            self.pool.retain(row.slots)
+        for row, slots in zip(rows[1:], self.pool.share([(rows[0].slots, len(rows[0].slots))] * (run.n - 1))):
+            row.slots = slots
         self._sample_next(rows, hidden.expand(run.n, -1), self.scheduler.place)
         return True
 
@@ -276,7 +313,7 @@ class Engine:
         run = self.state
         samples, keep = run.given_bases[p], run.keeps(p)
         need = len(run.prompts[p]) + sum(len(x.tokens) - 1 for x in samples) if keep else 0
-        if not self.scheduler.room([], need):
+        if not self.scheduler.room([], need, len(samples) if keep else 0):
             return False
         rows = [run.new_row(p, j, None, [], len(x.tokens)) for j, x in enumerate(samples)]
         if keep:
@@ -297,9 +334,16 @@ class Engine:
         row budget, and the next loop iteration retries the step."""
         active = self.scheduler.active
         try:
-            hidden = self.forward.decode(active)[:, -1]
-        except RuntimeError as err:                    # torch.OutOfMemoryError is one
-            if not oom.is_oom(err) or len(active) == 1:
+            if self.static is not None:
+                values, hidden = self.static.step(active)
+            else:
+                hidden = self.forward.decode(active)[:, -1]
+        except Exception as err:                       # torch.OutOfMemoryError is one
+            first_paged = self.static is not None and self.decode_auto and not self.stats["decode_steps"]
+            if first_paged and not oom.is_oom(err):
+                self.paged_failed(err)                 # --decode_step auto: the reference step takes over
+                return
+            if not isinstance(err, RuntimeError) or not oom.is_oom(err) or len(active) == 1:
                 raise
             self.stats["oom_retries"] += 1
             self.scheduler.fewer_rows()
@@ -309,11 +353,24 @@ class Engine:
         self.stats["decode_steps"] += 1
         self.stats["row_steps"] += len(active)
         still = []
-        self._sample_next(active, hidden, still.append)
+        if self.static is not None:
+            self._push(active, values, hidden, still.append)
+        else:
+            self._sample_next(active, hidden, still.append)
         self.scheduler.active = still
         yield from self._bases_ready()
         self.step += 1
         self.state.show()
+
+    def paged_failed(self, err: Exception) -> None:
+        """The paged step failed at its first step under --decode_step auto (e.g. a torch whose FlexAttention
+        lacks something it uses): say so once, and decode with the reference step from now on, in this engine
+        (its pool's pages serve it as they are) and every later one of the process."""
+        first = str(err).splitlines()[0][:200] if str(err) else ""
+        paged.DISABLED.append(f"{type(err).__name__}: {first}")
+        print(f"engine: the paged decode step failed ({paged.DISABLED[-1]}); decoding with the reference "
+              f"step", flush=True)
+        self.static = None
 
     def _sample_next(self, rows: list[DecodeRow], hidden: torch.Tensor, place) -> None:
         """One token per row from its hidden state [rows, d]; a row that ends leaves now (never decoded
@@ -322,6 +379,19 @@ class Engine:
         for row, h, token, entropy, logprob in zip(rows, hidden, tokens, entropies, logprobs):
             self.state.sampled += 1
             if row.push(token, entropy, logprob, h, self.stop_ids):
+                self.state.finish(row, self.step)
+            else:
+                place(row)
+
+    def _push(self, rows: list[DecodeRow], values: list, hidden: torch.Tensor | None, place) -> None:
+        """The paged step's results, [token, H_t, log p, ended] per row (and its hidden states when rows keep
+        them): as _sample_next, with the ended flag computed on the device (it must agree with the host's)."""
+        for i, (row, (token, entropy, logprob, ended)) in enumerate(zip(rows, values)):
+            self.state.sampled += 1
+            if row.push(int(token), entropy, logprob, None if hidden is None else hidden[i],
+                        self.stop_ids) != bool(ended):
+                raise RuntimeError(f"engine: row {row.id}'s end differs between the device and the host")
+            if ended:
                 self.state.finish(row, self.step)
             else:
                 place(row)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv import KVPool
+from engine.kv import KVPool, pages_needed
 from engine.samples import Sample
 
 
@@ -74,10 +74,14 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting_prompts or self.waiting or self.active)
 
-    def room(self, rows: list[DecodeRow], extra: int = 0) -> bool:
-        """Rows fit, and the pool can hold every running row's and these rows' remaining budget + extra."""
-        growth = sum(r.limit - len(r.out.tokens) for r in self.active + rows)
-        return len(self.active) + len(rows) <= self.max_rows and growth + extra <= len(self.pool.free)
+    def room(self, rows: list[DecodeRow], extra: int = 0, extra_rows: int = 0) -> bool:
+        """Rows fit, and the pool can hold every running row's and these rows' remaining budget, plus
+        `extra` tokens spread over `extra_rows` more rows (in pages: kv.pages_needed; one-token pages:
+        tokens)."""
+        page = self.pool.page
+        growth = sum(pages_needed(r.limit - len(r.out.tokens), page, 1) for r in self.active + rows)
+        return (len(self.active) + len(rows) <= self.max_rows
+                and growth + pages_needed(extra, page, extra_rows) <= len(self.pool.free))
 
     def next_prompt(self) -> int | None:
         """Waiting rows join the decoding ones while room is left; then the prompt to admit next, or None:

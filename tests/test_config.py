@@ -12,9 +12,10 @@ def test_paper_preset_matches_the_paper():
     # Sec. 4.1 / App. F.2 "Implementation Details": (N, K_max, B_max) = (4, 3, 4), sent-entropy, adaptive
     assert (cfg.method, cfg.n_base, cfg.k_max, cfg.b_max, cfg.adaptive) == ("datpo", 4, 3, 4, True)
     assert cfg.fork == "sent-entropy"
-    # α linearly annealed 0.2 → 0 on positive blocks; gte-large-en-v1.5 embeddings
+    # α linearly annealed 0.2 → 0 on positive blocks; App. F.5's all-mpnet-base-v2 embeddings instead of the
+    # paper's gte-large-en-v1.5, which runs code from the hub (docs/decisions.md, issue 37)
     assert (cfg.alpha_start, cfg.alpha_end, cfg.alpha_scope) == (0.2, 0.0, "positive")
-    assert cfg.embed_model == "Alibaba-NLP/gte-large-en-v1.5"
+    assert cfg.embed_model == "sentence-transformers/all-mpnet-base-v2"
     # sampling: temperature 1.0, max 1024 new tokens; branch chunks of 384 for Qwen2.5-3B
     assert (cfg.temperature, cfg.max_new_tokens, cfg.branch_chunk_size) == (1.0, 1024, 384)
     # "Training Hyperparameters": AdamW (0.9, 0.999), constant lr 5e-6, clip 0.2, no KL,

@@ -20,27 +20,46 @@ def test_gpu_smoke_without_cuda_says_so_and_exits_0():
 
 @pytest.mark.slow
 def test_gpu_smoke_harness_runs_train_loop_on_cpu(capsys):
+    """Both presets of the device script (DATPO's paper preset, GRPO) one after the other: every phase is a
+    row (rollout, the block embeddings DATPO's Div_sib needs, update, the final checkpoint), tokens generated
+    and trained per step, the decode step, and the ratio of their seconds per step."""
     import gpu_smoke
 
+    import advantage
     import models
     import rollout as R
     import train
     from harness import loop
 
-    before = (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update, loop.save_checkpoint)
-    gpu_smoke.main(["--cpu_check", "--presets", "grpo", "--prompts", "2", "--max_new_tokens", "6",
-                    "--ppo_epochs", "1", "--extra", "--precision", "fp32", "--group_size", "4",
-                    "--gen_batch_size", "8", "--max_tokens_per_micro_batch", "128"])
+    before = (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update, loop.save_checkpoint,
+              advantage.embed_blocks)
+    gpu_smoke.main(["--cpu_check", "--presets", "paper", "grpo", "--prompts", "2", "--max_new_tokens", "6",
+                    "--ppo_epochs", "1", "--steps", "1", "--extra", "--precision", "fp32",
+                    "--group_size", "4", "--gen_batch_size", "8", "--max_tokens_per_micro_batch", "128"])
     out = capsys.readouterr().out
-    assert "--preset grpo: 2 step(s)" in out and "FAILED" not in out
-    phases = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ") and
-              line.split()[0] in ("rollout", "update", "checkpoint")}
-    assert (int(phases["rollout"][1]) == 2 and float(phases["rollout"][3]) > 0
-            and int(phases["update"][1]) == 2 and float(phases["update"][3]) > 0)
-    assert int(phases["checkpoint"][1]) == 1 and float(phases["checkpoint"][2]) > 0   # only at the end
-    assert "attention kernel: tree" in out
+    runs = out.split("--preset ")[1:]
+    assert [r.split(":")[0] for r in runs] == ["paper", "grpo"] and "FAILED" not in out
+
+    def phases(text):
+        return {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  ") and
+                line.split()[0] in ("rollout", "embedding", "update", "checkpoint")}
+
+    for run, embeds in zip(runs, (True, False)):
+        rows = phases(run)
+        assert "1 step(s)" in run.splitlines()[0]
+        assert int(rows["rollout"][1]) == 1 and float(rows["rollout"][3]) > 0
+        assert rows["rollout"][4] == "tokens"
+        assert int(rows["update"][1]) == 1 and float(rows["update"][3]) > 0
+        assert int(rows["checkpoint"][1]) == 1 and float(rows["checkpoint"][2]) > 0   # only at the end
+        assert ("embedding" in rows) == embeds
+        generated = float(run.split("tokens generated ")[1].split(",")[0])
+        assert generated == float(rows["rollout"][3])
+        assert "decode step: reference" in run and "attention kernel: tree" in run
+    assert float(phases(runs[0])["embedding"][3]) > 0 and phases(runs[0])["embedding"][4] == "blocks"
+    ratio = out.split("seconds per step paper / grpo: ")[1].split()
+    assert float(ratio[4]) == pytest.approx(float(ratio[0]) / float(ratio[2]), abs=0.01)
     assert before == (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update,
-                      loop.save_checkpoint)                                                 # restored
+                      loop.save_checkpoint, advantage.embed_blocks)                        # restored
 
 
 def test_checkpointing_default_follows_the_memory_estimate():

@@ -85,3 +85,25 @@ def test_custom_code_is_found_wherever_a_model_names_it(tmp_path):
         models.code_refused(ValueError("The repository o/m contains custom code which must be executed"),
                             "--model", "o/m")
     models.code_refused(ValueError("Unrecognized model in o/m"), "--model", "o/m")   # another error: kept
+
+
+def test_the_cards_command_passes_the_flag_check_and_gte_large_still_needs_the_flag(monkeypatch, capsys):
+    """`python train.py --model Qwen/Qwen2.5-3B` (--preset paper's embedder) passes the pre-flight check with
+    no --trust_remote_code, before anything is downloaded (offline here); the paper's gte-large-en-v1.5
+    named by the user still needs the flag; the default embedder says in one line what it is and how to get
+    the paper's."""
+    import config as C
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = C.make_config("paper")
+    assert cfg.embed_model == models.DEFAULT_EMBEDDER and not cfg.trust_remote_code
+    models.check_loadable("Qwen/Qwen2.5-3B", cfg.embed_model, cfg.trust_remote_code)      # no error
+    with pytest.raises(models.UserError, match="gte-large-en-v1.5: runs its own Python code .*--trust"):
+        models.check_loadable("Qwen/Qwen2.5-3B", models.PAPER_EMBEDDER, False)
+    models.check_loadable("Qwen/Qwen2.5-3B", models.PAPER_EMBEDDER, True)                # consent given
+    note = models.embedder_note(cfg.embed_model)
+    assert "all-mpnet-base-v2" in note and "62.9" in note and "63.5" in note and "\n" not in note
+    assert note.endswith(f"--embed_model {models.PAPER_EMBEDDER} --trust_remote_code true")
+    assert models.embedder_note("all-minilm-l6-v2") is None
+    models.load_embedder("all-minilm-l6-v2")                   # no note for another embedder
+    assert "embedder:" not in capsys.readouterr().out
