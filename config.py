@@ -115,9 +115,9 @@ class Config:
                                             # release = the authors' code's groups
                                             # (release.release_sibling_diversity)
     embed_model: str = "sentence-transformers/all-mpnet-base-v2"  # sentence embedder of Div_sib: App.
-                                            # F.5's all-mpnet-base-v2 (no remote code), "all-minilm-l6-v2"
-                                            # (embedded, offline), or the paper's Alibaba-NLP/gte-large-en-v1.5
-                                            # (F.2; runs hub code: needs --trust_remote_code true)
+                                            # F.5's all-mpnet-base-v2 (no remote code); "all-minilm-l6-v2"
+                                            # (embedded, offline); the paper's gte-large-en-v1.5 (F.2) runs
+                                            # hub code: needs --trust_remote_code true
     embed_batch_size: int = 64              # texts per embedder call
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line
