@@ -138,6 +138,8 @@ class Config:
     clip_low: float = 0.2                   # PPO clip ε for ratio < 1
     clip_high: float = 0.2                  # PPO clip ε for ratio > 1 (GRPO clip-higher: 0.28)
     max_grad_norm: float = 1.0              # gradient-norm clip; paper silent, authors' release uses 1.0
+    kl_beta: float = 0.0                    # β of a per-token KL penalty to the initial policy (TRL's beta,
+                                            # k3; kl.py); 0 = none and no reference model (the paper)
     loss_norm: str = "token"                # token: / total tokens (DAPO, Eq. DATPO); constant: Dr.GRPO
     ppo_epochs: int = 2                     # passes over a step's blocks; paper silent, authors' release: 2
     prompts_per_step: int = 16              # prompts sampled per step (App. F.2: 16)

@@ -48,6 +48,7 @@ from tqdm import tqdm
 import advantage
 import config
 import engine
+import kl
 import methods
 import models
 import offpolicy
@@ -94,6 +95,7 @@ class Learner:
                                                                       # memory, kept from step to step
     reward: Callable | None = None   # --reward: (problem indices, step) -> a batch's scorer (the harness
                                      # sets it); None: the grader, reward.compute_reward
+    reference: torch.nn.Module | None = None   # --kl_beta > 0: π_ref, the frozen initial policy (kl.py)
 
     def __post_init__(self):
         self.policy = self.policy if self.policy is not None else self.model
@@ -153,7 +155,7 @@ def train_step(learner: Learner, batch: offpolicy.Batch, step: int, rng: random.
     t2 = time.perf_counter()
     learner.model.train()
     update = ppo_update(learner.policy, learner.optimizer, train_trees, cfg, learner.tokenizer.pad_token_id,
-                        learner.device, rng, learner.weights_ok)
+                        learner.device, rng, learner.weights_ok, learner.reference)
     learner.model.eval()
     t_gen = max(r.seconds_base + r.seconds_forks + r.seconds_branches for r in rollout_stats)
     seconds = {"generation": t_gen, "embedding": t_embed, "update": time.perf_counter() - t2}
@@ -212,12 +214,13 @@ def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch
 
 
 def ppo_update(policy, optimizer, trees: list[packing.TrainTree], cfg, pad_id: int, device,
-               rng: random.Random, weights_ok: Callable[[], bool] | None = None) -> dict:
+               rng: random.Random, weights_ok: Callable[[], bool] | None = None, reference=None) -> dict:
     """Phase 4 (Alg. DATPO; App. F.2): PPO epochs over mini-batches of blocks, each mini-batch's gradient
     accumulated over micro-batches (minibatch_gradient), then grad-norm clip and one AdamW step. Each epoch
     re-shuffles the mini-batches (whole trees, or random blocks: cfg.mini_batch_grouping). Blocks whose
     advantage is zero count in the normaliser but cost no forward or backward. `weights_ok` (the harness's
-    weight guard): False after an optimizer step ends the update (the caller restores the weights)."""
+    weight guard): False after an optimizer step ends the update (the caller restores the weights).
+    `reference` (--kl_beta > 0 only; not in the paper): π_ref, whose log-probs enter a KL penalty (kl.py)."""
     offsets = packing.token_offsets(trees)
     adv = packing.token_advantages(trees, device)                 # Â(b) for every token of every block b
     most_targets = methods.method_of(cfg).max_row_targets(cfg)
@@ -225,13 +228,15 @@ def ppo_update(policy, optimizer, trees: list[packing.TrainTree], cfg, pad_id: i
     with packing.Forward(policy, cfg, pad_id, device) as forward:   # the tree-mask kernel, forward + backward
         minibatches = packing.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
         old = old_logprobs(forward, trees, minibatches, offsets, cfg, stats.oom)      # θ_old, no grad
+        ref = None if reference is None else kl.reference_logprobs(reference, trees, minibatches, offsets,
+                                                                   cfg, pad_id, device)   # --kl_beta
         for epoch in range(cfg.ppo_epochs):
             if epoch > 0:
                 minibatches = packing.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
             for units in stats.progress(minibatches, cfg.ppo_epochs):
                 norm = packing.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, most_targets)
                 loss = minibatch_gradient(forward, optimizer, trees, units, offsets, old, adv, norm, cfg,
-                                          stats)
+                                          stats, ref)
                 if loss is None:   # nothing of this mini-batch trains
                     continue
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
@@ -252,12 +257,14 @@ def ppo_update(policy, optimizer, trees: list[packing.TrainTree], cfg, pad_id: i
 
 
 def minibatch_gradient(forward: packing.Forward, optimizer, trees: list[packing.TrainTree], units, offsets,
-                       old, adv: torch.Tensor, norm: float, cfg, stats: UpdateStats) -> float | None:
+                       old, adv: torch.Tensor, norm: float, cfg, stats: UpdateStats, ref=None
+                       ) -> float | None:
     """One mini-batch's gradient: per micro-batch the loss −Σ w·min(ρA, clip(ρ)A) / normaliser (Eq. DATPO)
     and its backward, accumulated. Returns the mini-batch's loss, or None when none of its tokens trains.
     `old` = (θ_old's log-probs, which are known): a token without one (the first mini-batch of a one-epoch
-    update, where θ_old = θ) uses its own log-prob, detached. Out of memory: the mini-batch again in
-    micro-batches half the size (harness/oom.py)."""
+    update, where θ_old = θ) uses its own log-prob, detached. `ref`: π_ref's log-probs under --kl_beta > 0
+    (kl.py; off in the paper). Out of memory: the mini-batch again in micro-batches half the size
+    (harness/oom.py)."""
     old_logp, have_old = old
     for attempt in oom.Halving(forward.size, "the update's micro-batches", stats.oom,
                                reset=optimizer.zero_grad, retry=not distributed.active()):
@@ -272,6 +279,8 @@ def minibatch_gradient(forward: packing.Forward, optimizer, trees: list[packing.
                 gidx = torch.tensor(micro.gidx, device=forward.device)
                 old_lp = torch.where(have_old[gidx], old_logp[gidx], new.detach())
                 objective, clipped = clipped_objective(new, old_lp, adv[gidx], cfg.clip_low, cfg.clip_high)
+                if ref is not None:   # --kl_beta: − β·KL(π_θ || π_ref) per token (TRL's beta; not the paper)
+                    objective = objective - cfg.kl_beta * kl.k3(new, ref[gidx])
                 weights = torch.tensor(micro.weights, dtype=objective.dtype, device=forward.device)
                 loss = -(weights * objective).sum() / norm                                  # Eq. DATPO
                 distributed.backward(loss)                              # torchrun: × world size

@@ -22,7 +22,7 @@ from typing import Callable
 @dataclass(frozen=True)
 class Alias:
     name: str                          # as written after -- (verl's: the dotted path)
-    source: str                        # "TRL" | "verl"
+    source: str                        # "TRL" | "verl" | "DATPO" (a flag's earlier name here)
     field: str | None                  # our Config field; None: the name is refused with `note`
     note: str = ""                     # what it means here (shown by --help) or, refused, what to use
     kind: type | None = None           # the foreign value's type when it is not our field's (bool, str)
@@ -86,6 +86,7 @@ ALIASES: list[Alias] = [
     Alias("lr_scheduler_type", "TRL", "lr_schedule", "TRL's name for --lr_schedule (constant_with_warmup: "
           "constant, the warmup is --warmup_ratio)", kind=str,
           convert=mapped(LR_SCHEDULES, "lr_scheduler_type")),
+    Alias("beta", "TRL", "kl_beta", "TRL's KL coefficient: --kl_beta (k3 to the initial policy, kl.py)"),
     Alias("adam_beta1", "TRL", "beta1", "TRL's name for --beta1"),
     Alias("adam_beta2", "TRL", "beta2", "TRL's name for --beta2"),
     Alias("model_name_or_path", "TRL", "model", "TRL's name for --model"),
@@ -138,6 +139,9 @@ ALIASES: list[Alias] = [
     Alias("actor_rollout_ref.actor.clip_ratio_high", "verl", "clip_high", "verl's name for --clip_high"),
     Alias("actor_rollout_ref.actor.ppo_epochs", "verl", "ppo_epochs", "verl's name for --ppo_epochs"),
     Alias("actor_rollout_ref.actor.grad_clip", "verl", "max_grad_norm", "verl's name for --max_grad_norm"),
+    Alias("actor_rollout_ref.actor.kl_loss_coef", "verl", "kl_beta",
+          "verl's KL loss coefficient (its low_var_kl is k3): --kl_beta"),
+    Alias("branch_budget", "DATPO", "branch_length", "this project's earlier name for --branch_length"),
     Alias("actor_rollout_ref.actor.loss_agg_mode", "verl", "loss_norm",
           "verl's token-mean = --loss_norm token", kind=str,
           convert=mapped({"token-mean": "token"}, "actor_rollout_ref.actor.loss_agg_mode")),

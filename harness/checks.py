@@ -180,6 +180,9 @@ def check_fractions(cfg) -> None:
             raise ValueError(f"--{name}: got {getattr(cfg, name)}, expected 0 <= beta < 1")
     if not 0 <= cfg.attnrl_lambda <= 1:
         raise ValueError(f"--attnrl_lambda: got {cfg.attnrl_lambda}, expected a fraction in [0, 1]")
+    if not 0 <= cfg.kl_beta <= 100:
+        raise ValueError(f"--kl_beta: got {cfg.kl_beta}, expected 0 <= beta <= 100 (0: no KL penalty; TRL's "
+                         f"GRPO used 0.04)")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ValueError(f"--warmup_ratio: got {cfg.warmup_ratio}, expected a fraction of --steps in [0, 1)")
 

@@ -38,6 +38,7 @@ import attention
 import config as C
 import data
 import evaluate
+import kl
 import methods as M
 import models
 import optim
@@ -184,6 +185,13 @@ class Run:
         self.model, self.tokenizer = model, tokenizer
         return model, tokenizer
 
+    def load_reference(self):
+        """--kl_beta > 0: cfg.model loaded again (the weights the run started from), in the policy's dtype."""
+        cfg = self.cfg
+        model, _ = models.load_policy(cfg.model, self.device, models.policy_dtype(cfg.precision),
+                                      seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+        return model
+
     def load_embedder(self):
         """Div_sib's sentence embedder (cfg.embed_model), or None: never loaded when α is 0 all run."""
         if not self.wants_embedder:
@@ -253,6 +261,8 @@ class Run:
                 self.log.say(line)
         record_config(cfg, self.run_dir, self.checkpoint, self.state, run.step, self.data_changes)
         self.guard = guards.WeightGuard(self.model, self.optimizer, cfg.guard_weights)
+        if cfg.kl_beta:   # π_ref for the KL penalty: the initial policy (cfg.model, even when resuming)
+            learner.reference = kl.freeze(self.load_reference())
         if self.reward:   # --reward's functions score the rollout's completions (custom_reward.scorer)
             learner.reward = functools.partial(custom_reward.scorer, self.reward, self.tokenizer)
         # the update stops at a non-finite weight (every rank takes the same verdict)

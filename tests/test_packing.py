@@ -3,6 +3,8 @@ root-to-leaf sequence (Llama, Qwen2, Qwen3), the packed update against the rows 
 objective of TreeRL/AttnRL against explicitly flattened paths, mini-batches in blocks, normalisers by hand.
 The attention kernels themselves: tests/test_attention.py (it builds on this file's trees and tiny models)."""
 import copy
+import dataclasses
+import math
 import random
 
 import pytest
@@ -310,3 +312,32 @@ def test_the_picture_in_pack_is_what_pack_does():
         assert marks == ["■" if q < pk.subtree_end[k] else "·" for k in range(q + 1)]
     predicted_at = lines["pred_index"][lines["pred_index"].index("at") + 1:][:5]
     assert [names.index(x) for x in predicted_at] == pk.pred_index
+
+
+def test_kl_penalty_adds_beta_times_k3_by_hand():
+    """--kl_beta (kl.py; not in the paper): with one mini-batch, one epoch, the loss grows by
+    β·Σ_t w_t·k3_t / normaliser, k3_t = π_ref/π_θ − log(π_ref/π_θ) − 1 from separate root-to-leaf forwards of
+    the policy and of a different reference model."""
+    import kl
+
+    trees = [datpo_tree(), grpo_group()]
+    beta = 0.7
+    cfg = C.make_config("tiny", mini_batch_size=64, ppo_epochs=1, max_grad_norm=1e9, loss_norm="token")
+    policy, reference = tiny("qwen3"), tiny("qwen3", seed=1)
+    plain = _update(copy.deepcopy(policy), trees, cfg)["loss"]
+    model = copy.deepcopy(policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with_kl = train.ppo_update(model, optimizer, trees, dataclasses.replace(cfg, kl_beta=beta), EOS, "cpu",
+                               random.Random(3), reference=reference)["loss"]
+    penalty = weight = 0.0
+    for tr, offsets in zip(trees, P.token_offsets(trees)):
+        new, ref = path_logprobs(policy, tr, offsets), path_logprobs(reference, tr, offsets)
+        for b, tokens in enumerate(tr.tokens):
+            for i in range(len(tokens)):
+                ratio = math.exp(ref[offsets[b] + i] - new[offsets[b] + i])       # π_ref / π_θ
+                penalty += tr.weights[b] * (ratio - math.log(ratio) - 1)
+                weight += tr.weights[b]
+    assert penalty > 0.1
+    assert with_kl - plain == pytest.approx(beta * penalty / weight, rel=1e-4, abs=1e-6)
+    assert all(not p.requires_grad or p.grad is None for p in reference.parameters())   # π_ref untouched
+    assert float(kl.k3(torch.tensor([-0.5]), torch.tensor([-0.5]))) == 0.0            # KL(π || π) = 0

@@ -395,3 +395,30 @@ def test_completion_rows_and_their_table(smollm_tokenizer):
 def test_completions_need_a_tracker():
     with pytest.raises(ValueError, match="--log_completions_every sends completions to a tracker"):
         C.make_config("tiny", log_completions_every=2)
+
+
+def test_kl_beta_trains_against_the_frozen_initial_policy(tmp_path, monkeypatch):
+    """TRL's --beta is --kl_beta: the run loads π_ref (the initial weights, frozen) and hands it to every
+    update; β = 0 (the paper) loads none."""
+    monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
+    seen = []
+    real = train.ppo_update
+
+    def spy(policy, *args, **kwargs):
+        reference = kwargs.get("reference", args[7] if len(args) > 7 else None)
+        before = {k: v.clone() for k, v in policy.state_dict().items()}
+        out = real(policy, *args, **kwargs)
+        seen.append((reference, before, {k: v.clone() for k, v in policy.state_dict().items()}))
+        return out
+    monkeypatch.setattr(train, "ppo_update", spy)
+    train.main(TINY + ["--steps", "2", "--beta", "0.5", "--out_dir", str(tmp_path / "kl")])
+    reference = seen[0][0]
+    assert reference is not None and reference is seen[1][0]
+    assert not any(p.requires_grad for p in reference.parameters())
+    ref = reference.state_dict()
+    assert all(torch.equal(ref[k], v) for k, v in seen[0][1].items())          # the initial weights
+    assert any(not torch.equal(ref[k], v) for k, v in seen[1][2].items())      # the policy moved, π_ref not
+    assert json.loads((tmp_path / "kl" / "config.json").read_text())["kl_beta"] == 0.5
+    seen.clear()
+    train.main(TINY + ["--out_dir", str(tmp_path / "plain")])
+    assert seen[0][0] is None
