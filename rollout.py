@@ -9,7 +9,7 @@ One call of `rollout_trees`, for a batch of prompts:
   Budget    the moment a prompt's N bases have ended (the engine yields BasesDone): their rewards → V(root) =
             their mean → (K̂, B̂) (tree.adaptive_budget, or fixed (K, B)), and tree.select_forks on each
             response (plan_prompt → tree.ForkPlan).
-  Branches  B̂ branches from each fork (engine.grow): they join the running batch.
+  Branches  B̂ branches from each fork (engine.Engine.grow): they join the running batch.
   Blocks    tree.base_blocks + one terminal block per branch → a tree.Tree per prompt (response_blocks).
 The blocks carry H_t and log p of their tokens (tree.Block.entropies / .logprobs), so a later update can tell
 the behaviour policy's log-probs from its own (one-step off-policy).
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 import atb
-import engine as E
-import methods as M
-import tree as T
-from engine import generate as G
+import engine
+import methods
+import tree
+from engine import generate
 from engine.generate import BaseBatch
 from reward import compute_reward
 
@@ -69,19 +69,21 @@ class Sampler:
     max_rows: int = 64                   # engine: rows decoded at once
     max_kv_tokens: int = 0               # engine: KV pool tokens; 0 = the prompts + max_rows × max_new_tokens
     compile_decode: bool = False         # engine: decode steps through torch.compile
-    backoff: E.Backoff = field(default_factory=E.Backoff)   # engine: what running out of memory taught
+    # engine: what running out of memory taught (a lambda: in this class body `engine` is the field above)
+    backoff: engine.Backoff = field(default_factory=lambda: engine.Backoff())
     decode: str = "reference"            # engine: its decode step (--decode_step; engine/paged.py)
 
     @classmethod
-    def from_config(cls, model, tokenizer, cfg, backoff: E.Backoff | None = None) -> "Sampler":
+    def from_config(cls, model, tokenizer, cfg, backoff: engine.Backoff | None = None) -> "Sampler":
         return cls(model, stop_token_ids(tokenizer, model), tokenizer.pad_token_id,
                    cfg.temperature, cfg.top_k, cfg.top_p, cfg.rollout_engine,
                    cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size), cfg.max_kv_tokens,
-                   compile_decode=cfg.compile_decode, backoff=backoff or E.Backoff(), decode=cfg.decode_step)
+                   compile_decode=cfg.compile_decode, backoff=backoff or engine.Backoff(),
+                   decode=cfg.decode_step)
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """temperature, top-k, top-p applied to [rows, vocab] scores, exactly as generate applies them."""
-        for warper in G.sampling_processors(self.temperature, self.top_k, self.top_p):
+        for warper in generate.sampling_processors(self.temperature, self.top_k, self.top_p):
             scores = warper(None, scores)
         return scores
 
@@ -90,14 +92,14 @@ class Sampler:
         return next(self.model.parameters()).device
 
     def make_engine(self, prompt_ids: list[list[int]], max_new_tokens: int, rows: int, n: int = 0,
-                    trace: bool = False) -> E.Engine:
+                    trace: bool = False) -> engine.Engine:
         """An engine.Engine for at most `rows` rows in all. Its pool holds, unless max_kv_tokens says
         otherwise, every prompt once plus max_new_tokens for each of min(max_rows, rows) rows (prefixes are
         shared, so a row's own tokens are what it adds; rows that do not fit wait for room), plus one prompt's
         N ended base rows kept for its forks while more than max_rows of them take turns."""
         capacity = self.max_kv_tokens or \
             (min(self.max_rows, rows) + n) * max_new_tokens + sum(map(len, prompt_ids))
-        return E.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace,
+        return engine.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace,
                         compile_decode=self.compile_decode, backoff=self.backoff, decode=self.decode)
 
 
@@ -109,11 +111,11 @@ def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_t
     engine again); with "generate", engine/generate.generate_bases (keep_cache: the KV cache and hidden states
     that branches reuse)."""
     if sampler.engine != "engine":
-        return G.generate_bases(sampler, prompt_ids, n, max_new_tokens, keep_cache)
-    engine = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n)
-    for _ in engine.run(prompt_ids, n, max_new_tokens, progress=False):   # callers draw their own bars
+        return generate.generate_bases(sampler, prompt_ids, n, max_new_tokens, keep_cache)
+    decoder = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n)
+    for _ in decoder.run(prompt_ids, n, max_new_tokens, progress=False):   # callers draw their own bars
         pass                                                              # no branches
-    samples = [s for res in engine.results for s in res.bases]
+    samples = [s for res in decoder.results for s in res.bases]
     return BaseBatch([p for p in prompt_ids for _ in range(n)], [s.tokens for s in samples],
                      [s.entropies for s in samples], logprobs=[s.logprobs for s in samples])
 
@@ -146,18 +148,18 @@ def choose_forks(strategy: str, k: int, tokenizer, model, prompt_ids, tokens, en
         return []
     spans = scores = None
     if strategy in ("sent-entropy", "atb"):
-        text, offsets = T.decode_with_offsets(tokenizer, tokens)
+        text, offsets = tree.decode_with_offsets(tokenizer, tokens)
         if strategy == "sent-entropy":
-            spans = T.sentence_spans(text, offsets)
+            spans = tree.sentence_spans(text, offsets)
         else:
-            spans = T.step_spans(text, offsets)
+            spans = tree.step_spans(text, offsets)
             scores = atb.step_scores(model, prompt_ids, tokens, spans, gap=cfg.atb_gap)
-    return T.select_forks(strategy, k, entropies, spans=spans, rng=rng, min_dist=cfg.fork_min_dist,
+    return tree.select_forks(strategy, k, entropies, spans=spans, rng=rng, min_dist=cfg.fork_min_dist,
                           step_scores=scores, quantile=cfg.atb_quantile, keep_token=cfg.fork_keeps_token)
 
 
-def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int], bases: list[E.Sample],
-                rewards: list[float]) -> T.ForkPlan:
+def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int], bases: list[engine.Sample],
+                rewards: list[float]) -> tree.ForkPlan:
     """One prompt's tree plan once its N base responses are graded (Sec. 4.1): V(root) = their mean reward,
     (K̂, B̂) = budget(V(root)), and the forks of each response that the method expands."""
     n = len(bases)
@@ -166,13 +168,13 @@ def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int
     chosen = set(range(n)) if expand is None else set(expand(rewards, rng))
     forks = [choose_forks(cfg.fork, k_hat, tokenizer, model, prompt_ids, bases[j].tokens, bases[j].entropies,
                           rng, cfg) if b_hat > 0 and j in chosen else [] for j in range(n)]
-    return T.ForkPlan(v_root, k_hat, b_hat, forks)
+    return tree.ForkPlan(v_root, k_hat, b_hat, forks)
 
 
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
-                  method: M.Method | None = None, levels: list | None = None, progress: bool = True,
+                  method: methods.Method | None = None, levels: list | None = None, progress: bool = True,
                   bases: list | None = None, ahead: list[str] | None = None,
-                  backoff: E.Backoff | None = None, score=None):
+                  backoff: engine.Backoff | None = None, score=None):
     """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
 
     method: the methods.py row whose rollout this is (default: cfg.method's). Its `rollout_shape` gives the
@@ -191,7 +193,7 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
     rewards, in place of the binary grader (reward.compute_reward against answers[i]): --reward's functions
     (harness/custom_reward.scorer). Returns (trees, stats[, ahead_bases]).
     """
-    n, budget, expand = (method or M.method_of(cfg)).rollout_shape(cfg)
+    n, budget, expand = (method or methods.method_of(cfg)).rollout_shape(cfg)
     sampler = Sampler.from_config(model, tokenizer, cfg, backoff)
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     ahead_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in ahead or []]
@@ -199,11 +201,11 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
         raise ValueError("one-step off-policy needs --rollout_engine engine "
                          "(it folds two steps into one run)")
     expandable = min(budget(0.0)) > 0                      # the hardest prompt gets the largest budget
-    engine = rollout_engine(sampler, cfg, prompt_ids, ahead_ids, n, expandable)
+    decoder = rollout_engine(sampler, cfg, prompt_ids, ahead_ids, n, expandable)
 
     rewards, plans = {}, {}
     clock = Clock()
-    for done in engine.run(prompt_ids + ahead_ids, n, cfg.max_new_tokens, progress=progress,
+    for done in decoder.run(prompt_ids + ahead_ids, n, cfg.max_new_tokens, progress=progress,
                            keep_hidden=set(range(len(prompt_ids))) if expandable else False,
                            given_bases=dict(enumerate(bases)) if bases else None):
         p = done.prompt
@@ -216,47 +218,48 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
         plans[p] = plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids[p], done.samples,
                                rewards[p])
         clock.planned(t0)
-        engine.grow(p, branch_requests(plans[p], cfg))
+        decoder.grow(p, branch_requests(plans[p], cfg))
     clock.end = time.perf_counter()
-    stats = engine_stats(engine, len(prompt_ids), bool(bases), clock) if sampler.engine == "engine" \
-        else generate_stats(engine, clock)
+    stats = engine_stats(decoder, len(prompt_ids), bool(bases), clock) if sampler.engine == "engine" \
+        else generate_stats(decoder, clock)
 
     t0 = time.perf_counter()
     trees = [tree_of(tokenizer, prompts[i], prompt_ids[i], answers[i], result, rewards[i], plans[i], cfg,
                      levels[i] if levels else None, (lambda ids, i=i: score(i, [ids])[0]) if score else None)
-             for i, result in enumerate(engine.results[:len(prompt_ids)])]
+             for i, result in enumerate(decoder.results[:len(prompt_ids)])]
     stats.seconds_branches += time.perf_counter() - t0    # grading the branches is part of growing them
-    ahead_bases = [result.bases for result in engine.results[len(prompt_ids):]]
+    ahead_bases = [result.bases for result in decoder.results[len(prompt_ids):]]
     return (trees, stats) if ahead is None else (trees, stats, ahead_bases)
 
 
 def rollout_engine(sampler: Sampler, cfg, prompt_ids: list[list[int]], ahead_ids: list[list[int]], n: int,
-                   expandable: bool) -> E.Engine | G.GenerateEngine:
+                   expandable: bool) -> engine.Engine | generate.GenerateEngine:
     """The engine cfg.rollout_engine names, sized for every row the trees (and the next step's bases) can
     have: N(1 + K_max·B_max) per prompt when a prompt can branch, N per next-step prompt."""
     if sampler.engine != "engine":
-        return G.GenerateEngine(sampler, cfg.gen_batch_size, cfg.branch_chunk_size, cfg.naive_prefill)
+        return generate.GenerateEngine(sampler, cfg.gen_batch_size, cfg.branch_chunk_size, cfg.naive_prefill)
     branches_per_base = cfg.k_max * cfg.b_max if expandable else 0
     most_rows = len(prompt_ids) * n * (1 + branches_per_base) + len(ahead_ids) * n
     return sampler.make_engine(prompt_ids + ahead_ids, cfg.max_new_tokens, most_rows, n)
 
 
-def branch_requests(plan: T.ForkPlan, cfg) -> list[E.BranchRequest]:
+def branch_requests(plan: tree.ForkPlan, cfg) -> list[engine.BranchRequest]:
     """B̂ branches at each fork of the plan, each with its limit of new tokens (tree.branch_limit)."""
-    return [E.BranchRequest(j, f, plan.b_hat, T.branch_limit(cfg.max_new_tokens, f, cfg.branch_length))
+    return [engine.BranchRequest(j, f, plan.b_hat,
+                                 tree.branch_limit(cfg.max_new_tokens, f, cfg.branch_length))
             for j, forks in enumerate(plan.forks) for f in forks]
 
 
-def tree_of(tokenizer, prompt: str, prompt_ids: list[int], answer: str, result: E.PromptResult,
-            rewards: list[float], plan: T.ForkPlan, cfg, level, grade=None) -> T.Tree:
+def tree_of(tokenizer, prompt: str, prompt_ids: list[int], answer: str, result: engine.PromptResult,
+            rewards: list[float], plan: tree.ForkPlan, cfg, level, grade=None) -> tree.Tree:
     """One prompt's tree: each base response cut at its forks, then its branches (response_blocks), each
     graded by `grade` (ids -> reward; default: the grader against `answer`)."""
     grade = grade or grader(tokenizer, answer, cfg.answer_fallback)
-    blocks: list[T.Block] = []
+    blocks: list[tree.Block] = []
     for j, (base, forks) in enumerate(zip(result.bases, plan.forks)):
         blocks += response_blocks(tokenizer, j, base, rewards[j], forks,
                                   {f: result.branches[(j, f)] for f in forks}, grade, len(blocks))
-    return T.Tree(prompt=prompt, prompt_ids=prompt_ids, answer=answer, blocks=blocks, v_root=plan.v_root,
+    return tree.Tree(prompt=prompt, prompt_ids=prompt_ids, answer=answer, blocks=blocks, v_root=plan.v_root,
                   k_hat=plan.k_hat, b_hat=plan.b_hat, forks=plan.forks, level=level)
 
 
@@ -277,38 +280,38 @@ class Clock:
         self.forks += self.last_planned - since
 
 
-def engine_stats(engine: E.Engine, current: int, given: bool, clock: Clock) -> RolloutStats:
+def engine_stats(decoder: engine.Engine, current: int, given: bool, clock: Clock) -> RolloutStats:
     """The engine's counts. No phase barrier: "base" is until the last prompt's bases ended, "branches" is
     what ran after. Prompts index ≥ current are the next step's (one-step off-policy): a row of L tokens is
     in L − 1 decode steps (its first token comes with the prefill, no step after it ends), so their share of
     the decode loop, and of its seconds by that share."""
-    results, ahead_results = engine.results[:current], engine.results[current:]
+    results, ahead_results = decoder.results[:current], decoder.results[current:]
     stats = RolloutStats(seconds_forks=clock.forks, seconds_branches=clock.end - clock.last_planned,
                          seconds_base=clock.last_planned - clock.start - clock.forks)
     stats.base_tokens = 0 if given else sum(len(s.tokens) for res in results for s in res.bases)   # sampled
     stats.branch_tokens = sum(len(s.tokens) for res in results for per in res.branches.values() for s in per)
-    stats.oom_retries = engine.stats["oom_retries"]
-    stats.row_steps, stats.ended_row_steps = engine.stats["row_steps"], engine.stats["ended_row_steps"]
-    stats.peak_kv_bytes = engine.pool.peak * engine.pool.bytes_per_token
-    stats.decode_steps = engine.stats["decode_steps"]
+    stats.oom_retries = decoder.stats["oom_retries"]
+    stats.row_steps, stats.ended_row_steps = decoder.stats["row_steps"], decoder.stats["ended_row_steps"]
+    stats.peak_kv_bytes = decoder.pool.peak * decoder.pool.bytes_per_token
+    stats.decode_steps = decoder.stats["decode_steps"]
     stats.ahead_row_steps = sum(len(s.tokens) - 1 for res in ahead_results for s in res.bases)
     decode_seconds = clock.end - clock.start - clock.forks
     stats.seconds_ahead = decode_seconds * stats.ahead_row_steps / max(stats.row_steps, 1)
     return stats
 
 
-def generate_stats(engine: G.GenerateEngine, clock: Clock) -> RolloutStats:
+def generate_stats(decoder: generate.GenerateEngine, clock: Clock) -> RolloutStats:
     """The reference path's counts: its phases run one after the other, group by group."""
-    c = engine.counters
+    c = decoder.counters
     return RolloutStats(base_tokens=c["base_tokens"], branch_tokens=c["branch_tokens"],
                         recomputed_prefix_tokens=c["recomputed_prefix_tokens"], oom_retries=c["oom_retries"],
-                        seconds_base=engine.seconds["base"], seconds_forks=clock.forks,
-                        seconds_branches=engine.seconds["branches"], row_steps=c["row_steps"],
+                        seconds_base=decoder.seconds["base"], seconds_forks=clock.forks,
+                        seconds_branches=decoder.seconds["branches"], row_steps=c["row_steps"],
                         ended_row_steps=c["ended_row_steps"], peak_kv_bytes=c["peak_kv_bytes"])
 
 
-def response_blocks(tokenizer, j: int, base: E.Sample, reward: float, forks: list[int],
-                    branches: dict[int, list[E.Sample]], grade, first_index: int) -> list[T.Block]:
+def response_blocks(tokenizer, j: int, base: engine.Sample, reward: float, forks: list[int],
+                    branches: dict[int, list[engine.Sample]], grade, first_index: int) -> list[tree.Block]:
     """The blocks of one base response's subtree (App. C): the response cut at its forks (tree.base_blocks;
     the last block carries its reward) followed, fork by fork, by one terminal block per branch.
 
@@ -317,14 +320,15 @@ def response_blocks(tokenizer, j: int, base: E.Sample, reward: float, forks: lis
     list. The blocks carry the Samples' generation-time log-probs (None: unknown). rollout_trees and
     studies/growth.py both build blocks here.
     """
-    blocks, ends_at = T.base_blocks(j, base.tokens, base.entropies, reward, forks, first_index, base.logprobs)
+    blocks, ends_at = tree.base_blocks(j, base.tokens, base.entropies, reward, forks, first_index,
+                                       base.logprobs)
     for block in blocks:
         block.text = tokenizer.decode(block.token_ids, skip_special_tokens=True)
     for f in forks:
         grown = branches.get(f, [])
         texts = tokenizer.batch_decode([s.tokens for s in grown], skip_special_tokens=True)
         for s, text in zip(grown, texts):
-            blocks.append(T.Block(parent=ends_at[f], token_ids=s.tokens, entropies=s.entropies, text=text,
+            blocks.append(tree.Block(parent=ends_at[f], token_ids=s.tokens, entropies=s.entropies, text=text,
                                   reward=grade(base.tokens[:f] + s.tokens), base=j, start=f, branch=True,
                                   logprobs=s.logprobs))
     return blocks
