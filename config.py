@@ -30,26 +30,19 @@ class Config:
     train_data: str = "math-train"          # a named set, a .jsonl/.json/.parquet/.csv file or an HF dataset
                                             # owner/name[:split] (data.load_problems); the paper: math-train,
                                             # 12,000 MATH problems (App. F.1)
-    prompt_style: str = "release"           # release: the authors' plain-text prompt (system text, Problem:,
-                                            # instruction, Reasoning:), what their runs used (their
-                                            # chat-template path is never taken); chat: tokenizer chat
-                                            # template; plain: Q/A
+    prompt_style: str = "release"           # release: the authors' plain-text prompt, what their runs used;
+                                            # chat: the tokenizer's chat template; plain: Q/A
     few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
     answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
-    reward: list[str] = field(default_factory=list)  # your reward functions instead of the grader:
-                                            # FILE.py:FUNCTION or module:function with TRL's signature
-                                            # fn(prompts, completions, **columns) -> list[float]
-                                            # (harness/custom_reward.py); several are summed by
-                                            # --reward_weights. Empty: the binary math grader
-                                            # (reward.compute_reward, Sec. 5.1). Evaluation always grades
-                                            # correctness with the grader
+    reward: list[str] = field(default_factory=list)  # FILE.py:FUNCTION or module:function with TRL's
+                                            # signature (harness/custom_reward.py); empty: the math grader
+                                            # (Sec. 5.1), which evaluation always uses
     reward_weights: list[float] = field(default_factory=list)  # one weight per --reward (TRL's
                                             # reward_weights); empty: 1 each
     dataset_config: str = ""                # an HF hub --train_data / --eval_data's config name
                                             # ("" = its default)
-    prompt_column: str = ""                 # the prompt's column in a file or hub set; "" = problem,
-                                            # question or prompt (a conversational prompt, TRL's format,
-                                            # comes first)
+    prompt_column: str = ""                 # the prompt's column; "" = problem, question or prompt
+                                            # (a conversational prompt, TRL's format, first)
     answer_column: str = ""                 # the gold answer's column; "" = answer, final_answer or solution
                                             # (its last \boxed{}, else the answer math-verify finds in it)
 
@@ -57,18 +50,13 @@ class Config:
     n_base: int = 4                         # N base responses per prompt
     k_max: int = 3                          # K_max forking points per base response
     b_max: int = 4                          # B_max branches per forking point
-    adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉;
-                                            # False: fixed (K_max, B_max)
+    adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉; False: (K_max, B_max)
     fork: str = "sent-entropy"              # forking strategy (App. D, Alg. "Forking Points Selection")
-    fork_keeps_token: bool = True           # x_f = [q; τ_{1:f}]: the chosen token stays in the prefix, the
-                                            # branch samples the next one (App. C);
-                                            # False: the chosen token is resampled
-    fork_min_dist: float = 0.0              # tok-entropy distance forcing, fraction of length
-                                            # (App. D.4: .05, .10)
-    atb_quantile: float = 0.8               # ATB candidates: steps with FCI at or above this quantile
-                                            # (App. D.1)
-    atb_gap: int = 4                        # FCI counts attention from steps ≥ this many steps later
-                                            # (AttnRL Δ)
+    fork_keeps_token: bool = True           # x_f = [q; τ_{1:f}]: the branch samples after the chosen token
+                                            # (App. C); False: the chosen token is resampled
+    fork_min_dist: float = 0.0              # tok-entropy distance forcing, of length (App. D.4: .05, .10)
+    atb_quantile: float = 0.8               # ATB candidates: FCI at or above this quantile (App. D.1)
+    atb_gap: int = 4                        # FCI counts attention from steps ≥ this many later (AttnRL Δ)
     group_size: int = 16                    # G for grpo / drgrpo (parallel sampling, App. F.2)
     attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. F.2)
 
@@ -77,32 +65,23 @@ class Config:
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
     max_new_tokens: int = 1024              # per generation, base or branch (App. F.2)
-    branch_length: str = "full"             # full: a branch may add max_new_tokens (App. F.2, the release),
-                                            # so a root-to-leaf path can reach f + max_new_tokens;
-                                            # remaining: max − f
+    branch_length: str = "full"             # full: a branch may add max_new_tokens (App. F.2, the release;
+                                            # a path can reach f + max_new_tokens); remaining: max − f
     max_prompt_tokens: int = 0              # >0: longer prompts are skipped and counted; 0 = keep all (the
                                             # release defines max_prompt_len 256 but never reads it)
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. F.2: 384 for 3B)
     naive_prefill: bool = False             # generate: re-prefill every branch prefix instead of reusing the
                                             # KV cache (needs --rollout_engine generate)
-    rollout_engine: str = "engine"          # engine: engine/ (rows leave when they end, branches start when
-                                            # their prompt's bases end, prefixes shared in a slot pool);
-                                            # generate: HF generate per group and branch chunk (the reference
-                                            # path)
-    max_batch_rows: int = 0                 # engine: rows decoded at once;
-                                            # 0 = max(gen_batch_size, branch_chunk_size)
-    max_kv_tokens: int = 0                  # engine: KV pool size in tokens;
-                                            # 0 = the step's prompts + max_batch_rows × max_new_tokens
-                                            # (prefixes are shared; rows that don't fit wait)
-    compile_decode: bool = False            # engine: decode steps through torch.compile(dynamic=True); on the
-                                            # 2-core CPU 1.13× tokens/s after a ~36 s compile
-                                            # (measurements.md)
+    rollout_engine: str = "engine"          # engine: engine/'s decode loop (prefixes shared, rows leave
+                                            # when they end); generate: HF generate (the reference path)
+    max_batch_rows: int = 0                 # engine: rows at once; 0 = max(gen_batch_size, branch_chunk_size)
+    max_kv_tokens: int = 0                  # engine: KV pool tokens; 0 = the step's prompts + max_batch_rows
+                                            # × max_new_tokens (prefixes shared; rows that don't fit wait)
+    compile_decode: bool = False            # engine: reference decode steps through torch.compile
     decode_step: str = "auto"               # engine: auto (paged on CUDA) | reference | paged | paged-eager
-    off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (App. F runtime table,
-                                            # offpolicy.py): step t+1's N base responses decode inside step
-                                            # t's rollout with step t's weights (before its update);
-                                            # 0: on-policy
+    off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (offpolicy.py): step t+1's
+                                            # base responses decode in step t's rollout; 0: on-policy
 
     # ---- advantage (Sec. 4.2, App. E) ----------------------------------------------------------------
     alpha_start: float = 0.2                # α of Eq. 4 (the sibling-diversity bonus) at the first step,
@@ -112,8 +91,7 @@ class Config:
     value_estimate: str = "paper"           # paper: V_MC(s) over every terminal block below s (App. E.1);
                                             # release: a fork's B̂ branches only, V(root) = mean of N base
     sibling_groups: str = "paper"           # Div_sib's siblings: paper = same start state (Eq. 10);
-                                            # release = the authors' code's groups
-                                            # (release.release_sibling_diversity)
+                                            # release = the authors' code's (release.py)
     embed_model: str = "sentence-transformers/all-mpnet-base-v2"  # sentence embedder of Div_sib: App.
                                             # F.5's all-mpnet-base-v2 (no remote code); "all-minilm-l6-v2"
                                             # (embedded, offline); the paper's gte-large-en-v1.5 (F.2) runs
@@ -131,10 +109,8 @@ class Config:
     beta1: float = 0.9                      # AdamW β1
     beta2: float = 0.999                    # AdamW β2
     weight_decay: float = 0.0               # AdamW weight decay; paper silent, authors' release uses 0.0
-    optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release: bf16
-                                            # moments for bf16 weights, v never decays, small updates round
-                                            # away); fp32 = fp32 moments + fp32 master copy (optim.py; for
-                                            # new work)
+    optimizer_dtype: str = "param"          # AdamW states: param = the weights' dtype (the release's);
+                                            # fp32 = fp32 moments + master copy (optim.py; for new work)
     clip_low: float = 0.2                   # PPO clip ε for ratio < 1
     clip_high: float = 0.2                  # PPO clip ε for ratio > 1 (GRPO clip-higher: 0.28)
     max_grad_norm: float = 1.0              # gradient-norm clip; paper silent, authors' release uses 1.0
@@ -143,24 +119,18 @@ class Config:
     loss_norm: str = "token"                # token: / total tokens (DAPO, Eq. DATPO); constant: Dr.GRPO
     ppo_epochs: int = 2                     # passes over a step's blocks; paper silent, authors' release: 2
     prompts_per_step: int = 16              # prompts sampled per step (App. F.2: 16)
-    mini_batch_size: int = 64               # blocks per optimizer step
-                                            # (App. F.2 counts contiguous blocks: 64)
+    mini_batch_size: int = 64               # blocks per optimizer step (App. F.2 counts blocks: 64)
     mini_batch_grouping: str = "trees"      # trees: whole trees shuffled per epoch, ~mini_batch_size blocks;
                                             # blocks: random blocks (the release; re-forwards shared context)
     train_layout: str = "packed"            # packed: each tree once under a tree mask; rows: a row per leaf
-    max_tokens_per_micro_batch: int = 8192  # packed layout: tokens per forward/backward
-                                            # (gradient accumulation)
+    max_tokens_per_micro_batch: int = 8192  # packed layout: tokens per forward/backward (accumulated)
     micro_batch_size: int = 2               # rows layout: rows per forward/backward (App. F.2: 2)
     packed_attention: str = "auto"          # auto: flex_attention on CUDA, else tree (SDPA per segment over
                                             # its ancestors); dense: one [L, L] mask (the reference path)
-    precision: str = "bf16"                 # bf16: pure bf16 weights and AdamW (the release: lr 5e-6 means
-                                            # what it meant there) | bf16-autocast: fp32 weights, bf16
-                                            # autocast (TRL's bf16=True) | fp32
-    gradient_checkpointing: bool = True     # recompute activations in backward: less memory, ~1/3 more update
-                                            # compute. On at paper scale: the update's computed peak at 8,192
-                                            # tokens is 68 GB of an 80 GB GPU without it (93 GB with
-                                            # --optimizer_dtype fp32), 32 GB (57) with it
-                                            # (bench_update.memory_table)
+    precision: str = "bf16"                 # bf16: pure bf16 weights and AdamW (the release's) |
+                                            # bf16-autocast: fp32 weights (TRL's bf16=True) | fp32
+    gradient_checkpointing: bool = True     # recompute activations in backward: at paper scale the update
+                                            # peaks at 32 GB, not 68 GB (bench_update.memory_table)
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
     # ---- evaluation (Sec. 5.1) -----------------------------------------------------------------------
@@ -177,16 +147,13 @@ class Config:
     out_dir: str = ""                       # the run folder; "" = runs/<preset>[-<scale>]
     save_every: int = 100                   # steps; 0 = only at the end
     keep_checkpoints: int = 0               # keep the newest N checkpoints, delete older ones; 0 = keep all
-    resume: str = ""                        # run folder (its latest checkpoint; none yet: step 0)
-                                            # or checkpoint; given alone, the run continues with its own
-                                            # config.json (other flags given with it are changes)
-    overwrite: bool = False                 # a fresh run into a folder holding a run replaces it
-                                            # (else an error)
+    resume: str = ""                        # run folder (its latest checkpoint) or checkpoint; alone, the
+                                            # run continues with its config.json (other flags: changes)
+    overwrite: bool = False                 # a new run into a folder holding a run replaces it (else: error)
     allow_config_change: bool = False       # --resume with experiment-changing fields changed (else an error)
     max_bad_steps: int = 5                  # stop after this many steps in a row with a non-finite loss/grad
     guard_weights: bool = True              # undo an update that makes a weight or the logits non-finite
-                                            # (guards.WeightGuard: one host copy of weights + optimizer per
-                                            # step)
+                                            # (guards.WeightGuard: a host copy of the state per step)
     stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in progress; 0 = wait
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp
                                             # (distributed.py)
@@ -194,9 +161,8 @@ class Config:
                                             # tensorboard | wandb (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N;
                                             # 0 = never
-    log_completions_every: int = 0          # steps; every leaf's prompt, completion, reward and advantages
-                                            # as a table in --report_to's trackers at step 1 and every N
-                                            # (TRL's log_completions); 0 = never
+    log_completions_every: int = 0          # steps; every leaf's completion as a table in the trackers at
+                                            # step 1 and every N (TRL's log_completions); 0 = never
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid (harness/checks.py: every choice in its list,

@@ -6,6 +6,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pyproject.toml runs the suite in one worker process per core (pytest-xdist): each worker's torch
+    # takes its share of the cores instead of all of them, so workers do not oversubscribe the CPU
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
