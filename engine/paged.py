@@ -73,7 +73,13 @@ def compiled_flex():
     if not _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX.append(torch.compile(flex_attention, fullgraph=True, dynamic=False))
+        def paged_flex(*args, **kwargs):
+            # a frame of its own: torch.compile caches per code object, and the update's compiled flex
+            # (attention.compiled_flex, other settings) compiles flex_attention's own frame; sharing it made
+            # this compile fail after that one had run ("Attempt to trace generator")
+            return flex_attention(*args, **kwargs)
+
+        _FLEX.append(torch.compile(paged_flex, fullgraph=True, dynamic=False))
     return _FLEX[0]
 
 

@@ -23,7 +23,7 @@ def test_paper_preset_matches_the_paper():
     assert (cfg.lr, cfg.beta1, cfg.beta2) == (5e-6, 0.9, 0.999)
     assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.2)
     assert (cfg.prompts_per_step, cfg.mini_batch_size, cfg.micro_batch_size) == (16, 64, 2)
-    assert not any("kl" in f.name for f in dataclasses.fields(C.Config))
+    assert cfg.kl_beta == 0 and all(C.make_config(p).kl_beta == 0 for p in C.PRESETS)   # no KL (kl.py: off)
     # GRPO baseline group size (App. F.2) and evaluation (App. F.1: MATH500, 2048 tokens)
     assert cfg.group_size == 16 and cfg.eval_data == "math500" and cfg.eval_max_new_tokens == 2048
     assert cfg.model == "Qwen/Qwen2.5-3B" and cfg.train_data == "math-train"

@@ -315,6 +315,7 @@ def test_static_step_compiles_whole_without_graph_breaks_and_grows_generate_tree
     tok = smollm_tokenizer
     model = tiny_model("qwen2", len(tok))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()   # graph breaks of earlier tests in this process are not this step's
     cfg = _cfg(top_k=1, compile_decode=True)
     ours, stats = rollout(model, tok, cfg, "engine", "paged-eager")
     ref, _ = rollout(model, tok, _cfg(top_k=1), "generate")
