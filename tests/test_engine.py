@@ -577,8 +577,14 @@ def test_compiled_decode_step_gives_the_eager_engine_results(smollm_tokenizer):
     assert any(b.branch for t in trees[True] for b in t.blocks)
     cfg = _cfg(temperature=0.7, top_k=40, compile_decode=True)
     sampled, _ = rollout(model, tok, cfg, "engine", seed=2)
-    sampler = R.Sampler.from_config(model, tok, cfg)
-    for t in sampled:
+    assert_recorded_distributions(model, R.Sampler.from_config(model, tok, cfg), sampled)
+
+
+def assert_recorded_distributions(model, sampler, trees) -> int:
+    """Every block's recorded H_t and log p equal a fresh full forward of prompt + path under the sampler's
+    warpers, within 1e-4 (fp32), and no recorded log p is -inf. Returns the number of branch blocks."""
+    branches = 0
+    for t in trees:
         for i, b in enumerate(t.blocks):
             with torch.no_grad():
                 logits = model(torch.tensor([t.prompt_ids + T.path_token_ids(t.blocks, i)])).logits[0].float()
@@ -588,3 +594,6 @@ def test_compiled_decode_step_gives_the_eager_engine_results(smollm_tokenizer):
             assert torch.allclose(torch.tensor(b.entropies), G.entropy_of(scores), atol=1e-4)
             assert torch.allclose(torch.tensor(b.logprobs), logp[torch.arange(len(b.token_ids)), b.token_ids],
                                   atol=1e-4)
+            assert all(lp > -float("inf") for lp in b.logprobs)
+            branches += b.branch
+    return branches

@@ -7,14 +7,12 @@ import types
 
 import pytest
 import torch
-from test_engine import ANSWERS, PROMPTS, run_to_end, tiny_model, tree_tokens
+from test_engine import ANSWERS, PROMPTS, assert_recorded_distributions, run_to_end, tiny_model, tree_tokens
 from torch.overrides import TorchFunctionMode
 
 import config
 import engine as E
 import rollout as R
-import tree as T
-from engine import generate as G
 from engine import kv, paged
 
 
@@ -167,21 +165,7 @@ def test_paged_sampling_records_the_distribution_of_a_full_forward(tiny_policy, 
     model, tok = tiny_policy
     cfg = _cfg(**warpers)
     trees, _ = rollout(model, tok, cfg, "engine", "paged-eager", seed=3)
-    sampler = R.Sampler.from_config(model, tok, cfg)
-    checked = 0
-    for t in trees:
-        for i, b in enumerate(t.blocks):
-            with torch.no_grad():
-                logits = model(torch.tensor([t.prompt_ids + T.path_token_ids(t.blocks, i)])).logits[0].float()
-            start = len(t.prompt_ids) + b.start - 1
-            scores = sampler.warp(logits[start:start + len(b.token_ids)])
-            logp = torch.log_softmax(scores, -1)
-            assert torch.allclose(torch.tensor(b.entropies), G.entropy_of(scores), atol=1e-4)
-            assert torch.allclose(torch.tensor(b.logprobs), logp[torch.arange(len(b.token_ids)), b.token_ids],
-                                  atol=1e-4)
-            assert all(lp > -float("inf") for lp in b.logprobs)
-            checked += b.branch
-    assert checked >= 6
+    assert assert_recorded_distributions(model, R.Sampler.from_config(model, tok, cfg), trees) >= 6
     again, _ = rollout(model, tok, cfg, "engine", "paged-eager", seed=4)
     assert tree_tokens(again) != tree_tokens(trees)
 
