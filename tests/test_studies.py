@@ -376,6 +376,7 @@ def test_equal_token_group_size():
         main_table.equal_token_group_size(100.0, 0.0)
 
 
+@pytest.mark.slow
 def test_main_table_tiny_trains_evaluates_and_resumes(tmp_path):
     out = tmp_path / "mt"
     cli.main(["main-table", "--scale", "tiny", "--out_dir", str(out), "--seeds", "0", "1",

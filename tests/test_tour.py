@@ -169,6 +169,7 @@ def test_the_packed_tree_mask_is_its_ancestry(page):
         assert seen == path
 
 
+@pytest.mark.slow
 def test_the_committed_tour_is_what_the_script_writes(tmp_path):
     """docs/tour.md is exactly what `python docs/tour.py` writes today (it runs in float64, so every CPU
     writes the same digits): no hand edit, no stale number, no code excerpt the source no longer has."""
