@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 import packing
-from harness import distributed
+from harness import distributed, oom
 
 
 def k3(new_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -32,17 +32,18 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def reference_logprobs(reference: torch.nn.Module, trees: list[packing.TrainTree], minibatches, offsets,
-                       cfg, pad_id: int, device) -> torch.Tensor:
+                       cfg, pad_id: int, device, oom_counts: dict) -> torch.Tensor:
     """log π_ref of every token of the step's trees, in packing.token_offsets order, computed with the
-    update's packing (one no-grad forward per micro-batch; torchrun: this rank's share, then merged)."""
+    update's packing as θ_old's are (packing.fill_logprobs; out of memory: the mini-batch again in
+    micro-batches half the size; torchrun: this rank's share, then merged)."""
     n_tokens = sum(len(t) for tr in trees for t in tr.tokens)
     ref = torch.zeros(n_tokens, dtype=torch.float32, device=device)
     have = torch.zeros(n_tokens, dtype=torch.bool, device=device)
     with packing.Forward(reference, cfg, pad_id, device) as forward:
         for units in minibatches:
-            for micro in distributed.mine(forward.micro_batches(trees, units, offsets, forward.size)):
-                gidx = torch.tensor(micro.gidx, device=device)
-                ref[gidx] = packing.micro_logprobs(forward, micro)
-                have[gidx] = True
+            oom.halving_retry(lambda size: packing.fill_logprobs(forward, trees, units, offsets, size, ref,
+                                                                 have),
+                              forward.size, "the KL's reference log-probs", oom_counts,
+                              retry=not distributed.active())
     ref, _ = distributed.merge_shares(ref, have)
     return ref

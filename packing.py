@@ -577,3 +577,13 @@ def micro_logprobs(forward: Forward, micro: MicroBatch) -> torch.Tensor:
             return packed_logprobs(forward.policy, micro.packed, forward.device, forward.kernel,
                                    bucket_tokens=forward.max_tokens).float()
         return torch.cat(row_logprobs(forward.policy, micro.rows, forward.pad_id, forward.device)).float()
+
+
+def fill_logprobs(forward: Forward, trees: list[TrainTree], units: list[Unit], offsets: list[list[int]],
+                  size: int, out: torch.Tensor, have: torch.Tensor) -> None:
+    """One mini-batch's log-probs (no grad: θ_old's, or π_ref's for kl.py), written into `out` at their token
+    offsets in micro-batches of `size`, this rank's share under torchrun; `have` marks them."""
+    for micro in distributed.mine(forward.micro_batches(trees, units, offsets, size)):
+        gidx = torch.tensor(micro.gidx, device=forward.device)
+        out[gidx] = micro_logprobs(forward, micro)
+        have[gidx] = True

@@ -228,8 +228,8 @@ def ppo_update(policy, optimizer, trees: list[packing.TrainTree], cfg, pad_id: i
     with packing.Forward(policy, cfg, pad_id, device) as forward:   # the tree-mask kernel, forward + backward
         minibatches = packing.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
         old = old_logprobs(forward, trees, minibatches, offsets, cfg, stats.oom)      # θ_old, no grad
-        ref = None if reference is None else kl.reference_logprobs(reference, trees, minibatches, offsets,
-                                                                   cfg, pad_id, device)   # --kl_beta
+        ref = None if reference is None else kl.reference_logprobs(
+            reference, trees, minibatches, offsets, cfg, pad_id, device, stats.oom)   # --kl_beta
         for epoch in range(cfg.ppo_epochs):
             if epoch > 0:
                 minibatches = packing.minibatches(trees, cfg.mini_batch_size, cfg.mini_batch_grouping, rng)
@@ -304,23 +304,14 @@ def old_logprobs(forward: packing.Forward, trees: list[packing.TrainTree], minib
     skip = 1 if cfg.ppo_epochs == 1 else 0
     with torch.no_grad(), distributed.full_params(forward.policy):   # torchrun: FSDP's weights gathered
         for units in minibatches[skip:]:   # out of memory: the mini-batch again, micro-batches half the size
-            oom.halving_retry(lambda size: fill_old_logprobs(forward, trees, units, offsets, size, old,
-                                                             have_old),
+            oom.halving_retry(lambda size: packing.fill_logprobs(forward, trees, units, offsets, size, old,
+                                                                 have_old),
                               forward.size, "the update's old log-probs", oom_counts,
                               retry=not distributed.active())
     # torchrun: epochs re-shuffle, so every rank needs them all
     old, have_old = distributed.merge_shares(old, have_old)
     behaviour_logprobs(trees, offsets, old, have_old)   # one-step off-policy: stale tokens' π_θold
     return old, have_old
-
-
-def fill_old_logprobs(forward: packing.Forward, trees, units, offsets, size: int, old: torch.Tensor,
-                      have_old: torch.Tensor) -> None:
-    """One mini-batch's old log-probs, written into `old` in micro-batches of `size` (this rank's share)."""
-    for micro in distributed.mine(forward.micro_batches(trees, units, offsets, size)):   # torchrun
-        gidx = torch.tensor(micro.gidx, device=forward.device)
-        old[gidx] = packing.micro_logprobs(forward, micro)
-        have_old[gidx] = True
 
 
 def behaviour_logprobs(trees: list[packing.TrainTree], offsets, old: torch.Tensor, have_old: torch.Tensor
