@@ -393,7 +393,9 @@ def _unit(answer: str) -> tuple[str, int] | None:
     power = int(tail.group("power") or {"²": "2", "³": "3"}.get(tail.group("sup"), "1"))
     if tail.group("degree"):
         return "degree", power
-    words = (tail.group("text") or tail.group("words")).replace(".", " ").split()
+    # an empty \text{} matches with group "text" == "": no unit, not the "words" branch (which is None then)
+    text = tail.group("text") if tail.group("text") is not None else tail.group("words")
+    words = text.replace(".", " ").split()
     if words and words[0].lower() in ("square", "sq", "cubic", "cu"):
         power *= 2 if words[0].lower() in ("square", "sq") else 3
         words = words[1:]

@@ -395,6 +395,22 @@ def test_answers_naming_different_units_are_wrong(pred, gold, expected):
     assert reward.compute_reward(f"so the answer is $\\boxed{{{pred}}}$.", gold) == float(expected)
 
 
+# An empty \text{} / \mathrm{} / \mbox{} after a number names no unit (issue 40: the demo's first evaluation
+# died on the model's \boxed{5 \text{}} with an AttributeError inside the unit check).
+EMPTY_UNIT_CASES = [
+    ("5 \\text{}", "5", True), ("5 \\mathrm{}", "5", True), ("5\\mbox{}", "5", True),
+    ("5 \\text{}", "5 \\text{ cm}", True), ("5 \\text{}^2", "6", False), ("\\text{}", "5", False),
+    ("5 \\textrm{ }", "5\\text{}", True),
+]
+
+
+@pytest.mark.parametrize("pred,gold,expected", EMPTY_UNIT_CASES)
+def test_an_empty_unit_text_names_no_unit(pred, gold, expected):
+    assert reward.is_equivalent(pred, gold) is expected
+    assert reward.is_equivalent(gold, pred) is expected
+    assert reward.compute_reward(f"So $\\boxed{{{pred}}}$.", gold) == float(expected)
+
+
 # (response, options, letter): an answer naming two letters names none; so does a cut-off last box.
 TWO_LETTER_CASES = [
     ("So the answer is \\boxed{A or B}", 4, None),                 # the issue's case
