@@ -5,7 +5,8 @@ starts at the prompt) and `rewards[i]` is the 0/1 reward of a terminal block (No
 
 DATPO (Sec. 4.2, App. E.1):
   mc_values          V_MC(s) = mean reward of all terminal blocks descending from s (Eq. "Monte Carlo State
-                     Value"); V(after a terminal block) = 0; V(root) = mean over every terminal block.
+                     Value"); V(after a terminal block) = 0; V̂_MC(root) = mean over every terminal block
+                     (mc_root_value).
   base_advantages    Â_base(b) = r(b) + V(s_end) − V(s_start)                                  (Eq. 3)
   sibling_diversity  Div_sib(b) = 1 − mean cos(e_b, e_b') over b' with the same start state  (Eq. 10)
   diversity_bonus    Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
@@ -17,32 +18,23 @@ Baselines (Sec. 5.1, App. F.2):
                      [(V(s) − V(root)) + (V(s) − V(parent(s)))] / √|L(s)|, V = mean leaf reward below
 Phase 3 of a training step (train.train_step), over tree.Tree objects:
   embed_blocks       the blocks' sentence embeddings, once per step for the whole batch (Div_sib's e_b)
-  score_tree         one BlockScore per block: V(s_start), V(s_end), Â_base, Div_sib and the advantage the
-                     method trains — the numbers the update uses and the tree log writes as they are
-  Estimators, PAPER  which V and which siblings score_tree uses: the paper's; the authors' release's
-                     (--preset release) are in release.py, off this path
+  score_tree         one BlockScore per block, in the paper's order: V(s_start), V(s_end) → Â_base (Eq. 3) →
+                     Div_sib (Eq. 10) → the advantage the method trains (Eq. 4 for DATPO) — the numbers the
+                     update uses and the tree log writes as they are. block_values, embedding_texts and
+                     block_diversity take the paper's estimates, or the authors' release's (release.py)
+                     where its row (--preset release) asks for them.
+Two values of the root (mc_root_value says which the paper uses where): V(root) of Sec. 4.1, the mean of
+the N base responses (tree.Tree.v_root: it sets K̂ and B̂), and V̂_MC(root), the mean of every leaf (Eq. 3).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-if TYPE_CHECKING:   # types only: tree.py and methods.py need nothing from here at import time
-    from methods import Method
-    from tree import Tree
-
-
-def child_blocks(parents: list[int | None]) -> list[list[int]]:
-    children: list[list[int]] = [[] for _ in parents]
-    for i, p in enumerate(parents):
-        if p is not None:
-            if not 0 <= p < len(parents) or p == i:
-                raise ValueError(f"block {i}: parent {p} is not another block index")
-            children[p].append(i)
-    return children
+import release
+from tree import Tree, child_blocks
 
 
 def _leaf_rewards(parents: list[int | None], rewards: list[float | None]) -> list[list[float]]:
@@ -70,19 +62,30 @@ def _leaf_rewards(parents: list[int | None], rewards: list[float | None]) -> lis
     return [collect(i) for i in range(len(parents))]
 
 
+def mc_root_value(rewards: list[float | None]) -> float:
+    """V̂_MC(root): the mean reward of every terminal block of the tree (App. E.1) — the value of the state
+    a block that starts at the prompt starts from, in Eq. 3 (and TreeRL's V(root)).
+
+    Not the V(root) of Sec. 4.1 and Alg. DATPO, the mean reward of the N base responses (tree.Tree.v_root,
+    rollout.plan_prompt), which sets K̂ and B̂ before any branch exists. The paper uses that one for the
+    budget and this one for the advantages; they differ once branches are scored (N = 4 bases with one
+    correct: V(root) = 0.25; if 4 of its 12 branches are correct too, V̂_MC(root) = 5/16)."""
+    terminal = [r for r in rewards if r is not None]
+    return float(np.mean(terminal)) if terminal else 0.0
+
+
 def mc_values(parents: list[int | None], rewards: list[float | None]) -> tuple[list[float], list[float]]:
     """(V(s_start), V(s_end)) of every block, by Monte-Carlo averaging (App. E.1).
 
     The state at the end of an inner block is a forking point: its value averages every terminal block
     below it — the base response's own continuation as well as the new branches. The state after a terminal
-    block has value 0. A block that starts at the prompt starts from the root, whose value is the mean over
-    all terminal blocks of the tree.
+    block has value 0. A block that starts at the prompt starts from the root: V̂_MC(root), the mean over all
+    terminal blocks of the tree (mc_root_value).
     """
     below = _leaf_rewards(parents, rewards)
-    terminal = [r for r in rewards if r is not None]
-    v_root = float(np.mean(terminal)) if terminal else 0.0
+    v_mc_root = mc_root_value(rewards)
     v_end = [0.0 if rewards[i] is not None else float(np.mean(below[i])) for i in range(len(parents))]
-    v_start = [v_root if p is None else v_end[p] for p in parents]
+    v_start = [v_mc_root if p is None else v_end[p] for p in parents]
     return v_start, v_end
 
 
@@ -163,12 +166,11 @@ def treerl_advantages(parents: list[int | None], rewards: list[float | None]) ->
     """
     below = _leaf_rewards(parents, rewards)
     v_node = [float(np.mean(b)) for b in below]
-    terminal = [r for r in rewards if r is not None]
-    v_root = float(np.mean(terminal)) if terminal else 0.0
+    v_mc_root = mc_root_value(rewards)
     out = []
     for i, p in enumerate(parents):
-        v_parent = v_root if p is None else v_node[p]
-        out.append(((v_node[i] - v_root) + (v_node[i] - v_parent)) / math.sqrt(len(below[i])))
+        v_parent = v_mc_root if p is None else v_node[p]
+        out.append(((v_node[i] - v_mc_root) + (v_node[i] - v_parent)) / math.sqrt(len(below[i])))
     return out
 
 
@@ -186,16 +188,6 @@ class BlockScore:
     advantage: float | None     # Â(b) by the method's formula; None when the tree is not trained
 
 
-@dataclass(frozen=True)
-class Estimators:
-    """How Phase 3 reads a tree: V at each block's start and end, which texts Div_sib embeds, Div_sib from
-    their embeddings. PAPER is the paper's (V_MC, App. E.1; Eq. 10's siblings); release.py holds the
-    authors' code's, for --preset release."""
-    values: Callable        # tree -> (V(s_start), V(s_end)) per block
-    texts: Callable         # tree -> (embedding rows, [(row, text) to embed])
-    diversity: Callable     # tree, its embedding rows -> Div_sib per block
-
-
 def sibling_texts(tr: Tree) -> tuple[int, list[tuple[int, str]]]:
     """Eq. 10's texts: one row per block; only blocks that have a sibling are embedded (Div_sib of a lone
     block is 0 whatever its embedding; its row stays 0)."""
@@ -205,17 +197,40 @@ def sibling_texts(tr: Tree) -> tuple[int, list[tuple[int, str]]]:
     return len(tr.blocks), [(i, b.text) for i, b in enumerate(tr.blocks) if counts[b.parent] > 1]
 
 
-PAPER = Estimators(values=lambda tr: mc_values(tr.parents, tr.rewards), texts=sibling_texts,
-                   diversity=lambda tr, emb: sibling_diversity(tr.parents, emb))
+# --------------------------------------------------------------------------------------------------------
+# The paper's estimates, or the authors' release's where its row asks (--preset release: release.py)
+# --------------------------------------------------------------------------------------------------------
+def block_values(tr: Tree, value_estimate: str = "paper") -> tuple[list[float], list[float]]:
+    """(V(s_start), V(s_end)) of the tree's blocks: V̂_MC (App. E.1, mc_values), or the release's estimate
+    with value_estimate "release" (release.tree_values)."""
+    if value_estimate == "release":
+        return release.tree_values(tr)
+    return mc_values(tr.parents, tr.rewards)
 
 
-def embed_blocks(embedder, trees: list[Tree], batch_size: int, estimators: Estimators = PAPER
+def embedding_texts(tr: Tree, sibling_groups: str = "paper") -> tuple[int, list[tuple[int, str]]]:
+    """Which texts Div_sib embeds, in which rows: Eq. 10's (sibling_texts), or the release's with
+    sibling_groups "release" (release.embedded_texts: every block, then each whole base response)."""
+    if sibling_groups == "release":
+        return release.embedded_texts(tr)
+    return sibling_texts(tr)
+
+
+def block_diversity(tr: Tree, embeddings, sibling_groups: str = "paper") -> list[float]:
+    """Div_sib of the tree's blocks from their embedding rows: Eq. 10's siblings (sibling_diversity), or the
+    release's groups with sibling_groups "release" (release.tree_diversity)."""
+    if sibling_groups == "release":
+        return release.tree_diversity(tr, embeddings)
+    return sibling_diversity(tr.parents, embeddings)
+
+
+def embed_blocks(embedder, trees: list[Tree], batch_size: int, sibling_groups: str = "paper"
                  ) -> list[np.ndarray | None]:
-    """Each tree's embedding rows e_b for Div_sib (estimators.texts: which texts, in which rows), in one
+    """Each tree's embedding rows e_b for Div_sib (embedding_texts: which texts, in which rows), in one
     embedder call for the whole batch; None for a tree with nothing to embed."""
     wanted, texts, rows = [], [], []
     for t, tr in enumerate(trees):
-        n_rows, items = estimators.texts(tr)
+        n_rows, items = embedding_texts(tr, sibling_groups)
         wanted += [(t, row) for row, _ in items]
         texts += [text for _, text in items]
         rows.append(n_rows)
@@ -230,15 +245,19 @@ def embed_blocks(embedder, trees: list[Tree], batch_size: int, estimators: Estim
     return out
 
 
-def score_tree(tr: Tree, method: Method, alpha: float, embeddings, scope: str = "positive",
-               estimators: Estimators = PAPER) -> list[BlockScore]:
-    """One BlockScore per block: V at its start and end (estimators.values; V_MC by default), Â_base (Eq. 3),
-    Div_sib (Eq. 10; when the step embedded the blocks) and the advantage the method trains (methods.py's
-    row: DATPO's is Eq. 4, diversity_bonus; None when the method does not train this tree, e.g. AttnRL's
-    filter)."""
-    v_start, v_end = estimators.values(tr)
-    base = base_advantages(tr.rewards, v_start, v_end)                                       # Eq. 3
-    div = estimators.diversity(tr, embeddings) if embeddings is not None else None
-    adv = method.advantages(tr, base, div, alpha, scope) if method.trainable(tr) else None
+# --------------------------------------------------------------------------------------------------------
+# Phase 3 of a training step: the numbers of every block of one tree (Alg. DATPO, App. E)
+# --------------------------------------------------------------------------------------------------------
+def score_tree(tr: Tree, method, alpha: float, embeddings, scope: str = "positive",
+               value_estimate: str = "paper", sibling_groups: str = "paper") -> list[BlockScore]:
+    """Phase 3 of one tree as Sec. 4.2 reads, one BlockScore per block: V at each block's start and end,
+    Â_base (Eq. 3), Div_sib (Eq. 10, when the step embedded the blocks) and the advantage the method trains
+    (`method`: its methods.py row; DATPO's is Eq. 4, diversity_bonus; None when the method does not train
+    this tree, e.g. AttnRL's filter). value_estimate / sibling_groups "release": the authors' release's
+    estimates where its row (--preset release) asks for them."""
+    v_start, v_end = block_values(tr, value_estimate)                          # V(s): V̂_MC, App. E.1
+    base = base_advantages(tr.rewards, v_start, v_end)                         # Â_base, Eq. 3
+    div = None if embeddings is None else block_diversity(tr, embeddings, sibling_groups)   # Eq. 10
+    adv = method.advantages(tr, base, div, alpha, scope) if method.trainable(tr) else None  # Eq. 4
     return [BlockScore(v_start[i], v_end[i], base[i], None if div is None else div[i],
                        None if adv is None else float(adv[i])) for i in range(len(tr.blocks))]

@@ -303,7 +303,7 @@ def probe_flex(device, dtype=torch.float32, heads: int = 2, kv_heads: int = 1,
 # --------------------------------------------------------------------------------------------------------
 # Choosing the kernel and setting it on the model
 # --------------------------------------------------------------------------------------------------------
-_kernel_choice: dict = {}     # (device, dtype, heads, kv_heads, head_dim) -> why flex cannot run, or None
+flex_probes: dict = {}     # (device, dtype, heads, kv_heads, head_dim) -> why flex cannot run, or None
 
 
 def resolve_kernel(requested: str, device, model=None,
@@ -322,14 +322,14 @@ def resolve_kernel(requested: str, device, model=None,
     head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 128 * heads) // heads
     dtype = dtype or (next(model.parameters()).dtype if model is not None else torch.float32)
     key = (str(device), dtype, heads, kv_heads, head_dim)
-    if key not in _kernel_choice:
+    if key not in flex_probes:
         why = probe_flex(device, dtype, heads, kv_heads, head_dim)
-        _kernel_choice[key] = why
+        flex_probes[key] = why
         if why:
-            from harness import faults
+            from runtime import faults
 
             faults.say(f"packed attention: flex_attention cannot run here ({why}); using the tree kernel")
-    why = _kernel_choice[key]
+    why = flex_probes[key]
     return ("tree", why) if why else ("flex", None)
 
 

@@ -6,7 +6,7 @@ Defaults are the paper's DATPO run on Qwen2.5-3B-Base (Appendix F.2 "Implementat
 
     python train.py --preset demo --steps 10 --fork tok-entropy --out_dir runs/x
 
-Every field can be set as `--<field_name> VALUE` (harness/cli.py); values are checked (harness/checks.py),
+Every field can be set as `--<field_name> VALUE` (harness/cli.py); values are checked (checks.py),
 and an unknown flag or a bad value is one line that says what is valid. Ablations: edit a preset below or
 pass flags.
 """
@@ -17,8 +17,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import checks
 import methods
-from harness import checks
 
 
 @dataclass
@@ -71,8 +71,6 @@ class Config:
                                             # release defines max_prompt_len 256 but never reads it)
     gen_batch_size: int = 64                # base responses generated per generate() call
     branch_chunk_size: int = 384            # branch rollouts per generate() call (App. F.2: 384 for 3B)
-    naive_prefill: bool = False             # generate: re-prefill every branch prefix instead of reusing the
-                                            # KV cache (needs --rollout_engine generate)
     rollout_engine: str = "engine"          # engine: engine/'s decode loop (prefixes shared, rows leave
                                             # when they end); generate: HF generate (the reference path)
     max_batch_rows: int = 0                 # engine: rows at once; 0 = max(gen_batch_size, branch_chunk_size)
@@ -165,7 +163,7 @@ class Config:
                                             # step 1 and every N (TRL's log_completions); 0 = never
 
     def validate(self) -> "Config":
-        """Raise ValueError naming the field and what is valid (harness/checks.py: every choice in its list,
+        """Raise ValueError naming the field and what is valid (checks.py: every choice in its list,
         every number in its range, no combination that cannot run); return self for chaining."""
         checks.validate(self)
         return self

@@ -32,7 +32,7 @@ import threading
 from urllib.parse import urlparse
 
 import mcq
-from reward import TIMEOUT_SECONDS, extract_answer, unmatchable_gold
+from reward import TIMEOUT_SECONDS, evaluates, extract_answer, unmatchable_gold
 
 # -----------------------------------------------------------------------------
 # Prompts. The paper does not print its prompt; like the common math-RL setups it asks for the final
@@ -340,9 +340,7 @@ def explosive_gold(answer: str) -> str | None:
     deeper than its bound), or None. Only a response spelling it identically could match it; every
     equivalent answer would be graded wrong, so such a row is refused (evaluation) or skipped (training) at
     load like an unmatchable gold answer."""
-    from reward import _clean, _is_safe, _unmangle
-
-    if _is_safe(_clean(_unmangle(answer))):
+    if evaluates(answer):   # reward.py's guards let it through to sympy
         return None
     return ("a form the grader never evaluates (an exponent tower such as 9^{9^{9}}, a power, factorial or "
             "binomial of a huge number, or braces nested too deep), so no equivalent answer could match it")

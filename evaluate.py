@@ -40,19 +40,21 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from harness import threads
+from runtime import threads
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
+import checks
 import config as C
 import data
 import mcq
 import models
-from harness import checks, cli, eval_files, faults, guards, inject, measured, oom, signals, tracking
-from harness import distributed as D
-from harness.figures import literal, printable
+from harness import cli, eval_files, guards, measured, preflight, signals, tracking
 from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
+from runtime import distributed as D
+from runtime import faults, oom
+from runtime.figures import literal, printable
 
 # App. F.1: k = 8 for MATH500 (App. F: avg@8 out of domain) ...
 PAPER_K = {"math500": 8, "gpqa": 8, "mmlu-pro": 8}
@@ -277,8 +279,8 @@ def sample_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: in
 
 def generate_rows(sampler, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
                   size: int) -> list[list[int]]:
-    """The n samples of each prompt, prompt-major, in generate calls of at most `size` rows. (The harness's
-    DATPO_OOM_AT=eval makes its first call run out of memory: harness/inject.py.)"""
+    """The n samples of each prompt, prompt-major, in generate calls of at most `size` rows. (The tests'
+    DATPO_OOM_AT=eval makes its first call run out of memory: tests/inject.py.)"""
     from rollout import sample_base
 
     out: list[list[int]] = []
@@ -473,7 +475,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    inject.install()   # DATPO_OOM_AT (tests): the harness wraps stage functions from outside, once
     try:   # the config fields given, TRL's and verl's names as ours
         given = cli.given_flags(args, preset=args.preset, scale=args.scale)
     except ValueError as err:
@@ -539,7 +540,7 @@ def plot_models_command(folders: list[str], out_dir: str | None) -> dict:
     if owner:
         raise faults.UserError(f"--out_dir {out}: {owner}; expected a folder for the comparison's figures, "
                                f"e.g. runs/eval/compare (the default)")
-    faults.check_writable(out, "--out_dir")
+    preflight.check_writable(out, "--out_dir")
     plot_pass_curves(by_model, out / "pass_curves.png")
     plot_maj_vs_avg(by_model, out / "maj_vs_avg.png")
     print(format_table(by_model))
@@ -562,10 +563,10 @@ def evaluate_command(parser, args, given: dict, command: str = "evaluate.py") ->
     max_new_tokens = given.get("max_new_tokens", cfg.eval_max_new_tokens)
     label = model_label(cfg.model)
     out, where = output_folder(cfg, label, "out_dir" in given)
-    problems = {b: faults.load_data(b, "--bench", limit) for b in benches}
-    faults.check_model(cfg.model)
+    problems = {b: preflight.load_data(b, "--bench", limit) for b in benches}
+    preflight.check_model(cfg.model)
     models.check_loadable(cfg.model, None, cfg.trust_remote_code)   # its own code, a tokenizer: refused here
-    faults.check_writable(out, "--out_dir")
+    preflight.check_writable(out, "--out_dir")
     # the checkpoint itself (a run folder's latest moves on as it trains): its step and weights' SHA-256
     settings = {**{key: getattr(cfg, key) for key in SETTING_KEYS}, "max_new_tokens": max_new_tokens,
                 "runs": args.runs, **measured.weights_identity(cfg.model, cfg.seed)}
@@ -773,7 +774,4 @@ def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, out: Path, p
 
 
 if __name__ == "__main__":
-    # the importable module runs, not this __main__ copy: the harness's sites wrap evaluate.* from outside
-    import evaluate
-
-    faults.main_guard(evaluate.main)
+    faults.main_guard(main)

@@ -4,17 +4,14 @@ DATPO's objective (Eq. DATPO, Sec. 4.3) has no KL term, as DAPO and Dr.GRPO drop
 written (DeepSeekMath, Eq. 3) subtracts β·D_KL[π_θ || π_ref] per token, estimated with Schulman's k3,
     k3 = π_ref/π_θ − log(π_ref/π_θ) − 1  (≥ 0, unbiased for KL(π_θ || π_ref) on samples of π_θ),
 and TRL's GRPOTrainer keeps it behind `beta`. With --kl_beta β > 0 the harness loads the initial policy
-again as π_ref (frozen), ppo_update takes its log-probs once per step (no grad, the update's packing),
-and each token's objective is min(ρA, clip(ρ)A) − β·k3. With β = 0 nothing here runs and no second model
-is loaded. One difference from TRL: a block whose advantage is 0 is not forwarded in the update (it would
-add nothing to the clipped objective), so its tokens carry no KL term either.
+again as π_ref (frozen), ppo_update takes its log-probs once per step (no grad, the update's packing:
+train.fixed_logprobs), and each token's objective is min(ρA, clip(ρ)A) − β·k3. With β = 0 nothing here
+runs and no second model is loaded. One difference from TRL: a block whose advantage is 0 is not forwarded
+in the update (it would add nothing to the clipped objective), so its tokens carry no KL term either.
 """
 from __future__ import annotations
 
 import torch
-
-import packing
-from harness import distributed, oom
 
 
 def k3(new_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -28,22 +25,3 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-@torch.no_grad()
-def reference_logprobs(reference: torch.nn.Module, trees: list[packing.TrainTree], minibatches, offsets,
-                       cfg, pad_id: int, device, oom_counts: dict) -> torch.Tensor:
-    """log π_ref of every token of the step's trees, in packing.token_offsets order, computed with the
-    update's packing as θ_old's are (packing.fill_logprobs; out of memory: the mini-batch again in
-    micro-batches half the size; torchrun: this rank's share, then merged)."""
-    n_tokens = sum(len(t) for tr in trees for t in tr.tokens)
-    ref = torch.zeros(n_tokens, dtype=torch.float32, device=device)
-    have = torch.zeros(n_tokens, dtype=torch.bool, device=device)
-    with packing.Forward(reference, cfg, pad_id, device) as forward:
-        for units in minibatches:
-            oom.halving_retry(lambda size: packing.fill_logprobs(forward, trees, units, offsets, size, ref,
-                                                                 have),
-                              forward.size, "the KL's reference log-probs", oom_counts,
-                              retry=not distributed.active())
-    ref, _ = distributed.merge_shares(ref, have)
-    return ref

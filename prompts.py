@@ -11,7 +11,7 @@ here, outside the algorithm:
   AttnRL           its dynamic batch size (attnrl_batch_size; methods.py's `dynamic_batch`)
   off-policy       --off_policy_steps 1 (offpolicy.py): the next step's prompts are drawn a step early; their
                    N base responses decode inside this step's rollout and come back in after_step
-  torchrun         each rank rolls out its own share of the prompts (harness/distributed.py)
+  torchrun         each rank rolls out its own share of the prompts (runtime/distributed.py)
 
 state() / restore() are the stream's part of a checkpoint (trainer_state.pt), so a resumed run draws exactly
 the prompts an uninterrupted one would.
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 
+import checks
 import data
 import methods
 import offpolicy
-from harness import checks, distributed, faults
+from runtime import distributed, faults
 
 
 class PromptStream:

@@ -9,14 +9,14 @@ their own file, and the paper's run never reads it (docs/decisions.md):
   release_values             a fork's value averages only its B̂ branches; V(root) = mean of the N base
                              responses (datpo_zero.search_batch, tree_search._assign_advantages)
   release_sibling_diversity  the release's sibling groups (tree_search._compute_sibling_divergence)
-  estimators                 which of the two Phase 3 uses: advantage.Estimators for the two flags
+  tree_values, embedded_texts, tree_diversity
+                             the same over a tree.Tree: what advantage.score_tree reads where the row asks
 """
 from __future__ import annotations
 
 import numpy as np
 
-import advantage
-from tree import Tree
+from tree import Tree, child_blocks
 
 
 def release_values(parents: list[int | None], rewards: list[float | None],
@@ -35,7 +35,7 @@ def release_values(parents: list[int | None], rewards: list[float | None],
     if not len(parents) == len(rewards) == len(branch):
         raise ValueError(f"parents ({len(parents)}), rewards ({len(rewards)}) and branch ({len(branch)}) "
                          f"differ in length")
-    advantage.child_blocks(parents)                             # validates the parent indices
+    child_blocks(parents)                                       # validates the parent indices
     base_rewards = [float(r) for r, b in zip(rewards, branch) if r is not None and not b]
     v_root = float(np.mean(base_rewards)) if base_rewards else 0.0
     at_fork: dict[int, list[float]] = {}
@@ -110,7 +110,7 @@ def release_sibling_diversity(parents: list[int | None], rewards: list[float | N
 
 
 # --------------------------------------------------------------------------------------------------------
-# The release's estimators, over tree.Tree objects (advantage.Estimators)
+# The release's estimates over tree.Tree objects (advantage.block_values, embedding_texts, block_diversity)
 # --------------------------------------------------------------------------------------------------------
 def tree_values(tr: Tree) -> tuple[list[float], list[float]]:
     """(V(s_start), V(s_end)) of the tree's blocks as the release estimates them (release_values)."""
@@ -135,19 +135,5 @@ def tree_diversity(tr: Tree, embeddings) -> list[float]:
                                      emb[:n], emb[n:], valid=[bool(b.text.strip()) for b in tr.blocks])
 
 
-VALUES = ("paper", "release")
-SIBLING_GROUPS = ("paper", "release")
-
-
-def estimators(value_estimate: str = "paper", sibling_groups: str = "paper") -> advantage.Estimators:
-    """Phase 3's estimators for --value_estimate and --sibling_groups: the paper's (advantage.PAPER) unless
-    a flag says "release"."""
-    for flag, value, allowed in (("value_estimate", value_estimate, VALUES),
-                                 ("sibling_groups", sibling_groups, SIBLING_GROUPS)):
-        if value not in allowed:
-            raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-    paper = advantage.PAPER
-    return advantage.Estimators(
-        values=tree_values if value_estimate == "release" else paper.values,
-        texts=embedded_texts if sibling_groups == "release" else paper.texts,
-        diversity=tree_diversity if sibling_groups == "release" else paper.diversity)
+VALUES = ("paper", "release")              # --value_estimate (checks.py)
+SIBLING_GROUPS = ("paper", "release")      # --sibling_groups

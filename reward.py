@@ -234,6 +234,14 @@ def unmatchable_gold(gold: str) -> str | None:
     return None
 
 
+def evaluates(answer: str) -> bool:
+    """Whether the grader compares this answer with sympy at all: once normalised as is_equivalent normalises
+    it, it passes the cheap guards (at most MAX_ANSWER_CHARS characters, bounded nesting, no numeric
+    exponent tower, no power, factorial or binomial of a huge integer). An answer that fails them matches
+    only a response spelling it identically (data.explosive_gold refuses such a gold answer)."""
+    return _is_safe(_clean(_unmangle(answer)))
+
+
 def _braces_balance(text: str) -> bool:
     """Every unescaped { closed by a later }, and no } before its {."""
     depth = 0

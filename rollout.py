@@ -237,7 +237,7 @@ def rollout_engine(sampler: Sampler, cfg, prompt_ids: list[list[int]], ahead_ids
     """The engine cfg.rollout_engine names, sized for every row the trees (and the next step's bases) can
     have: N(1 + K_max·B_max) per prompt when a prompt can branch, N per next-step prompt."""
     if sampler.engine != "engine":
-        return generate.GenerateEngine(sampler, cfg.gen_batch_size, cfg.branch_chunk_size, cfg.naive_prefill)
+        return generate.GenerateEngine(sampler, cfg.gen_batch_size, cfg.branch_chunk_size)
     branches_per_base = cfg.k_max * cfg.b_max if expandable else 0
     most_rows = len(prompt_ids) * n * (1 + branches_per_base) + len(ahead_ids) * n
     return sampler.make_engine(prompt_ids + ahead_ids, cfg.max_new_tokens, most_rows, n)

@@ -404,3 +404,14 @@ def path_to(blocks: list[Block], leaf: int) -> list[int]:
 def path_token_ids(blocks: list[Block], leaf: int) -> list[int]:
     """The generated ids of the root-to-leaf response that ends in block `leaf`."""
     return [t for i in path_to(blocks, leaf) for t in blocks[i].token_ids]
+
+
+def child_blocks(parents: list[int | None]) -> list[list[int]]:
+    """The children of each block, in block order; a ValueError for a parent that is not another block."""
+    children: list[list[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents):
+        if p is not None:
+            if not 0 <= p < len(parents) or p == i:
+                raise ValueError(f"block {i}: parent {p} is not another block index")
+            children[p].append(i)
+    return children

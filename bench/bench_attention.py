@@ -23,12 +23,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402
 
+import methods  # noqa: E402
 import packing as P  # noqa: E402
 import train  # noqa: E402
 from bench.bench_update import synthetic_tree  # noqa: E402
@@ -39,7 +40,8 @@ def packed_batch(budget: int, vocab: int, seed: int = 0) -> P.Packed:
     """The first micro-batch of --budget tokens over 16 paper-shaped DATPO trees, random ±1 advantages."""
     rng = random.Random(seed)
     trees = [synthetic_tree(rng, 150, 600, 4, 3, 4, vocab) for _ in range(16)]
-    tts = [train.train_tree(tr, [rng.choice((-1.0, 1.0)) for _ in tr.blocks], "datpo") for tr in trees]
+    datpo = methods.METHODS["datpo"]
+    tts = [train.train_tree(tr, [rng.choice((-1.0, 1.0)) for _ in tr.blocks], datpo) for tr in trees]
     units = [(t, tuple(range(len(tt.tokens)))) for t, tt in enumerate(tts)]
     items = P.micro_batches(tts, units, budget)[0]
     return P.pack(tts, items, P.token_offsets(tts))
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--kernels", nargs="+", default=["flex", "tree", "dense"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (harness/threads.py)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (runtime/threads.py)")
     parser.add_argument("--cpu_check", action="store_true",
                         help="a 2-layer model of the same family on CPU, tree and dense only (tests)")
     args = parser.parse_args(argv)

@@ -31,9 +31,9 @@ import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pages", type=int, nargs="+", default=[16, 64], help="paged-flex's page sizes")
     parser.add_argument("--varlen_page", type=int, default=256, help="varlen-paged's page size")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (harness/threads.py)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (runtime/threads.py)")
     parser.add_argument("--cpu_check", action="store_true",
                         help="this script's own code on CPU, small (4 rows, 40 tokens, 4/2 heads of 16)")
     args = parser.parse_args(argv)

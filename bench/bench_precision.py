@@ -20,9 +20,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402
 

@@ -1,13 +1,13 @@
 """bench/bench_threads.py — CPU threads under load (issue 30): the demo's first evaluation (a slice of it) and
 one demo training step, alone and beside two busy processes, under torch's default threads and under the
-thread policy of harness/threads.py (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000, threads from the usable
+thread policy of runtime/threads.py (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000, threads from the usable
 cores). One run, one table of seconds and of loaded / alone ratios.
 
     python bench/bench_threads.py              # 16 eval problems × 4 samples, one demo step of 8 prompts
     python bench/bench_threads.py --quick      # 4 problems, a step of 2 prompts: a rough answer in minutes
     python bench/bench_threads.py --load matmul   # the busy neighbours are 1-thread torch matmul loops
 
-Why: OpenMP's spinning threads starve each other when the CPU is shared (harness/threads.py). Target: beside
+Why: OpenMP's spinning threads starve each other when the CPU is shared (runtime/threads.py). Target: beside
 two busy processes, at most 4× the time alone (three busy processes on two cores: a fair share is 3×).
 Each measurement runs in a fresh process, since OpenMP reads its wait policy when torch loads. The machine
 should be otherwise quiet: the load average before each measurement is printed with it.
@@ -40,7 +40,7 @@ def measure(threads: str, eval_problems: int, prompts: int) -> dict:
     """Seconds of the demo's evaluation on `eval_problems` problems and of one demo training step of
     `prompts` prompts, in this process, after applying the thread policy when `threads` is "policy"."""
     if threads == "policy":
-        from harness import threads as policy
+        from runtime import threads as policy
 
         os.environ.update(policy.policy_env([], os.environ))
 
@@ -55,7 +55,8 @@ def measure(threads: str, eval_problems: int, prompts: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cfg = C.make_config("demo", threads=0, eval_every=1, eval_limit=eval_problems,
                             prompts_per_step=prompts, steps=1, save_every=0, out_dir=str(Path(out) / "run"))
-        with loop.Run(cfg) as run:   # train.train's set-up, then one evaluation and one step
+        # train.train's set-up, then one evaluation and one step
+        with loop.Run(cfg, evaluate.evaluate_problems) as run:
             model, tokenizer = run.load_policy()
             learner = train.Learner(cfg, model, tokenizer, optim.build_optimizer(model.parameters(), cfg),
                                     run.load_embedder())

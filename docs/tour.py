@@ -31,14 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402
 
 import advantage  # noqa: E402
 import config  # noqa: E402
+import evaluate  # noqa: E402
 import optim  # noqa: E402
 import packing  # noqa: E402
 import rollout  # noqa: E402
@@ -96,14 +97,15 @@ def tour_config(scale: str, out_dir: str) -> config.Config:
 
 def run_step(cfg: config.Config):
     """Set up a run as train.train does (harness/loop.py's Run), in float64, and trace its first step."""
-    with loop.Run(cfg) as run:
+    with loop.Run(cfg, evaluate.evaluate_problems) as run:
         model, tokenizer = run.load_policy()
         model.double()                                     # float64: the same page on any CPU
         embedder = run.load_embedder()
         if embedder is not None:
             embedder.double()
         optimizer = optim.build_optimizer(model.parameters(), cfg)
-        learner = train.Learner(cfg, model, tokenizer, optimizer, embedder)
+        learner = train.Learner(cfg, model, tokenizer, optimizer, embedder, weights_ok=run.weights_ok,
+                                reward=run.reward_scorer(tokenizer), reference=run.load_reference())
         stream = run.prompt_stream(learner)
         run.start(learner)
         batch = stream.next_batch(0)
@@ -387,7 +389,7 @@ def micro_rows(call, limit: int = 12) -> tuple[list[list], int, int]:
 
 def section_update(trace: Trace, record: dict, cfg: config.Config) -> str:
     head = ("\n## 8. Phase 4: the clipped token-level loss — `train.ppo_update` (Eq. DATPO, App. F.2)\n\n"
-            + excerpt(train.minibatch_gradient, "new = packing.micro_logprobs", "distributed.backward"))
+            + excerpt(train.ppo_update, "for micro, new in forward.passes", "micro.loss = "))
     calls = trace.calls
     if not trace.of("clipped_objective"):
         return (head + "\nEvery advantage of this step is 0 (each prompt's responses all scored alike and no "

@@ -13,9 +13,9 @@ for token. Paper: App. C (Algorithm "Tree Rollout"), App. F.2 (branch rollouts g
            keys/values of prompt + response[:f]; they already sit in the cache that generating the base
            response filled, so they are sliced out of it (no prefix token is recomputed), and the
            distribution of the first branch token is the lm_head of the hidden state saved in Phase 1 — so the
-           first forward pass of a branch already samples its second token. `naive_prefill=True` instead
-           re-prefills prompt + response[:f] for every branch (the simple path, kept for comparison and as the
-           test oracle).
+           first forward pass of a branch already samples its second token. (Re-prefilling prompt +
+           response[:f] for every branch, as the authors' release does, is the tests' oracle:
+           tests/test_rollout.py.)
 
 GenerateEngine runs the two phases behind the Engine's interface (run yields BasesDone, grow answers it),
 group by group: a group's branches wait for all of its bases — the barrier engine/loop.py removes.
@@ -42,7 +42,7 @@ from transformers import (
 
 import models
 from engine.samples import BasesDone, BranchRequest, PromptResult, Sample
-from harness import oom
+from runtime import oom
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -291,24 +291,20 @@ def slice_prefix_cache(model, base: BaseBatch, rows: list[int], forks: list[int]
 
 
 @torch.no_grad()
-def branch_chunk(sampler, base: BaseBatch, requests: list[BranchRequest], naive_prefill: bool,
-                 counters: dict) -> list[Sample]:
+def branch_chunk(sampler, base: BaseBatch, requests: list[BranchRequest], counters: dict) -> list[Sample]:
     """One generate call for one branch per request (request.base: the base row; request.limit: its
     budget): the continuation from token f on of each."""
     rows = [req.base for req in requests]
     forks = [req.fork for req in requests]
     limits = [req.limit for req in requests]
     prefixes = [base.prompt_ids[r] + base.tokens[r][:f] for r, f in zip(rows, forks)]
-    if naive_prefill:
-        ids, mask = left_pad(prefixes, sampler.pad_id, sampler.device)
-        counters["recomputed_prefix_tokens"] += sum(map(len, prefixes))
-        return hf_generate(sampler, ids, mask, limits, counters=counters)[0]
     hidden = torch.stack([base.hidden[f][r] for r, f in zip(rows, forks)])
     first, first_ent, first_logp = first_tokens(sampler, hidden)
     cache, width = slice_prefix_cache(sampler.model, base, rows, forks)
     ids, mask = left_pad([p + [t] for p, t in zip(prefixes, first.tolist())], sampler.pad_id, sampler.device)
     # A branch whose first token already ends it, or whose budget is one token, must not continue:
-    # it stays in the batch (same batch shape as the naive path) with a budget of 1 extra step.
+    # it stays in the batch (the batch shape of a generate call from the whole prefix) with a budget of 1
+    # extra step.
     ended = [t in sampler.stop_ids or lim <= 1 for t, lim in zip(first.tolist(), limits)]
     rest_limits = [1 if e else lim - 1 for e, lim in zip(ended, limits)]
     rest = hf_generate(sampler, ids, mask, rest_limits, cache=cache, counters=counters)[0]
@@ -318,7 +314,7 @@ def branch_chunk(sampler, base: BaseBatch, requests: list[BranchRequest], naive_
 
 
 def sample_branches(sampler, base: BaseBatch, requests: list[BranchRequest], chunk_size: int,
-                    naive_prefill: bool = False, counters: dict | None = None) -> list[list[Sample]]:
+                    counters: dict | None = None) -> list[list[Sample]]:
     """All branches of all requests (request.base: a row of `base`), in chunks of chunk_size branches.
     Returns, per request, its `count` Samples of the branch continuation (from token f on), each at most
     request.limit long. counters['recomputed_prefix_tokens'] counts prefix tokens whose keys/values were
@@ -329,7 +325,7 @@ def sample_branches(sampler, base: BaseBatch, requests: list[BranchRequest], chu
     jobs = [(i, req) for i, req in enumerate(requests) for _ in range(req.count)]
     results: list[list[Sample]] = [[] for _ in requests]
     def run(chunk):
-        return branch_chunk(sampler, base, [req for _, req in chunk], naive_prefill, counters)
+        return branch_chunk(sampler, base, [req for _, req in chunk], counters)
 
     outputs = oom.halving_chunks(jobs, chunk_size, run, what="branches", counters=counters)
     for (i, _), out in zip(jobs, outputs):
@@ -345,9 +341,8 @@ class GenerateEngine:
     of its prompts (the caller answers with grow), then the group's branches in chunks of chunk_size before
     the next group starts. `results` per prompt as the Engine's; `counters` and `seconds` for RolloutStats."""
 
-    def __init__(self, sampler, gen_batch_size: int, chunk_size: int, naive_prefill: bool = False):
+    def __init__(self, sampler, gen_batch_size: int, chunk_size: int):
         self.sampler, self.gen_batch_size, self.chunk_size = sampler, gen_batch_size, chunk_size
-        self.naive_prefill = naive_prefill
         self.counters = dict(row_steps=0, ended_row_steps=0, recomputed_prefix_tokens=0, oom_retries=0,
                              base_tokens=0, branch_tokens=0, peak_kv_bytes=0, peak_call_kv_bytes=0)
         self.seconds = dict(base=0.0, branches=0.0)
@@ -367,8 +362,7 @@ class GenerateEngine:
         try:
             for first in range(0, len(prompts), per_call):
                 group = list(range(first, min(first + per_call, len(prompts))))
-                base = self.bases([prompts[p] for p in group], n, max_new_tokens,
-                                  bool(keep_hidden) and not self.naive_prefill)
+                base = self.bases([prompts[p] for p in group], n, max_new_tokens, bool(keep_hidden))
                 for g, p in enumerate(group):
                     self.results[p].bases = [base.sample(r) for r in range(g * n, (g + 1) * n)]
                     yield BasesDone(p, self.results[p].bases)
@@ -400,7 +394,7 @@ class GenerateEngine:
         base_kv = cache_bytes(base.cache)
         self.counters["peak_call_kv_bytes"] = 0
         grown = sample_branches(self.sampler, base, [r for *_, r in requests], self.chunk_size,
-                                self.naive_prefill, self.counters) if requests else []
+                                self.counters) if requests else []
         # while branches generate, the base cache stays alive beside each chunk's cache
         self.counters["peak_kv_bytes"] = max(self.counters["peak_kv_bytes"],
                                              base_kv + self.counters["peak_call_kv_bytes"])

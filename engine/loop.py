@@ -30,7 +30,7 @@ from engine import kv, paged
 from engine.kv import KVPool
 from engine.samples import BasesDone, BranchRequest, PromptResult, Sample
 from engine.scheduler import Backoff, DecodeRow, Scheduler
-from harness import oom
+from runtime import oom
 
 
 @dataclass

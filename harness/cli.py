@@ -10,7 +10,7 @@ Values are parsed by the field's type (booleans: true/false, yes/no, 1/0, or the
 negative numbers in any notation are values, and a bad flag or value is one line (`prog: error: ...; see
 --help`). `--help` explains every flag in one line from one source: the field's comment in config.py
 (field_docs reads them from its source), grouped by config.py's sections, with its valid choices
-(harness/checks.py) and its default. TRL's and verl's names for the same settings are accepted, and names
+(checks.py) and its default. TRL's and verl's names for the same settings are accepted, and names
 whose meaning differs are refused with what to use (harness/aliases.py, docs/trl.md).
 """
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import config as C
 import methods as M
+from checks import CHOICES, LIST_CHOICES
 from config import PRESETS, SCALES, Config, make_config
 from harness import aliases
-from harness.checks import CHOICES, LIST_CHOICES
 
 
 def parse_bool(text: str) -> bool:

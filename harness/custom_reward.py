@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Callable
 
 import methods as M
-from harness import distributed as D
-from harness.faults import UserError, say
+from runtime import distributed as D
+from runtime.faults import UserError, say
 
 TOLERANCE = 1e-9     # a sum of weighted rewards may miss [0, 1] by rounding (0.1 + 0.2 + 0.7): clamped
 

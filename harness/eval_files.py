@@ -15,9 +15,10 @@ import shlex
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness import atomic, faults, measured, runs
-from harness import distributed as D
+from harness import measured, runs
 from harness.journal import count_records
+from runtime import atomic, faults
+from runtime import distributed as D
 
 RUN_PROMPT_KEYS = ("prompt_style", "few_shot", "answer_fallback")   # taken from a run folder's config.json
 
@@ -38,7 +39,7 @@ def save_figure(fig, path) -> None:
 # --------------------------------------------------------------------------------------------------------
 @contextmanager
 def write_errors(path, kept: str):
-    """A write error inside (runs.write_failure: disk full, quota, read-only, I/O, torch.save cut short)
+    """A write error inside (faults.write_failure: disk full, quota, read-only, I/O, torch.save cut short)
     becomes a WriteError (exit 4): one line naming `path`, the cause and what is kept (`kept`); any other
     exception goes on as it is."""
     try:
@@ -46,7 +47,7 @@ def write_errors(path, kept: str):
     except faults.UserError:
         raise
     except Exception as err:
-        cause = runs.write_failure(err)
+        cause = faults.write_failure(err)
         if cause is None:
             raise
         raise faults.WriteError(f"writing {path}: {cause}; {kept}; free space and rerun the same command") \
@@ -56,7 +57,7 @@ def write_errors(path, kept: str):
 def replace_file(path, write) -> None:
     """write(tmp), then rename tmp over `path`: a kill or a full disk leaves the old file or the new one,
     never half of one (the partial temporary file is removed before the error goes on); tmp is created
-    exclusively, never a link planted in the folder (harness/atomic.py)."""
+    exclusively, never a link planted in the folder (runtime/atomic.py)."""
     atomic.replace_file(path, write)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
-from harness import distributed as D
-from harness.faults import NonFiniteStop
+from runtime import distributed as D
+from runtime.faults import NonFiniteStop
 
 
 def _local(t):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness import atomic, runs
-from harness.faults import UserError, WriteError, say
-from harness.inject import crash_point
+from harness import runs
+from runtime import atomic, faults
+from runtime.faults import UserError, WriteError, say
 
 
 class Stopped(Exception):
@@ -102,7 +102,7 @@ class Journal:
 
     def _write_state(self, units: int, n_records: int) -> None:
         """The state that vouches for the first n_records records (`units` done): replaced atomically (a
-        temporary file made exclusively, harness/atomic.py)."""
+        temporary file made exclusively, runtime/atomic.py)."""
         import torch
 
         state = {"settings": self.settings, "units": units, "n_records": n_records,
@@ -131,13 +131,12 @@ class Journal:
         except Exception as err:
             self._write_failed(err)
         self.units, self.n_records = units, n_records
-        crash_point("journal-append")
 
 
     def _write_failed(self, err: Exception):
         """A full disk (or another write error) while writing the journal: a WriteError line, exit 4; the
         records the state vouches for are kept. Any other error goes on as it is."""
-        cause = runs.write_failure(err)
+        cause = faults.write_failure(err)
         if cause is None:
             raise err
         raise WriteError(f"writing {self.path}: {cause}; its first {self.n_records} records are kept (a "

@@ -1,18 +1,23 @@
 """harness/loop.py — the harness around Algorithm DATPO's loop: set-up, resume, evaluation, checkpoints.
 
-train.py holds the algorithm and its loop (`train`: load the policy, build AdamW, `for step in
-run.steps(...)`: train_step). `Run` wraps that loop from outside with everything a run needs that is not
-the algorithm:
+train.py holds the algorithm and its loop (`train`: load the policy, build AdamW and the Learner, `for step
+in run.steps()`: train_step). `Run` wraps that loop from outside with everything a run needs that is not
+the algorithm; what it hands the step (π_ref, --reward's scorer, the weight guard's check) train.py passes
+to the Learner where it builds it, in sight:
 
-  Run(cfg)           entered: pre-flight checks (each user mistake one line, before anything slow runs), the
+  Run(cfg, evaluate) entered: pre-flight checks (each user mistake one line, before anything slow runs), the
                      run folder (locked) and its log, stop signals (harness/signals.py), the training data,
-                     fault injection (harness/inject.py), and with --resume the checkpoint to continue from
+                     and with --resume the checkpoint to continue from
   load_policy        the policy (cfg.model, or the checkpoint resumed) and its tokenizer, checked
   load_embedder      Div_sib's sentence embedder, or None when α is 0 all run
+  load_reference     π_ref for --kl_beta > 0 (kl.py), or None
+  reward_scorer      --reward's functions as the rollout's scorer, or None (the grader)
+  weights_ok         the weight guard's check after each optimizer step
   prompt_stream      the training prompts (prompts.PromptStream), each one checked to fit
-  steps              the step numbers still to run: first the checkpoint's optimizer and trainer state, the
-                     config record and the held-out evaluation before training; between steps, the weight
-                     guard's snapshot and stop signals
+  start              the checkpoint's optimizer and trainer state, the log, config.json, the weight guard
+  evaluate_before    the held-out evaluation before training (`evaluate`, evaluate.evaluate_problems)
+  steps              the step numbers still to run; between steps, the weight guard's snapshot and stop
+                     signals
   end_step           after a step: the weight guard's verdict, the metrics line, the tree log, the non-finite
                      guard, evaluation every --eval_every steps, a checkpoint every --save_every steps
   RunState           what the loop carries from step to step (saved whole in checkpoints)
@@ -29,6 +34,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -37,17 +43,15 @@ import advantage
 import attention
 import config as C
 import data
-import evaluate
 import kl
 import methods as M
 import models
-import optim
-import release
-from harness import atomic, custom_reward, faults, figures, guards, inject, runs, signals, tracking
-from harness import distributed as D
+from harness import custom_reward, guards, preflight, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
 from prompts import PromptStream
+from runtime import atomic, faults, figures
+from runtime import distributed as D
 
 
 @dataclass
@@ -84,14 +88,14 @@ class NothingLeft(Exception):
 
 
 class Run:
-    """The harness around train.py's loop (see the module's docstring). `with Run(cfg) as run:` — the
-    attributes below are set as the loop reaches them; the helpers of this module read them."""
+    """The harness around train.py's loop (see the module's docstring). `with Run(cfg, evaluate) as run:`
+    (`evaluate`: the held-out evaluation, evaluate.evaluate_problems) — the attributes below are set as the
+    loop reaches them; the helpers of this module read them."""
 
-    def __init__(self, cfg: C.Config):
-        self.cfg, self.method = cfg, M.method_of(cfg)
+    def __init__(self, cfg: C.Config, evaluate: Callable):
+        self.cfg, self.method, self.evaluate = cfg, M.method_of(cfg), evaluate
         self.model = self.policy = self.tokenizer = self.optimizer = self.embedder = self.guard = None
         self.learner = self.reward = None
-        self.lr: dict = {}
         self.record: dict | None = None
         self.stopped_early = False
         self.replace, self.data, self.data_changes = False, {}, {}   # set by __enter__ (open_run, the data)
@@ -114,8 +118,6 @@ class Run:
 
     def _open(self, cfg: C.Config) -> None:
         D.init(cfg.device)         # torchrun: join the process group (this rank's GPU); one process: nothing
-        # tests: DATPO_OOM_AT=site,... makes those stage functions run out of memory once
-        inject.install()
         self.device = models.pick_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -134,14 +136,14 @@ class Run:
         if cfg.resume and self.checkpoint is None:   # killed before its first checkpoint: safe in job scripts
             self.log.say(f"--resume {cfg.resume}: no checkpoint there yet; starting at step 0")
         if self.checkpoint is None:
-            faults.check_model(cfg.model)
+            preflight.check_model(cfg.model)
         self.wants_embedder = self.method.embeds and (cfg.alpha_start != 0 or cfg.alpha_end != 0)
         models.check_loadable(self.checkpoint or cfg.model, self.wants_embedder and cfg.embed_model,
                               cfg.trust_remote_code)
         if self.wants_embedder:
-            faults.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
-        self.problems = faults.load_data(cfg.train_data, "--train_data", **data.options(cfg))
-        self.eval_problems = (faults.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None,
+            preflight.check_model(cfg.embed_model, "--embed_model", ("all-minilm-l6-v2",))
+        self.problems = preflight.load_data(cfg.train_data, "--train_data", **data.options(cfg))
+        self.eval_problems = (preflight.load_data(cfg.eval_data, "--eval_data", cfg.eval_limit or None,
                                                **data.options(cfg, training=False)) if cfg.eval_every else [])
         self.data = runs.data_hashes(self.problems, self.eval_problems)   # saved in every checkpoint
         self.data_changes = runs.check_resume_data(state, self.data, cfg.allow_config_change, {
@@ -173,7 +175,7 @@ class Run:
         except OSError as err:
             raise faults.UserError(f"--model {source}: cannot load it ({str(err).splitlines()[0]})") from err
         models.check_chat_template(tokenizer, cfg.prompt_style, source)   # --prompt_style chat: before any
-        faults.check_conversational(tokenizer, source, {"--train_data": self.problems,   # TRL's messages
+        preflight.check_conversational(tokenizer, source, {"--train_data": self.problems,   # TRL's messages
                                                         "--eval_data": self.eval_problems})
         # an old checkpoint (before the weight guard) or a broken model
         if not guards.all_finite(model.parameters()):
@@ -186,11 +188,24 @@ class Run:
         return model, tokenizer
 
     def load_reference(self):
-        """--kl_beta > 0: cfg.model loaded again (the weights the run started from), in the policy's dtype."""
+        """π_ref for --kl_beta > 0 (kl.py): cfg.model loaded again (the weights the run started from, even
+        when resuming), in the policy's dtype, frozen; None when β = 0 (the paper: no second model)."""
         cfg = self.cfg
+        if not cfg.kl_beta:
+            return None
         model, _ = models.load_policy(cfg.model, self.device, models.policy_dtype(cfg.precision),
                                       seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
-        return model
+        return kl.freeze(model)
+
+    def reward_scorer(self, tokenizer):
+        """--reward's functions as the rollout's scorer (custom_reward.scorer: (problem indices, step) -> a
+        batch's scorer); None without --reward: the grader, reward.compute_reward."""
+        return functools.partial(custom_reward.scorer, self.reward, tokenizer) if self.reward else None
+
+    def weights_ok(self) -> bool:
+        """The weight guard's check after each optimizer step: False (on every rank, when any rank finds a
+        non-finite weight) ends the update; end_step then restores the weights."""
+        return not D.any_rank(not self.guard.weights_finite())
 
     def load_embedder(self):
         """Div_sib's sentence embedder (cfg.embed_model), or None: never loaded when α is 0 all run."""
@@ -204,39 +219,36 @@ class Run:
                                         faults.model_context(learner.model), say=self.log.say)
         return self.run.prompts
 
-    def steps(self, learner, stream: PromptStream):
-        """The steps still to run, 0-based. First: the flex probe, the checkpoint's optimizer and trainer
-        state (--resume), the config record, the weight guard, the held-out evaluation before training (or
-        the one a stop skipped). Before each step: a stop signal ends the run (nothing new to save), the
-        weight guard's snapshot. After the last: the before → after line and training.png."""
-        self.start(learner)
-        cfg, run, start, pending = self.cfg, self.run, self.run.step, self.run.pending_eval
-        if cfg.eval_every and start == 0:   # a signal during set-up skips it (the loop then stops at once)
+    def evaluate_before(self) -> None:
+        """The held-out evaluation before training (at step 0), or the one a stop skipped at the checkpoint
+        resumed (RunState.pending_eval). A signal during set-up skips it (the loop then stops at once)."""
+        if self.cfg.eval_every and self.first_step == 0:
             run_eval(self, "before", 0, self.stop)
-        if pending:   # a stop skipped it before the checkpoint: run it now, as an uninterrupted run did
-            run_pending_eval(self, run, self.stop)
+        if self.run.pending_eval:   # a stop skipped it before the checkpoint: now, as a run not stopped did
+            run_pending_eval(self, self.run, self.stop)
+
+    def steps(self):
+        """The steps still to run, 0-based. Before each step: a stop signal ends the run (nothing new to
+        save), the weight guard's snapshot. After the last: the before → after line and training.png."""
+        cfg, run, start = self.cfg, self.run, self.first_step
         self.bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.method,
                         dynamic_ncols=True, disable=not D.is_main())
         for step in self.bar:
             if D.any_rank(self.stop.requested):   # the signal came before any step ran: nothing new to save
                 self.log.say(f"stopped by {self.stop.requested} before step {run.step + 1}")
                 return
-            inject.crash_point("step")
             self.guard.snapshot()   # weights and optimizer state, restored if the update breaks them
-            self.lr = optim.schedule_lr(self.optimizer, cfg, step)   # --lr_schedule, --warmup_ratio
             self.t_step = time.perf_counter()
             yield step
             if self.stopped_early:   # end_step said so
                 return
         self.bar.close()
-        finish(self, start < cfg.steps or bool(pending), self.t_run)
+        finish(self, start < cfg.steps or bool(self.first_pending), self.t_run)
 
     def start(self, learner) -> None:
         """What the first step needs besides the models: the flex probe (one line if it falls back), the
-        resumed optimizer and trainer state, the log made consistent with them, config.json, the guard.
-        steps() calls it; a script that runs train_step itself (docs/tour.py) calls it once first."""
-        if self.guard is not None:
-            return
+        resumed optimizer and trainer state (the step to start at), the log made consistent with them,
+        config.json, the weight guard."""
         cfg, run = self.cfg, self.run
         self.learner, self.policy = learner, learner.policy
         self.optimizer, self.embedder = learner.optimizer, learner.embedder
@@ -261,22 +273,17 @@ class Run:
                 self.log.say(line)
         record_config(cfg, self.run_dir, self.checkpoint, self.state, run.step, self.data_changes)
         self.guard = guards.WeightGuard(self.model, self.optimizer, cfg.guard_weights)
-        if cfg.kl_beta:   # π_ref for the KL penalty: the initial policy (cfg.model, even when resuming)
-            learner.reference = kl.freeze(self.load_reference())
-        if self.reward:   # --reward's functions score the rollout's completions (custom_reward.scorer)
-            learner.reward = functools.partial(custom_reward.scorer, self.reward, self.tokenizer)
-        # the update stops at a non-finite weight (every rank takes the same verdict)
-        learner.weights_ok = lambda: not D.any_rank(not self.guard.weights_finite())
+        self.first_step, self.first_pending = run.step, run.pending_eval
 
     # ---- after each step ---------------------------------------------------------------------------------
-    def end_step(self, result) -> None:
+    def end_step(self, result, lr: dict) -> None:
         """After train_step: the weight guard's verdict (an update that broke the weights or the logits is
-        undone), the metrics line, the tree log, the non-finite guard, evaluation and checkpoint; a stop
-        signal ends the run here with a checkpoint."""
+        undone), the metrics line (with `lr`, optim.schedule_lr's), the tree log, the non-finite guard,
+        evaluation and checkpoint; a stop signal ends the run here with a checkpoint."""
         cfg, run, log = self.cfg, self.run, self.log
         self.guard.undo_if_broken(result.update, self.policy, result.trees[0].prompt_ids)
         run.step += 1
-        record = {**tracking.step_record(run.step, result, run.prompts, self.t_step), **self.lr,
+        record = {**tracking.step_record(run.step, result, run.prompts, self.t_step), **lr,
                   **custom_reward.step_means(self.reward)}
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = (
             run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"]
@@ -331,7 +338,7 @@ def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str 
     checkpoint's state have loaded too (replace_earlier_run), so a typo in any flag never costs the run it
     was aimed at."""
     runs.check_out_dir(cfg.out_dir)
-    run_dir = faults.check_writable(cfg.out_dir)
+    run_dir = preflight.check_writable(cfg.out_dir)
     if D.is_main():
         held.enter_context(runs.RunLock(run_dir))
     for flag, folder in [("--out_dir", run_dir)] + ([("--resume", runs.run_folder_of(cfg.resume))]
@@ -340,11 +347,11 @@ def open_run(cfg: C.Config, held: contextlib.ExitStack) -> tuple[Path, Log, str 
         if why:
             raise faults.UserError(f"{flag} {cfg.out_dir if flag == '--out_dir' else cfg.resume}: {why}; "
                                    f"expected the disk it points at mounted, or the link removed")
-    source = faults.resume_source(cfg.resume) if cfg.resume else None   # a mistyped --resume: one line
+    source = preflight.resume_source(cfg.resume) if cfg.resume else None   # a mistyped --resume: one line
     if cfg.resume:   # --resume A --out_dir B, B another run: refused, or replaced with --overwrite true
         replace = runs.check_resume_target(cfg.resume, run_dir, cfg.overwrite)
-    else:            # never mix two runs' records in one folder (faults.check_new_run)
-        replace = faults.check_new_run(run_dir, cfg.overwrite, delete=False)
+    else:            # never mix two runs' records in one folder (preflight.check_new_run)
+        replace = preflight.check_new_run(run_dir, cfg.overwrite, delete=False)
     if source and not replace:
         runs.check_run_config(run_dir)   # read (history kept) once the checkpoint loads
     checkpoint, state = runs.pick_checkpoint(cfg.resume, source) if cfg.resume else (None, None)
@@ -387,7 +394,7 @@ def write_errors(path: Path, kept: str, then: str = "free space and run the same
     try:
         yield
     except OSError as err:
-        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; {kept}; {then}") from err
+        raise faults.WriteError(f"writing {path}: {faults.write_failure(err)}; {kept}; {then}") from err
 
 
 def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, step: int,
@@ -452,11 +459,11 @@ def log_trees(s: Run, step: int, result) -> None:
         return
     scores = result.scores
     if s.embedder is not None and result.alpha == 0:
-        estimators = release.estimators(cfg.value_estimate, cfg.sibling_groups)
-        embeddings = advantage.embed_blocks(s.embedder, result.trees, cfg.embed_batch_size, estimators)
+        embeddings = advantage.embed_blocks(s.embedder, result.trees, cfg.embed_batch_size,
+                                            cfg.sibling_groups)
         for tr, tree_scores, emb in zip(result.trees, scores, embeddings):
             if emb is not None:
-                for score, div in zip(tree_scores, estimators.diversity(tr, emb)):
+                for score, div in zip(tree_scores, advantage.block_diversity(tr, emb, cfg.sibling_groups)):
                     score.div_sib = div
     tracking.write_trees(s.run_dir, step, result.trees, s.tokenizer, scores, result.alpha, cfg.method,
                          cfg.value_estimate, cfg.sibling_groups)
@@ -525,7 +532,7 @@ def run_eval(s: Run, label: str, step: int, stop: signals.GracefulStop, write: b
         model.eval()
         try:
             with D.full_params(model):     # sharded over ranks and gathered under torchrun
-                result = evaluate.evaluate_problems(
+                result = s.evaluate(
                     model, s.tokenizer, s.eval_problems, cfg, k=cfg.eval_k,
                     max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}",
                     stop=None if D.active() else stop)
@@ -586,7 +593,6 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, train
                                    f"last good checkpoint: {last if last != str(run_dir) else 'none'}")
     with runs.checkpoint_folder(run_dir, step, keep) as tmp:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        inject.crash_point("checkpoint-write")   # fault-injection tests kill the run here, half written
         tokenizer.save_pretrained(tmp)
         torch.save({"optimizer": optimizer_state, **trainer}, tmp / "trainer_state.pt")
     D.barrier()   # no rank reads or resumes from a checkpoint before it is complete

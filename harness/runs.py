@@ -17,7 +17,6 @@ Everything here is plain functions over paths and dicts, so a training loop of a
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -28,8 +27,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness import atomic
-from harness.faults import UserError, WriteError, say
+from runtime import atomic
+from runtime.faults import UserError, WriteError, say, write_failure
+
+# What train.py writes into a run folder (--overwrite removes exactly these).
+RUN_FILES = ("metrics.jsonl", "checkpoints", "trees", "tensorboard", "wandb", "training.png", "config.json",
+             "git_commit.txt", "abandoned")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -208,7 +211,7 @@ def holds_run(folder: Path) -> bool:
     return (metrics.exists() and metrics.stat().st_size > 0) or any((folder / "checkpoints").glob("step_*"))
 
 
-# A run's own subfolders (faults.RUN_FILES): a run is never started inside another run's.
+# A run's own subfolders (RUN_FILES): a run is never started inside another run's.
 RUN_SUBFOLDERS = ("checkpoints", "trees", "tensorboard", "wandb", "abandoned")
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "*.gguf")
 
@@ -277,8 +280,6 @@ def check_resume_target(resume: str, out_dir: str | Path, overwrite: bool) -> bo
 
 def replaced_paths(run_dir: Path) -> list[Path]:
     """What replace_run deletes in `run_dir`, links followed (to compare a checkpoint against)."""
-    from harness.faults import RUN_FILES
-
     return [(Path(run_dir) / name).resolve() for name in RUN_FILES if os.path.lexists(Path(run_dir) / name)]
 
 
@@ -287,12 +288,10 @@ CHECKPOINT_ENTRIES = ("step_*", ".tmp_step_*", "latest", ".latest.*", "abandoned
 
 
 def replace_run(run_dir: Path) -> list[str]:
-    """--overwrite true: delete the earlier run's own files (faults.RUN_FILES) and nothing else; returns
+    """--overwrite true: delete the earlier run's own files (RUN_FILES) and nothing else; returns
     their names. Called only once every other check passed. A link is never followed into a deletion:
     checkpoints/ as a link (a scratch disk) keeps the link and loses only the checkpoints train.py wrote
     there (CHECKPOINT_ENTRIES); any other link among the run's files is removed, its target untouched."""
-    from harness.faults import RUN_FILES
-
     run_dir, removed = Path(run_dir), []
     for name in RUN_FILES:
         path = run_dir / name
@@ -383,7 +382,7 @@ def with_history(saved_json: dict, new: dict, changes: dict, step: int) -> dict:
 def write_text(path: Path, text: str) -> None:
     """Replace a file atomically: a kill or a full disk leaves the old file or the new one, never half of one
     (the partial temporary file is removed before the error goes on); the temporary file is created
-    exclusively, so a link planted in the folder cannot redirect the write (harness/atomic.py)."""
+    exclusively, so a link planted in the folder cannot redirect the write (runtime/atomic.py)."""
     atomic.write_text(path, text)
 
 
@@ -406,26 +405,6 @@ def checkpoint_steps(run_dir: Path) -> list[Path]:
     complete = [p for p in folder.glob("step_*")
                 if p.name[5:].isdigit() and (p / "trainer_state.pt").exists()]
     return sorted(complete, key=step_of)
-
-
-def write_failure(err: BaseException) -> str | None:
-    """A short cause when `err` is a write error (disk full, quota, read-only, I/O), else None. safetensors
-    reports OS errors as its own exception with the OS error inside the message; torch.save reports a write
-    the disk cut short as a RuntimeError "... unexpected pos N vs M" (its zip writer's byte count)."""
-    code = getattr(err, "errno", None)
-    text = str(err)
-    if code == errno.ENOSPC or "No space left" in text or "StorageFull" in text or "os error 28" in text:
-        return "disk full (No space left on device)"
-    if code == errno.EDQUOT or "Disk quota" in text:
-        return "disk quota exceeded"
-    if isinstance(err, OSError):
-        return err.strerror or text
-    cut = re.search(r"unexpected pos \d+ vs \d+", text)
-    if isinstance(err, RuntimeError) and cut:
-        return f"disk full or over quota (torch.save's write was cut short: {cut.group(0)})"
-    if "IoError" in text or "os error" in text:
-        return text.splitlines()[0]
-    return None
 
 
 @contextmanager
@@ -645,7 +624,7 @@ def checkpoint_damage(checkpoint: Path):
 def pick_checkpoint(resume: str, source: str | None):
     """The checkpoint a resume continues from and its trainer state, falling back past damaged ones.
 
-    `source`: faults.resume_source's answer (None: nothing to resume, start at step 0). When --resume names
+    `source`: preflight.resume_source's answer (None: nothing to resume, start at step 0). When --resume names
     a run folder, its complete checkpoints are tried newest first; a damaged one (unreadable weights or
     trainer state) is skipped with a one-line warning. A checkpoint named explicitly is not replaced by
     another one: damaged, it is a UserError. None usable: a UserError naming them all. A trainer state that

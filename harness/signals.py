@@ -5,7 +5,7 @@ import _thread
 import signal
 import threading
 
-from harness.faults import StopTimeout, say
+from runtime.faults import StopTimeout, say
 
 
 class GracefulStop:

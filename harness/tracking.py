@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 import advantage as A
+import checks
 import tree as T
-from harness import atomic, checks, faults, runs
+from runtime import atomic, faults
 
 
 def tags(record: dict) -> dict[str, float]:
@@ -119,8 +120,8 @@ class Log:
                 with open(self.path, "a", opener=atomic.no_follow) as f:   # never through a link
                     f.write(json.dumps(record) + "\n")
             except OSError as err:   # disk full, quota, read-only: one line, the checkpoints are untouched
-                raise faults.WriteError(f"writing {self.path}: {runs.write_failure(err)}; the step's record "
-                                        f"is lost, checkpoints are intact; free space and --resume "
+                raise faults.WriteError(f"writing {self.path}: {faults.write_failure(err)}; the step's "
+                                        f"record is lost, checkpoints are intact; free space and --resume "
                                         f"{self.run_dir}") from err
         if not self.report_to:
             return
@@ -334,7 +335,7 @@ def write_trees(run_dir, step: int, trees: list[T.Tree], tokenizer, scores: list
     except OSError as err:   # disk full: one line; the earlier tree logs and the checkpoints are untouched
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise faults.WriteError(f"writing {path}: {runs.write_failure(err)}; checkpoints are intact; "
+        raise faults.WriteError(f"writing {path}: {faults.write_failure(err)}; checkpoints are intact; "
                                 f"free space and --resume {run_dir}") from err
     return path
 

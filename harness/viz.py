@@ -24,7 +24,8 @@ import os
 import sys
 from pathlib import Path
 
-from harness import atomic, figures, tracking
+from harness import tracking
+from runtime import atomic, faults, figures
 
 ROW_H, BAR_H, STRIP_H = 30, 13, 6       # pixels per row, advantage bar, entropy strip
 PROMPT_W, PLOT_W, PAD = 70, 900, 10     # prompt box, width of the longest response, margin
@@ -471,13 +472,12 @@ def main(argv: list[str] | None = None) -> tuple[Path, Path]:
     try:
         write_outputs(trees, title, page, png)
     except OSError as err:
-        from harness import runs
 
         full = err.errno in (errno.ENOSPC, errno.EDQUOT)
         flag = f"--out {args.out}" if args.out else f"{page.parent} (the default output folder, or --out)"
         target = str(err.filename or page).removesuffix(".tmp")
         parser.exit(4 if full else 2, f"viz.py: error: {flag}: cannot write {target} "
-                                      f"({runs.write_failure(err)}); expected a folder you can write"
+                                      f"({faults.write_failure(err)}); expected a folder you can write"
                                       f"{' with free space' if full else ''}\n")
     print(f"wrote {page} and {png}")
     return page, png
@@ -488,7 +488,7 @@ def write_outputs(trees: list[dict], title: str, page: Path, png: Path) -> None:
     half-written file)."""
     page.parent.mkdir(parents=True, exist_ok=True)
     tmp_page = tmp_png = None
-    try:   # temporary files created exclusively: never a link planted in the folder (harness/atomic.py)
+    try:   # temporary files created exclusively: never a link planted in the folder (runtime/atomic.py)
         tmp_page, tmp_png = atomic.exclusive_temp(page), atomic.exclusive_temp(png)
         tmp_page.write_text(render_html(trees, title), encoding="utf-8")
         plain = render_png(trees, title, tmp_png)

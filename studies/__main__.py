@@ -12,12 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from harness import threads
+from runtime import threads
 
-# OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
+# OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import config as C
-from harness import cli, faults
+from harness import cli, preflight
+from runtime import faults
 from studies import difficulty, dynamics, forks, main_table, tree_vs_parallel
 from studies.common import Study, check_study_options
 
@@ -120,7 +121,7 @@ def make_study(name: str, argv: list[str]) -> Study:
         opts.setdefault("from_dir", str(out.parent / "difficulty"))
     if name == "dynamics":
         opts.setdefault("runs", [])
-    faults.check_writable(out)          # a UserError naming --out_dir, not a traceback
+    preflight.check_writable(out)          # a UserError naming --out_dir, not a traceback
     named = {k for k in given} | {k for k in study_keys if getattr(args, k, None) is not None}
     return Study(name, cfg, opts, out, scale, frozenset(named))
 

@@ -24,7 +24,8 @@ import config as C
 import data
 import models
 import rollout as R
-from harness import atomic, faults, measured
+from harness import measured, preflight
+from runtime import atomic, faults
 
 # --------------------------------------------------------------------------------------------------------
 # Settings every study's scales share. A study's <STUDY>_SCALES give, per scale, `config` (Config fields)
@@ -104,7 +105,7 @@ def verdict(diff: float, half: float | None, first: str, second: str) -> str:
 def load_study_problems(source: str, limit: int, levels: list[int], flag: str = "--data") -> list[dict]:
     """Problems of `source`, only the given levels (if any), first `limit` of them (0 = all). A source that
     cannot be loaded, or levels none of its problems have, is one UserError line naming `flag`."""
-    problems = faults.load_data(source, flag)
+    problems = preflight.load_data(source, flag)
     if levels:
         have = sorted({p.get("level") for p in problems if p.get("level") is not None}, key=str)
         problems = [p for p in problems if p.get("level") in levels]
@@ -270,7 +271,7 @@ def pyplot():
 
 
 def save_png(fig, path, dpi: int = 110) -> None:
-    """The figure as a PNG at `path`, written whole (harness/atomic.py: never through a planted link), and
+    """The figure as a PNG at `path`, written whole (runtime/atomic.py: never through a planted link), and
     closed."""
     try:
         atomic.replace_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))

@@ -23,8 +23,9 @@ from pathlib import Path
 import config as C
 import evaluate
 import train
-from harness import atomic, eval_files, faults, measured
-from harness.figures import literal
+from harness import eval_files, measured
+from runtime import atomic, faults
+from runtime.figures import literal
 from studies.common import (
     DEMO_CONFIG,
     PAPER_MODEL,

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import evaluate
-from harness import atomic, faults, measured, tracking
-from harness.figures import literal
+from harness import measured, tracking
+from runtime import atomic, faults
+from runtime.figures import literal
 from studies.common import (
     DEMO_CONFIG,
     TINY_CONFIG,

@@ -30,8 +30,8 @@ from tqdm import tqdm
 import config as C
 import models
 import rollout as R
-from harness import atomic
-from harness.figures import literal
+from runtime import atomic
+from runtime.figures import literal
 from studies import growth
 from studies.common import (
     DEMO_CONFIG,

@@ -20,8 +20,9 @@ import config as C
 import evaluate
 import models
 import train
-from harness import atomic, faults, measured, runs, tracking
-from harness.figures import literal
+from harness import measured, runs, tracking
+from runtime import atomic, faults
+from runtime.figures import literal
 from studies.common import (
     Study,
     correct_counts,

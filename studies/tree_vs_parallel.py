@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 import models
 import rollout as R
-from harness import faults
-from harness.figures import literal
+from runtime import faults
+from runtime.figures import literal
 from studies import growth
 from studies.common import (
     DEMO_CONFIG,

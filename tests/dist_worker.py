@@ -18,10 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import config as C  # noqa: E402
+import methods  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
 import tree as T  # noqa: E402
-from harness import distributed as D  # noqa: E402
+from runtime import distributed as D  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ def update_trees(trees: list[T.Tree]) -> list:
     out = []
     for t, tr in enumerate(trees):
         adv = [0.0] * len(tr.blocks) if t == 1 else [0.3, -0.5, 0.8, -0.4, 0.2 * (t - 1)]
-        out.append(train.train_tree(tr, adv, "datpo"))
+        out.append(train.train_tree(tr, adv, methods.METHODS["datpo"]))
     return out
 
 

@@ -6,7 +6,7 @@
 
 Three chains of the same short run (same seed, a checkpoint every step) run side by side:
   clean    uninterrupted
-  killed   SIGKILLed (inject.crash_point, DATPO_CRASH_AT) at several moments — while writing its first
+  killed   SIGKILLed (DATPO_CRASH_AT, tests/inject.py) at several moments — while writing its first
            checkpoint (before any checkpoint exists), while writing a later one, at the start of a step — and
            restarted each time with the same command, which always carries `--resume RUN` as a job script does
   stopped  sent SIGTERM during a step: must finish the step, checkpoint, exit 0; then resumed
@@ -74,7 +74,7 @@ def run_cli(capsys, argv, code=None, one_error_line=False) -> list[str]:
     import pytest
 
     import train
-    from harness import faults
+    from runtime import faults
 
     if code is None:
         faults.main_guard(train.main, argv)
@@ -109,9 +109,13 @@ def finished_run(run_dir: Path, argv: list[str]) -> Path:
 def child(argv: list[str]) -> None:
     """The process that is killed: train.py's command line, optionally with the stand-in grader."""
     sys.path.insert(0, str(ROOT))
+    import inject
+
     import rollout
     import train
-    from harness import faults
+    from runtime import faults
+
+    inject.install_crash_points()   # DATPO_CRASH_AT: this process is killed at the points it names
 
     if argv and argv[0] == "--stand-in-reward":
         rollout.compute_reward = stand_in_reward

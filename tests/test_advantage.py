@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import advantage as A
+import config as C
 import release as R
 
 
@@ -114,9 +115,8 @@ def test_release_values_bad_input():
         R.release_values([None], [1.0], [])
     with pytest.raises(ValueError, match="no branch"):
         R.release_values([None, 0], [None, 1.0], [False, False])
-    with pytest.raises(ValueError, match="paper"):
-        R.estimators("mine")
-    assert R.estimators() == A.PAPER and R.estimators("release").values is R.tree_values
+    with pytest.raises(ValueError, match="--value_estimate: got .mine., expected one of paper, release"):
+        C.make_config("tiny", value_estimate="mine")
 
 
 def test_v_root_one_gives_all_zero():

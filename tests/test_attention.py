@@ -204,7 +204,7 @@ def test_flex_over_three_packed_lengths_equals_dense_on_cpu():
 def test_flex_probe_falls_back_to_tree_with_one_line(monkeypatch, capsys):
     """On this CPU the real probe fails (flex has no backward here): flex — asked for or auto — falls back to
     the tree kernel with one message, printed once; a passing probe keeps flex."""
-    monkeypatch.setattr(attention, "_kernel_choice", {})
+    monkeypatch.setattr(attention, "flex_probes", {})
     model = tiny("qwen2")
     kernel, why = attention.resolve_kernel("flex", "cpu", model)
     assert kernel == "tree" and "backward" in why
@@ -213,7 +213,7 @@ def test_flex_probe_falls_back_to_tree_with_one_line(monkeypatch, capsys):
     assert err.count("using the tree kernel") == 1 and len(err.strip().splitlines()) == 1
     assert attention.resolve_kernel("auto", "cpu", model) == ("tree", None)       # auto: flex only on CUDA
     assert attention.resolve_kernel("dense", "cpu", model) == ("dense", None)
-    monkeypatch.setattr(attention, "_kernel_choice", {})
+    monkeypatch.setattr(attention, "flex_probes", {})
     monkeypatch.setattr(attention, "probe_flex", lambda *a, **k: None)
     assert attention.resolve_kernel("flex", "cpu", model) == ("flex", None)
 
@@ -221,7 +221,7 @@ def test_flex_probe_falls_back_to_tree_with_one_line(monkeypatch, capsys):
 def test_update_with_flex_on_cpu_runs_the_tree_kernel_and_says_so(monkeypatch):
     """train.ppo_update with --packed_attention flex on CPU: the probe falls back, the update equals the tree
     kernel's, and the kernel in use is in the update's stats (→ metrics.jsonl)."""
-    monkeypatch.setattr(attention, "_kernel_choice", {})
+    monkeypatch.setattr(attention, "flex_probes", {})
     cfg = C.make_config("tiny", mini_batch_size=6, ppo_epochs=1, max_tokens_per_micro_batch=20)
     trees = [datpo_tree(), grpo_group(), deep_tree()]
     out = {}

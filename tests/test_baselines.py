@@ -45,12 +45,12 @@ def test_attnrl_filters_uniform_trees_and_trains_branched_paths_only():
               T.Block(None, [3], [0], reward=0.0, base=1)]                     # an unbranched response
     tr = T.Tree("p", [1], "a", blocks, v_root=0.5, k_hat=1, b_hat=1)
     assert M.METHODS["attnrl"].trainable(tr) and M.METHODS["datpo"].trainable(tr)
-    tt = train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], "attnrl")
+    tt = train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], M.METHODS["attnrl"])
     rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
     assert [r.ids for r in rows] == [[1, 5, 6, 7], [1, 5, 6, 8, 9]]
     assert tt.weights == [2.0, 1.0, 1.0, 0.0]                                # the unbranched response: 0
     # TreeRL keeps it
-    assert train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], "treerl").weights == [2.0, 1.0, 1.0, 1.0]
+    assert train.train_tree(tr, [0.1, 0.2, 0.3, 0.4], M.METHODS["treerl"]).weights == [2.0, 1.0, 1.0, 1.0]
     uniform = T.Tree("p", [1], "a", [T.Block(None, [3], [0], reward=1.0),
                                      T.Block(None, [4], [0], reward=1.0)],
                      v_root=1.0, k_hat=0, b_hat=0)

@@ -3,11 +3,14 @@ seconds."""
 import json
 import os
 import re
+import sys
 import time
 
 import pytest
 
 import data
+import evaluate as E
+from runtime import faults
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -456,3 +459,45 @@ def test_unmatchable_golds_are_refused_or_skipped_by_the_caller(tmp_path):
     assert said[-1] == ("1 of 3 problems skipped (named above): their gold answers can never be matched by "
                         "the grader, so they could only score 0")
     assert data.load_problems(str(path), limit=1, skip_unmatchable=said.append) == kept[:1]
+
+
+# ------------------------------------------------------------------------------------------------------
+# An explosive gold answer is refused at load
+# ------------------------------------------------------------------------------------------------------
+EVAL = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "--limit", "2", "--k", "2",
+        "--max_new_tokens", "4", "--threads", "1"]
+
+
+def refused(capsys, main, argv, program: str, code: int = 2) -> str:
+    """`main` run as the command `program`: exit `code`, one error line and no traceback; that line."""
+    capsys.readouterr()
+    saved, sys.argv[0] = sys.argv[0], program
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            faults.main_guard(main, argv)
+    finally:
+        sys.argv[0] = saved
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == code, err
+    assert "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("gold", ["9^{9^{9^{9}}}", "10^{10^{10}}"])
+def test_an_explosive_gold_answer_is_refused_at_load(tmp_path, capsys, gold):
+    path = tmp_path / "bench.jsonl"
+    path.write_text(json.dumps({"problem": "Tower?", "answer": gold}) + "\n"
+                    + json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
+    out = tmp_path / "ev"
+    line = refused(capsys, E.main, EVAL + ["--bench", str(path), "--out_dir", str(out)], "evaluate.py")
+    assert line == (f"evaluate.py: error: --bench {path}: {path.parent.name}/{path.name} line 1: field "
+                    f"'answer' gives the answer {gold!r}, a form the grader never evaluates (an exponent "
+                    f"tower such as 9^{{9^{{9}}}}, a power, factorial or binomial of a huge number, or "
+                    f"braces nested too deep), so no equivalent answer could match it; expected the answer "
+                    f"itself")
+    assert not out.exists()
+    # training data skips it out loud, as for every gold answer no response can match
+    skipped = []
+    problems = data.load_problems(str(path), None, skipped.append)
+    assert [p["answer"] for p in problems] == ["2"] and "problem skipped" in skipped[0]

@@ -1,4 +1,4 @@
-"""harness/distributed.py: sharding arithmetic in one process, and 2-process CPU runs under torchrun (gloo)
+"""runtime/distributed.py: sharding arithmetic in one process, and 2-process CPU runs under torchrun (gloo)
 compared with one process: a PPO update with FSDP2 and with DDP, sharded evaluation, and a tiny run that
 checkpoints and resumes on 2 ranks and on 1 (tests/dist_worker.py is the rank side)."""
 import json
@@ -17,10 +17,12 @@ from transformers import AutoModelForCausalLM
 import models
 import rollout as R
 import train
-from harness import distributed as D
+from runtime import distributed as D
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dist_worker as W  # noqa: E402
+from fault_injection import folder_hash, run_cli  # noqa: E402
+from test_evaluate_folders import refused as evaluate_refused  # noqa: E402
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -263,3 +265,63 @@ def test_two_rank_off_policy_run_resumes_on_two_ranks_and_one_with_the_batch_in_
     one = _read(run_c / "metrics.jsonl")
     assert [(r["step"], r["policy_lag"]) for r in one] == [(2, 1), (3, 1)]
     assert one[0]["stale_tokens"] == steps[1]["stale_tokens"]     # the same stale bases, trained on 1 process
+
+
+# ------------------------------------------------------------------------------------------------------
+# Launcher variables outside torchrun are one line
+# ------------------------------------------------------------------------------------------------------
+TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"]
+
+
+EVAL = ["--preset", "tiny", "--model", "tiny-random", "--limit", "2", "--k", "2", "--max_new_tokens", "4"]
+
+
+TORCHRUN = ("expected a command started by torchrun (`torchrun --nproc_per_node N {script} ...` sets "
+            "WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT), or WORLD_SIZE unset (or 1) for one process")
+
+
+@pytest.fixture
+def program_name(monkeypatch):
+    """The program name the user sees in a line: `python train.py` runs these commands."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+
+
+@pytest.mark.parametrize("env, why", [
+    ({"WORLD_SIZE": ""}, "WORLD_SIZE='' in the environment: not a number of processes >= 1"),    # the issue's
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 in the environment but RANK, MASTER_ADDR, MASTER_PORT not set: this "
+                          "process was not started by torchrun"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' in the environment: not a number of processes >= 1"),
+])
+def test_launcher_variables_outside_torchrun_are_one_line(program_name, tmp_path, capsys, monkeypatch,
+                                                          no_rendezvous, env, why):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = run_cli(capsys, TINY + ["--out_dir", str(tmp_path / "run")], code=2, one_error_line=True)[-1]
+    assert line == f"train.py: error: {why}; {TORCHRUN.format(script='train.py')}"
+    monkeypatch.setattr(sys, "argv", ["evaluate.py"])
+    line = evaluate_refused(capsys, EVAL + ["--out_dir", str(tmp_path / "ev")])
+    assert line == f"evaluate.py: error: {why}; {TORCHRUN.format(script='evaluate.py')}"
+    assert folder_hash(tmp_path) == {}
+
+
+@pytest.fixture
+def no_rendezvous(monkeypatch):
+    """torch's env:// rendezvous would wait 30 minutes for ranks that never come: fail at once instead."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("init_process_group was reached: the variables were not checked first")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+
+
+def test_a_rank_outside_the_world_is_one_line(program_name, tmp_path, capsys, monkeypatch, no_rendezvous):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in {"RANK": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    line = run_cli(capsys, TINY + ["--out_dir", str(tmp_path / "run")], code=2, one_error_line=True)[-1]
+    assert line.endswith("error: RANK='2' in the environment: expected a number 0 to 1 (WORLD_SIZE=2), as "
+                         "torchrun sets it")
+    assert folder_hash(tmp_path) == {}

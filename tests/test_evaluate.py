@@ -20,7 +20,8 @@ import data
 import evaluate as E
 import models
 import rollout
-from harness import eval_files, faults
+from harness import eval_files
+from runtime import faults
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -234,11 +235,12 @@ def test_cli_end_to_end_and_rescore(tmp_path, capsys):
 
 
 def test_cli_installs_the_eval_oom_site_at_start_up(tmp_path):
-    """`DATPO_OOM_AT=eval python evaluate.py ...`: start-up installs the harness's "eval" site
-    (harness/inject.py) on the module the command runs, so the first generate call runs out of memory and
-    its rows are rerun in smaller calls: one retry, said in one line, every sample."""
+    """`DATPO_OOM_AT=eval python tests/inject.py evaluate.py ...`: the tests' launcher installs the "eval"
+    site on the module the command runs, so the first generate call runs out of memory and its rows are
+    rerun in smaller calls: one retry, said in one line, every sample."""
     env = {**os.environ, "DATPO_OOM_AT": "eval", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(ROOT / "evaluate.py"), *TINY, "--out_dir", str(tmp_path / "ev")]
+    command = [sys.executable, str(ROOT / "tests" / "inject.py"), "evaluate.py", *TINY,
+               "--out_dir", str(tmp_path / "ev")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "out of memory in evaluation's generation at 8: retrying at 4" in done.stderr, done.stderr
@@ -318,7 +320,7 @@ def _folder_hash(path):
 
 
 def _exit_line(capsys, argv):
-    from harness import faults
+    from runtime import faults
 
     with pytest.raises(SystemExit) as exit_info:
         faults.main_guard(E.main, argv)

@@ -17,12 +17,14 @@ import models
 import packing as P
 import rollout as R
 import train
-from harness import faults, guards, inject, oom, signals
+from harness import guards, signals
+from runtime import faults, oom
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_injection as FI  # noqa: E402
+import inject  # noqa: E402
 
-from harness import loop, tracking
+from harness import loop, preflight, tracking
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -127,36 +129,36 @@ def test_debug_shows_the_traceback(files):
 
 def test_resume_source(tmp_path):
     with pytest.raises(faults.UserError, match="no such folder"):
-        faults.resume_source(str(tmp_path / "nope"))
+        preflight.resume_source(str(tmp_path / "nope"))
     (tmp_path / "run").mkdir()
-    assert faults.resume_source(str(tmp_path / "run")) is None          # nothing yet: start at step 0
+    assert preflight.resume_source(str(tmp_path / "run")) is None          # nothing yet: start at step 0
     ckpt = tmp_path / "run" / "checkpoints"
     for step in (1, 2):
         (ckpt / f"step_00000{step}").mkdir(parents=True)
         (ckpt / f"step_00000{step}" / "trainer_state.pt").write_text("x")
     (ckpt / ".tmp_step_000003").mkdir()                                  # a half-written one never counts
     (ckpt / "latest").write_text("step_000001")                          # killed before the pointer moved
-    assert faults.resume_source(str(tmp_path / "run")) == str(ckpt / "step_000002")
+    assert preflight.resume_source(str(tmp_path / "run")) == str(ckpt / "step_000002")
 
 
 def test_fresh_run_into_a_folder_holding_a_run_is_refused_or_replaced(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "notes.txt").write_text("mine")                               # not a run file: never touched
-    faults.check_new_run(run, overwrite=False)                           # no records yet: fine
+    preflight.check_new_run(run, overwrite=False)                           # no records yet: fine
     (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "trees").mkdir()
     with pytest.raises(faults.UserError) as err:
-        faults.check_new_run(run, overwrite=False)
+        preflight.check_new_run(run, overwrite=False)
     assert str(err.value) == (f"--out_dir {run}: already holds a run (metrics.jsonl with 2 records, "
                               f"checkpoints up to step_000001); --resume {run} continues it, another "
                               f"--out_dir starts a new one, --overwrite true replaces it")
     assert (run / "metrics.jsonl").exists()                              # the refusal deletes nothing
     # torchrun: ranks > 0 leave it to rank 0
-    faults.check_new_run(run, overwrite=True, delete=False)
+    preflight.check_new_run(run, overwrite=True, delete=False)
     assert (run / "checkpoints").exists()
-    faults.check_new_run(run, overwrite=True)
+    preflight.check_new_run(run, overwrite=True)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
 
 
@@ -403,15 +405,14 @@ def test_interrupted_evaluation_resumes_to_the_same_numbers(tmp_path, monkeypatc
             "--runs", "2", "--max_new_tokens", "5", "--gen_batch_size", "2"]
     clean = E.main(args + ["--out_dir", str(tmp_path / "clean")])["tiny-random"]["arith-test"]
     out = tmp_path / "cut"
-    monkeypatch.setenv("DATPO_CRASH_AT", "journal-append:2:SIGINT")     # Ctrl-C after 2 of 6 generate calls
-    inject._crash_hits.clear()
+    inject.install_crash_points("journal-append:2:SIGINT", monkeypatch.setattr)   # Ctrl-C after 2 of 6 calls
     partial = E.main(args + ["--out_dir", str(out)])
     assert partial == {"tiny-random": {}}
     assert "stopped by SIGINT in arith-test: 4 of 12 samples saved" in capsys.readouterr().out
     assert len((out / "samples_arith-test.jsonl").read_text().splitlines()) == 4
     with open(out / "samples_arith-test.jsonl", "a") as f:
         f.write('{"index": 2, "run"')                                    # and a line torn by a kill
-    monkeypatch.delenv("DATPO_CRASH_AT")
+    monkeypatch.undo()
     resumed = E.main(args + ["--resume", str(out)])["tiny-random"]["arith-test"]
     assert "reused the samples of an earlier run" in capsys.readouterr().out
     drop = ("seconds",)

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import advantage as A
+import checks
 import config as C
 import methods as M
 import release as release_py
 import train
 import tree as T
-from harness import checks, loop
+from harness import loop
 
 
 def _tree():
@@ -76,8 +77,8 @@ def test_paths_weights_and_filter_by_hand():
     assert M.leaf_paths(tr) == [[0, 1], [0, 2], [3]]
     # not the unbranched response
     assert M.branched_paths(tr) == [[0, 1], [0, 2]]
-    assert train.train_tree(tr, [0.0] * 4, "treerl").weights == [2.0, 1.0, 1.0, 1.0]
-    assert train.train_tree(tr, [0.0] * 4, "attnrl").weights == [2.0, 1.0, 1.0, 0.0]
+    assert train.train_tree(tr, [0.0] * 4, M.METHODS["treerl"]).weights == [2.0, 1.0, 1.0, 1.0]
+    assert train.train_tree(tr, [0.0] * 4, M.METHODS["attnrl"]).weights == [2.0, 1.0, 1.0, 0.0]
     assert M.METHODS["attnrl"].trainable(tr) and M.METHODS["treerl"].trainable(tr)
     flat = T.Tree("p", [1], "a", [T.Block(None, [1], [0], reward=1.0, base=0, start=0),
                                   T.Block(None, [2], [0], reward=1.0, base=1, start=0)], 1.0, 0, 0, [[], []])
@@ -133,15 +134,14 @@ def test_release_sibling_groups_embed_whole_responses_and_match_the_release_form
               block(None, "The sum of 3 and 4 is 8.", 1, 0.0)]
     tr = T.Tree(prompt="p", prompt_ids=[1], answer="7", blocks=blocks, v_root=0.5, k_hat=1, b_hat=2)
     embedder = models.load_embedder("all-minilm-l6-v2")
-    groups = release_py.estimators("paper", "release")
     paper = A.embed_blocks(embedder, [tr], 8)[0]
-    release = A.embed_blocks(embedder, [tr], 8, groups)[0]
+    release = A.embed_blocks(embedder, [tr], 8, "release")[0]
     assert paper.shape[0] == 5 and release.shape[0] == 5 + 2
     whole = embedder.encode(["We add 3 and 4. So the answer is 7.", "The sum of 3 and 4 is 8."])
     assert np.allclose(release[5:], whole, atol=1e-5)
     assert np.allclose(release[:5], embedder.encode([b.text for b in blocks]), atol=1e-5)
-    div = groups.diversity(tr, release)
+    div = A.block_diversity(tr, release, "release")
     assert div == pytest.approx(release_py.release_sibling_diversity(
         tr.parents, tr.rewards, tr.branch_flags, [0, 0, 0, 0, 1], release[:5], release[5:]))
     assert div[1] == 0.0 and div[2] > 0 and div[3] > 0  # the base continuation is no sibling; branches are
-    assert A.PAPER.diversity(tr, paper) == pytest.approx(A.sibling_diversity(tr.parents, paper))
+    assert A.block_diversity(tr, paper) == pytest.approx(A.sibling_diversity(tr.parents, paper))

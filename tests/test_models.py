@@ -1,8 +1,15 @@
 """models.py: the embedded models load offline, tiny models build from a config, run folders resolve."""
+import errno
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from fault_injection import folder_hash, run_cli
 
 import models
 
@@ -107,3 +114,135 @@ def test_the_cards_command_passes_the_flag_check_and_gte_large_still_needs_the_f
     assert models.embedder_note("all-minilm-l6-v2") is None
     models.load_embedder("all-minilm-l6-v2")                   # no note for another embedder
     assert "embedder:" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------------
+# DATPO_CACHE: the embedded model's converted copy, in the right folder or one line, nothing left behind
+# ------------------------------------------------------------------------------------------------------
+TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"]
+
+
+@pytest.fixture
+def program_name(monkeypatch):
+    """The program name the user sees in a line: `python train.py` runs these commands."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+
+
+def test_an_empty_datpo_cache_is_the_default_never_the_working_directory(program_name, tmp_path, monkeypatch,
+                                                                       smollm_tokenizer):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DATPO_CACHE", "")                     # the issue's case: converted 517 MiB here
+    assert models.cache_dir() == Path.home() / ".cache" / "datpo"
+    assert models.smollm2_folder() == Path.home() / ".cache" / "datpo" / "smollm2-135m-instruct"
+    assert folder_hash(tmp_path) == {}
+    monkeypatch.setenv("DATPO_CACHE", "~/elsewhere")
+    assert models.cache_dir() == Path.home() / "elsewhere"
+
+
+CACHE_LINE = ("expected a folder you can create and write for the embedded model's converted copy (517 MiB), "
+              "or DATPO_CACHE pointing at one")
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_a_datpo_cache_that_is_a_file_is_one_line(program_name, tmp_path, capsys, monkeypatch, kind):
+    file = tmp_path / "cache"
+    file.write_text("not a folder")
+    cache = file if kind == "a file" else file / "sub"        # the issue's case, then a variant
+    monkeypatch.setenv("DATPO_CACHE", str(cache))
+    before = folder_hash(tmp_path)
+    line = run_cli(capsys, TINY + ["--steps", "1", "--out_dir", str(tmp_path / "run")], code=2,
+                   one_error_line=True)[-1]
+    assert line == ({"a file": f"train.py: error: DATPO_CACHE={cache}: is a file, not a folder; expected a "
+                               f"folder for the embedded model's converted copy (517 MiB), or DATPO_CACHE "
+                               f"unset (~/.cache/datpo)",
+                     "under a file": f"train.py: error: DATPO_CACHE={cache}: cannot write there (Not a "
+                                     f"directory); {CACHE_LINE}"}[kind])
+    assert folder_hash(tmp_path) == before                    # the file as it was; no file in --out_dir
+
+
+def _mount_tmpfs(folder: Path, options: str) -> bool:
+    folder.mkdir(exist_ok=True)
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_read_only_cache_is_read_or_one_line(program_name, tmp_path, capsys, monkeypatch, smollm_tokenizer):
+    cache = tmp_path / "cache"
+    if not _mount_tmpfs(cache, "size=1m"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (cache / "smollm2-135m-instruct").symlink_to(models.smollm2_folder())
+        leftover = cache / f".smollm2-{socket.gethostname().replace('-', '_')}-{_dead_pid()}-abcd1234"
+        leftover.mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(cache)], check=True)
+        monkeypatch.setenv("DATPO_CACHE", str(cache))
+        assert models.smollm2_folder() == cache / "smollm2-135m-instruct"      # a shared cache, read only
+        assert leftover.exists() and capsys.readouterr().err == ""             # cannot be removed: no line
+    finally:
+        subprocess.run(["umount", str(cache)], capture_output=True)
+    empty = tmp_path / "empty"
+    if not _mount_tmpfs(empty, "ro,size=1m"):
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        monkeypatch.setenv("DATPO_CACHE", str(empty))
+        line = run_cli(capsys, TINY + ["--steps", "1", "--out_dir", str(tmp_path / "run")], code=2,
+                       one_error_line=True)[-1]
+        assert line == (f"train.py: error: DATPO_CACHE={empty}: cannot write there (Read-only file system); "
+                        f"{CACHE_LINE}")
+    finally:
+        subprocess.run(["umount", str(empty)], capture_output=True)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def partial_conversion(error: BaseException):
+    """A conversion that writes part of the model, then stops with `error` (Ctrl-C, a full disk)."""
+    def convert(folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise error
+    return convert
+
+
+@pytest.mark.parametrize("error, code, line", [
+    (KeyboardInterrupt(), 130, "train.py: interrupted"),
+    (OSError(errno.ENOSPC, "No space left on device"), 4,
+     "train.py: error: DATPO_CACHE={cache}: converting the embedded model into it failed (disk full (No "
+     "space left on device)); nothing of it is kept; free space (it takes 517 MiB) or point DATPO_CACHE at "
+     "another folder"),
+])
+def test_an_interrupted_first_conversion_leaves_nothing(program_name, tmp_path, capsys, monkeypatch, error,
+                                                        code, line):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DATPO_CACHE", str(cache))
+    monkeypatch.setattr(models, "_convert_smollm2", partial_conversion(error))
+    lines = run_cli(capsys, TINY + ["--steps", "1", "--out_dir", str(tmp_path / "run")], code=code)
+    assert lines[-1] == line.format(cache=cache) and len(lines) == 1
+    assert folder_hash(cache) == {}                           # the partial folder removed, nothing cached
+
+
+def test_a_conversion_killed_outright_is_cleared_by_the_next_run(program_name, tmp_path, capsys, monkeypatch,
+                                                                smollm_tokenizer):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "smollm2-135m-instruct").symlink_to(models.smollm2_folder())
+    host = socket.gethostname().replace("-", "_")
+    killed = cache / f".smollm2-{host}-{_dead_pid()}-k1ll3d00"
+    running = cache / f".smollm2-{host}-{os.getpid()}-l1v3l1v3"   # a conversion still running: kept
+    other = cache / f".smollm2-otherhost-{_dead_pid()}-0th3r000"   # another host's: its pid tells nothing
+    for folder in (killed, running, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 1024)
+    monkeypatch.setenv("DATPO_CACHE", str(cache))
+    assert models.smollm2_folder() == cache / "smollm2-135m-instruct"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"DATPO_CACHE={cache}: removed {killed.name}, left by a conversion of the embedded model that was "
+        f"interrupted (process {killed.name.split('-')[2]} is gone)"]
+    assert not killed.exists() and running.exists() and other.exists()

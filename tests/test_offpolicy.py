@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import config as C
+import methods
 import models
 import offpolicy
 import packing as P
@@ -119,9 +120,10 @@ def test_train_tree_carries_behaviour_log_probs_of_stale_base_blocks():
     for b, lp in zip(blocks, ([-0.1, -0.2], [-0.3], [-0.4, -0.5])):
         b.logprobs = lp
     tr = T.Tree("p", [1, 2], "a", blocks, v_root=1.0, k_hat=1, b_hat=1, forks=[[2]])
-    assert train.train_tree(tr, [0.0, 0.0, 0.0], "datpo").behaviour is None          # on-policy
+    datpo = methods.METHODS["datpo"]
+    assert train.train_tree(tr, [0.0, 0.0, 0.0], datpo).behaviour is None          # on-policy
     tr.policy_lag = 1
-    assert train.train_tree(tr, [0.0, 0.0, 0.0], "datpo").behaviour == [[-0.1, -0.2], [-0.3], None]
+    assert train.train_tree(tr, [0.0, 0.0, 0.0], datpo).behaviour == [[-0.1, -0.2], [-0.3], None]
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ in smaller batches with a valid result; cuBLAS allocation failures count as out 
 import copy
 import random
 
+import inject
 import pytest
 import torch
 from test_packing import EOS, datpo_tree, deep_tree, grpo_group, tiny
@@ -15,12 +16,12 @@ import evaluate as E
 import packing as P
 import rollout as R
 import train
-from harness import faults, inject, oom
+from runtime import faults, oom
 
 
 @pytest.fixture
 def oom_at(monkeypatch):
-    """DATPO_OOM_AT for one test: the harness's sites (harness/inject.py) wrapped with monkeypatch, so they
+    """DATPO_OOM_AT for one test: the tests' sites (tests/inject.py) wrapped with monkeypatch, so they
     are undone after it. (What the engine learns from running out of memory stays in its Sampler's
     engine.Backoff: nothing global.)"""
     def set_sites(spec: str):
@@ -39,7 +40,7 @@ def test_is_oom_knows_cuda_and_cublas_allocation_failures():
 
 
 def test_an_injected_site_raises_the_cuda_error_once_and_names_unknown_sites(monkeypatch):
-    """harness/inject.py wraps a stage function from outside: its first call raises the error CUDA raises,
+    """tests/inject.py wraps a stage function from outside: its first call raises the error CUDA raises,
     later calls run it; `when` picks which call; an unknown site is one line naming the known ones."""
     calls = []
 

@@ -109,21 +109,18 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     and master copies for bf16 weights, and a resume loads them as fp32."""
     import json
 
+    import inject
     from test_train import stand_in_reward
 
     import attention
     import rollout as R
     import train
-    from harness import inject
 
     monkeypatch.setattr(R, "compute_reward", stand_in_reward)
-    monkeypatch.setattr(attention, "_kernel_choice", {})
-    monkeypatch.setenv("DATPO_OOM_AT", "branches,update")
+    monkeypatch.setattr(attention, "flex_probes", {})
     flags = ["--preset", "tiny", "--precision", "bf16", "--optimizer_dtype", "fp32",
              "--packed_attention", "flex", "--steps", "1", "--out_dir", str(tmp_path / "run")]
-    real_install = inject.install     # the harness installs the sites at start-up: undone after this test
-    monkeypatch.setattr(inject, "install",
-                        lambda spec=None, patch=None: real_install(spec, monkeypatch.setattr))
+    inject.install("branches,update", monkeypatch.setattr)   # undone after the first run
     run = train.main(flags)
     (record,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert (record["attention_kernel"] == "tree" and record["oom_retries"] == 2
@@ -134,7 +131,9 @@ def test_tiny_run_bf16_with_fp32_states_flex_fallback_and_injected_ooms(tmp_path
     moments = [v for st in state["state"].values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
     masters = [st["master"] for st in state["state"].values() if "master" in st]
     assert moments and all(v.dtype == torch.float32 for v in moments) and masters
-    monkeypatch.delenv("DATPO_OOM_AT")
+    monkeypatch.undo()
+    monkeypatch.setattr(R, "compute_reward", stand_in_reward)
+    monkeypatch.setattr(attention, "flex_probes", {})
     captured = {}
     real = O.build_optimizer
 

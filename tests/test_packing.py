@@ -266,7 +266,7 @@ def test_multiplicity_weighting_reproduces_the_flattened_path_loss(method):
     of trained paths through it, gives the loss and the gradient of explicitly flattened paths."""
     tree = _flattened_tree()
     adv = [b.advantage for b in A.score_tree(tree, M.METHODS[method], 0.0, None)]
-    tt = train.train_tree(tree, adv, method)
+    tt = train.train_tree(tree, adv, M.METHODS[method])
     cfg = C.make_config("tiny", mini_batch_size=100, ppo_epochs=1, max_grad_norm=1e9,
                         max_tokens_per_micro_batch=1000)
     base = tiny("llama")

@@ -11,6 +11,8 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 import pytest
 
 import reward
+from harness import signals
+from runtime import faults
 
 SLACK = 1.5  # seconds on top of the timeout; the machine has 2 cores shared with other jobs
 
@@ -569,3 +571,55 @@ def test_daemonic_worker_thread_can_use_a_helper():
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.map(_grade_in_a_thread, [("\\frac{1}{4}", "0.25"), ("9^{9^{9}}", "5"),
                                              ("\\sqrt{2}", "2")]) == [True, False, False]
+
+
+# ------------------------------------------------------------------------------------------------------
+# A stop signal and the grader's time bound
+# ------------------------------------------------------------------------------------------------------
+def test_a_stop_during_grading_keeps_its_deadline(monkeypatch, capsys):
+    reward._load_math_verify()
+
+    def slow_check(pred, gold):   # the stop signal lands while the grader holds SIGALRM
+        os.kill(os.getpid(), signal.SIGTERM)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.5:
+            pass
+        return True
+
+    monkeypatch.setattr(reward, "_math_verify_equal", slow_check)
+
+    def step(argv):
+        with signals.GracefulStop(timeout=0.5):
+            reward._verify_with_alarm("x", "y", 3.0)
+            while True:   # the rest of a step that never reaches its safe point
+                time.sleep(0.01)
+
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        faults.main_guard(step, [])
+    assert exit_info.value.code == 130 and time.perf_counter() - t0 < 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("error: stopped mid-step by SIGTERM: no safe point within --stop_timeout 0.5s; "
+                            "the step in progress is lost, --resume continues from the last checkpoint")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_pending_stop_leaves_the_grader_its_own_bound(monkeypatch):
+    """The other way round: with a stop (and its deadline) pending, a check that would never end is still
+    cut at the grader's own bound, in process; the stop is still pending, and reaching the safe point
+    before the deadline ends it cleanly (a late watchdog call is not a second signal)."""
+    reward._load_math_verify()
+
+    def endless(pred, gold):
+        while True:
+            pass
+
+    monkeypatch.setattr(reward, "_math_verify_equal", endless)
+    with signals.GracefulStop(timeout=1.0) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        t0 = time.perf_counter()
+        assert reward._verify_with_alarm("x", "y", 0.3) is None      # its own alarm fired
+        assert time.perf_counter() - t0 < 0.9 and stop.requested == "SIGTERM"
+        stop.cancel_timeout()                                       # the safe point
+        time.sleep(1.3)                                             # past the deadline: nothing raised
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0

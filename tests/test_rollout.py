@@ -136,6 +136,9 @@ def test_cached_branch_logits_match_reprefilled_prefix(tiny_policy):
 
 @pytest.mark.parametrize("budget", ["full", "remaining"])
 def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
+    """Branches from the base response's sliced KV cache and saved hidden state sample what HF generate from
+    the whole prefix samples (re-prefilling prompt + response[:f] for every branch, as the authors' release
+    does: the oracle, here in the test)."""
     model, tok = tiny_policy
     sampler = R.Sampler.from_config(model, tok, _cfg(rollout_engine="generate"))
     prompts = [tok("What is 3 + 4?", add_special_tokens=False).input_ids,
@@ -144,16 +147,19 @@ def test_cached_and_naive_branches_sample_the_same_tokens(tiny_policy, budget):
     base = R.sample_base(sampler, prompts, n=2, max_new_tokens=10, keep_cache=True)
     requests = [E.BranchRequest(row, f, count, T.branch_limit(10, f, budget))
                 for row, f, count in [(0, 3, 2), (1, 1, 1), (3, 8, 3)]]
-    outcomes = {}
-    for naive in (False, True):
-        counters = {}
-        torch.manual_seed(123)
-        outcomes[naive] = (G.sample_branches(sampler, base, requests, chunk_size=4, naive_prefill=naive,
-                                             counters=counters), counters)
-    (cached, c_count), (naive, n_count) = outcomes[False], outcomes[True]
-    assert c_count["recomputed_prefix_tokens"] == 0
-    assert n_count["recomputed_prefix_tokens"] == sum(
-        (len(base.prompt_ids[q.base]) + q.fork) * q.count for q in requests)
+    counters = {}
+    torch.manual_seed(123)
+    cached = G.sample_branches(sampler, base, requests, chunk_size=4, counters=counters)
+    torch.manual_seed(123)
+    jobs = [q for q in requests for _ in range(q.count)]    # one branch per job, chunks of 4 as above
+    flat = []
+    for i in range(0, len(jobs), 4):
+        chunk = jobs[i:i + 4]
+        prefixes = [base.prompt_ids[q.base] + base.tokens[q.base][:q.fork] for q in chunk]
+        ids, mask = G.left_pad(prefixes, sampler.pad_id, sampler.device)
+        flat += G.hf_generate(sampler, ids, mask, [q.limit for q in chunk])[0]
+    naive = [[flat.pop(0) for _ in range(q.count)] for q in requests]
+    assert counters["recomputed_prefix_tokens"] == 0
     path_lengths = []
     for per_c, per_n, q in zip(cached, naive, requests):
         assert len(per_c) == len(per_n) == q.count

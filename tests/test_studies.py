@@ -4,7 +4,10 @@ import json
 import re
 import shlex
 import shutil
+import sys
+from pathlib import Path
 
+import fault_injection as FI
 import pytest
 import torch
 
@@ -15,7 +18,8 @@ import rollout as R
 import train
 import tree as T
 from harness import cli as flags
-from harness import faults, tracking
+from harness import measured, tracking
+from runtime import faults
 from studies import __main__ as cli
 from studies import common, difficulty, dynamics, forks, growth, main_table, tree_vs_parallel
 
@@ -438,3 +442,148 @@ def test_main_table_pairs_methods_by_problem_by_hand():
     cells["paper_s0"]["correct"] = cells["paper_s1"]["correct"] = [2, 2]
     assert "| paper − grpo | 2 | 100.0 ± 0.0 | paper higher | 100.0 ± 0.0 | paper higher |" in \
         main_table.paired_by_problem(cells, ["paper", "grpo"], 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Study caches that know what they measured; a torn result.json; study flags and files
+# ------------------------------------------------------------------------------------------------------
+TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"]
+FINISHED_STEPS = 2   # the `finished` / `run` fixtures (tests/conftest.py): 2 steps, a checkpoint at each
+
+
+folder_hash = FI.folder_hash
+
+
+def run_cli(capsys, argv, code=None) -> list[str]:
+    """train.main as a command: its exit code is `code`, its error line the only one and the last."""
+    return FI.run_cli(capsys, argv, code, one_error_line=code is not None)
+
+
+def refused(capsys, main, argv, program: str, code: int = 2) -> str:
+    """`main` run as the command `program`: exit `code`, one error line and no traceback; that line."""
+    capsys.readouterr()
+    saved, sys.argv[0] = sys.argv[0], program
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            faults.main_guard(main, argv)
+    finally:
+        sys.argv[0] = saved
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == code, err
+    assert "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_score_cache_is_recomputed_for_another_checkpoint(run, tmp_path, capsys):
+    """main-table: a cell's cache written at step 1 is not its score once it trained to step 2."""
+    study = cli.make_study("main-table", ["--scale", "tiny", "--out_dir", str(tmp_path / "mt")])
+    cfg = main_table.cell_config(study, "paper", 3, run)
+    cache = study.out / "scores" / "paper_s3.json"
+    first = main_table.evaluate_cell(study, cfg, run / "checkpoints" / "step_000001", cache)
+    assert first["measured"]["step"] == 1
+    capsys.readouterr()
+    second = main_table.evaluate_cell(study, cfg, run / "checkpoints" / "step_000002", cache)
+    weights = [measured.short(measured.weights_identity(str(run / "checkpoints" / s))["weights"])
+               for s in ("step_000001", "step_000002")]
+    assert second["measured"]["step"] == 2 and second["checkpoint"].endswith("step_000002")
+    assert (f"{cache}: measured something else (step 1 -> 2, weights {weights[0]} -> {weights[1]}); "
+            f"computed again") in capsys.readouterr().err
+    assert main_table.evaluate_cell(study, cfg, run / "checkpoints" / "step_000002", cache) == second
+    assert "computed again" not in capsys.readouterr().err                    # the same: reused
+
+
+def test_a_finished_cell_trained_with_other_settings_is_never_scored_as_this_one(tmp_path):
+    """main-table: a cell folder whose run had another experiment (the study's flags changed since) or went
+    past --steps is one line, not a checkpoint scored under this cell's name."""
+    study = cli.make_study("main-table", ["--scale", "tiny", "--out_dir", str(tmp_path / "mt")])
+    run_dir = study.out / "runs" / "paper_s0"
+    cfg = main_table.cell_config(study, "paper", 0, run_dir)
+    (run_dir / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_000003" / "trainer_state.pt").write_text("x")
+    (run_dir / "config.json").write_text(cfg.to_json())
+    before = folder_hash(run_dir)
+    with pytest.raises(faults.UserError) as err:    # trained past --steps (2), no checkpoint at step 2
+        main_table.train_cell(cfg)
+    assert str(err.value) == (f"main-table: the cell {run_dir} trained to step_000003, past --steps 2, and "
+                              f"keeps no checkpoint at step 2; expected the --steps it ran with, or another "
+                              f"--out_dir")
+    (run_dir / "config.json").write_text(json.dumps({**json.loads(cfg.to_json()), "lr": 0.5}))
+    with pytest.raises(faults.UserError) as err:
+        main_table.train_cell(cfg)
+    assert str(err.value).startswith(f"main-table: the cell {run_dir} was trained with other settings (lr "
+                                      f"0.5 -> {cfg.lr!r}); expected the flags the study ran with")
+    assert {k: v for k, v in folder_hash(run_dir).items() if k != "config.json"} == \
+        {k: v for k, v in before.items() if k != "config.json"}
+
+
+def test_dynamics_never_takes_one_runs_scores_for_another_of_the_same_name(run, tmp_path, capsys):
+    a, b = tmp_path / "a" / "demo", tmp_path / "b" / "demo"
+    shutil.copytree(run, a)
+    run_cli(capsys, TINY + ["--steps", "1", "--seed", "4", "--out_dir", str(b)])   # another step 1
+    out = tmp_path / "dyn"
+    cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(a), str(b)])
+    runs_ = json.loads((out / "result.json").read_text())["runs"]
+    assert set(runs_) == {"a/demo (datpo)", "b/demo (datpo)"}
+    for label, folder in (("a/demo (datpo)", a), ("b/demo (datpo)", b)):
+        for step, scores in runs_[label]["checkpoints"].items():
+            checkpoint = folder / "checkpoints" / f"step_{int(step):06d}"
+            assert scores["measured"]["weights"] == measured.files_hash(checkpoint)
+    assert runs_["a/demo (datpo)"]["checkpoints"]["1"]["measured"]["weights"] != \
+        runs_["b/demo (datpo)"]["checkpoints"]["1"]["measured"]["weights"]
+    assert len(list((out / "scores" / "demo").glob("step_000001_*.json"))) == 2   # one cache each
+
+
+def test_a_torn_result_json_write_keeps_the_sampled_records(tmp_path, monkeypatch):
+    study = cli.make_study("tree-vs-parallel", ["--scale", "tiny", "--out_dir", str(tmp_path / "t")])
+    records = [{"repeat": 0, "problem": 0, "parallel/2": {"tokens": 10, "pass_rate": 1.0, "leaves": 2}}]
+    common.write_outputs(study, {"records": records}, "table\n", 1.0)
+    before = folder_hash(study.out)
+    real = Path.write_text
+
+    def killed_halfway(self, text, *args, **kwargs):   # the write dies after half of the new result.json
+        real(self, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        common.write_outputs(study, {"records": []}, "other table\n", 2.0)
+    monkeypatch.undo()
+    assert folder_hash(study.out) == before                                  # no torn file, no temporary
+    assert json.loads((study.out / "result.json").read_text())["records"] == records
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["tree-vs-parallel", "--data", "{tmp}/missing.jsonl"],
+     "--data {tmp}/missing.jsonl: no such file; expected a .jsonl/.json/.parquet/.csv file or one of"),
+    (["forks", "--from_result", "true"],
+     "--from_result true: {out}/result.json: not found; expected the result.json a finished `forks` run "
+     "wrote into --out_dir {out} (run it once without --from_result)"),
+    (["tree-vs-parallel", "--levels", "9"],
+     "--levels 9: no problem of --data arith-test has one of them; its levels are 1, 2, 3, 4, 5"),
+    (["tree-vs-parallel", "--from_result", "true", "--torn"],
+     "--from_result true: {out}/result.json: unreadable or torn ("),
+    (["tree-vs-parallel", "--from_result", "true", "--parallel_m", "2", "8", "--earlier"],
+     "--from_result true: {out}/result.json: made with other settings than this command's (--parallel_m "
+     "[2, 4] -> [2, 8])"),
+    (["dynamics", "--runs", "{tmp}/nothing"],
+     "--runs {tmp}/nothing: {tmp}/nothing/metrics.jsonl not found; expected a train.py run folder"),
+    (["difficulty-report", "--from_dir", "{tmp}"],
+     "--from_dir {tmp}: no trained runs under {tmp}/runs; expected the folder of `python -m studies "
+     "difficulty`"),
+    (["forks", "--k", "0"], "--k: got 0, expected an integer >= 1 and <= 65536"),
+])
+def test_study_flags_and_files_are_one_line(tmp_path, capsys, argv, line):
+    out = tmp_path / "out"
+    out.mkdir()
+    if "--torn" in argv or "--earlier" in argv:
+        result = {"study": "tree-vs-parallel", "records": [{"problem": 0}], "config": {},
+                  "options": {"parallel_m": [2, 4]}}
+        (out / "result.json").write_text(json.dumps(result)[:40] if "--torn" in argv else json.dumps(result))
+        argv = [a for a in argv if a not in ("--torn", "--earlier")]
+    names = {"tmp": tmp_path, "out": out}
+    before = folder_hash(out)
+    got = refused(capsys, cli.main, [a.format(**names) for a in argv]
+                  + ["--scale", "tiny", "--out_dir", str(out)], "python -m studies")
+    assert got.startswith("python -m studies: error: " + line.format(**names)), got
+    assert folder_hash(out) == before

@@ -1,4 +1,4 @@
-"""harness/threads.py: the CPU thread policy (OMP_WAIT_POLICY=PASSIVE, a thread count from the usable cores)
+"""runtime/threads.py: the CPU thread policy (OMP_WAIT_POLICY=PASSIVE, a thread count from the usable cores)
 is computed from argv and the environment alone, and reaches torch when applied before `import torch`."""
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import threads
+from runtime import threads
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENMP_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # the user's, left out

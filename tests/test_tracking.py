@@ -17,7 +17,6 @@ import advantage as A
 import config as C
 import methods as M
 import models
-import release
 import train
 import tree as T
 from harness import cli, tracking
@@ -131,7 +130,7 @@ def scores_of(tr, advantages=None, embeddings=None, value_estimate="paper"):
     """Phase 3's records for a tree (advantage.score_tree) with the given advantages as the method's (None:
     the tree was not trained)."""
     given = M.Method("given", lambda tr, base, div, alpha, scope: advantages or [0.0] * len(tr.blocks))
-    scores = A.score_tree(tr, given, 0.0, embeddings, estimators=release.estimators(value_estimate))
+    scores = A.score_tree(tr, given, 0.0, embeddings, value_estimate=value_estimate)
     return scores if advantages is not None else [dataclasses.replace(b, advantage=None) for b in scores]
 
 
@@ -247,7 +246,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_the_update(tiny_poli
               T.Block(0, ids(3), [0.0] * 3, reward=1.0, base=0, start=4, branch=True),
               T.Block(None, ids(7), [0.0] * 7, reward=1.0, base=1, start=0)]
     tr = T.Tree("p", ids(3), "a", blocks, v_root=0.5, k_hat=1, b_hat=1, forks=[[4], []])
-    trees = [train.train_tree(tr, [0.3, -0.6, 0.4, 0.5], "datpo")]
+    trees = [train.train_tree(tr, [0.3, -0.6, 0.4, 0.5], M.METHODS["datpo"])]
     grads, calls = [], []
     for checkpointing in (False, True):
         torch.manual_seed(0)

@@ -36,7 +36,7 @@ def _tree():
 def test_datpo_rows_train_every_token_once_with_its_block_advantage():
     tr = _tree()
     adv = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
-    tt = train.train_tree(tr, adv, "datpo")
+    tt = train.train_tree(tr, adv, M.METHODS["datpo"])
     assert tt.weights == [1.0] * 6 and tt.paths is None
     offsets = P.token_offsets([tt])[0]
     rows = P.unit_rows(tt, tt.trained, offsets)
@@ -54,7 +54,7 @@ def test_datpo_rows_train_every_token_once_with_its_block_advantage():
 
 def test_treerl_rows_are_root_to_leaf_paths_with_repeated_prefixes():
     tr = _tree()
-    tt = train.train_tree(tr, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "treerl")
+    tt = train.train_tree(tr, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], M.METHODS["treerl"])
     assert tt.paths == [[0, 1, 2], [0, 3], [0, 1, 4], [5]]
     assert tt.weights == [3.0, 2.0, 1.0, 1.0, 1.0, 1.0]                  # paths through each block
     rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
@@ -71,11 +71,11 @@ def test_rows_and_constant_normaliser_hold_paths_longer_than_max_new_tokens():
               T.Block(0, [13], [0], reward=0.0, base=0, start=3),
               T.Block(0, [20, 21, 22, 23], [0] * 4, reward=1.0, base=0, start=3, branch=True)]
     tr = T.Tree("p", [1, 2], "a", blocks, v_root=0.0, k_hat=1, b_hat=1, forks=[[3]])
-    tt = train.train_tree(tr, [0.1, 0.2, 0.3], "datpo")
+    tt = train.train_tree(tr, [0.1, 0.2, 0.3], M.METHODS["datpo"])
     rows = P.unit_rows(tt, tt.trained, P.token_offsets([tt])[0])
     assert [(r.ids, r.n_context) for r in rows] == [([1, 2, 10, 11, 12, 13], 2),
                                                     ([1, 2, 10, 11, 12, 20, 21, 22, 23], 5)]
-    flat = train.train_tree(tr, [0.1, 0.2, 0.3], "treerl")
+    flat = train.train_tree(tr, [0.1, 0.2, 0.3], M.METHODS["treerl"])
     paths = P.unit_rows(flat, flat.trained, P.token_offsets([flat])[0])
     assert max(r.n_targets for r in paths) == 7 and paths[1].gidx == [0, 1, 2, 4, 5, 6, 7]
     cfg = C.make_config("tiny", max_new_tokens=4, loss_norm="constant")

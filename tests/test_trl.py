@@ -19,10 +19,13 @@ import evaluate
 import optim as O
 import rollout as R
 import train
-from harness import aliases, cli, custom_reward, faults, tracking
+from harness import aliases, cli, custom_reward, tracking
+from runtime import faults
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fault_injection as FI  # noqa: E402
+
+from harness import preflight
 
 FIXTURES = Path(__file__).parent / "fixtures" / "trl"
 TINY = ["--preset", "tiny", "--steps", "1", "--threads", "1", "--seed", "3"]
@@ -175,8 +178,8 @@ def test_conversational_data_needs_a_chat_template():
     rows = data.load_problems(str(FIXTURES / "train.jsonl"))
     with pytest.raises(faults.UserError, match=r"^--train_data: its prompts are conversational .*--model m "
                                                r"has none"):
-        faults.check_conversational(NoTemplate(), "m", {"--train_data": rows, "--eval_data": []})
-    faults.check_conversational(NoTemplate(), "m", {"--train_data": data.load_problems("arith-test", 2)})
+        preflight.check_conversational(NoTemplate(), "m", {"--train_data": rows, "--eval_data": []})
+    preflight.check_conversational(NoTemplate(), "m", {"--train_data": data.load_problems("arith-test", 2)})
 
 
 def test_trl_rows_load(tmp_path):

@@ -3,10 +3,14 @@
 network)."""
 import json
 import re
+import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from browser import Chromium, find_chromium
+from fault_injection import folder_hash
 from test_tracking import scores_of
 
 import tree as T
@@ -191,3 +195,166 @@ def test_torn_or_empty_tree_log_is_one_line(logged_run, capsys):
         assert err[-1] == (f"viz.py: error: {log}: holds no readable tree (empty or torn); expected one JSON "
                            f"tree a line, as train.py --log_trees_every writes")
         assert _hash(logged_run) == before
+
+
+# ------------------------------------------------------------------------------------------------------
+# The viewer against hostile text and bad outputs: one line each, the page's structure intact
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def tree_log(tmp_path, smollm_tokenizer):
+    def write(trees) -> Path:
+        (tmp_path / "trees").mkdir(exist_ok=True)
+        (tmp_path / "trees" / "step_000007.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trees))
+        return tmp_path
+
+    return write, _trees(smollm_tokenizer)
+
+
+def viz_cli(capsys, argv, code) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        viz.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == code and len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+PAGE_STATE = """(() => {
+  document.querySelector('rect.block[data-tree="0"][data-id="0"]')
+    .dispatchEvent(new MouseEvent('click', {bubbles: true}));
+  return {rendered: document.body.dataset.rendered, blocks: document.querySelectorAll('rect.block').length,
+          scripts: document.scripts.length, imgs: document.images.length,
+          first: document.querySelector('#detail .tok').textContent,
+          h2: document.querySelector('h2').textContent, meta: document.querySelector('.meta').textContent};
+})()"""
+
+
+def test_no_generated_text_changes_the_pages_structure(tree_log, capsys):
+    write, trees = tree_log
+    payloads = ["<!--<script>", "</script><script>alert(1)</script>", "<img src=x onerror=alert(1)>",
+                "\u2028&amp;"]
+    for block, text in zip(trees[0]["blocks"], payloads):
+        block["tokens"][0] = text
+        block["text"] = text + block["text"]
+    trees[0]["answer"] = "<!--"
+    trees[0]["level"] = "<b>5</b>"
+    page, _ = viz.main([str(write(trees)), "--step", "7"])
+    scene = page.read_text().split('<script id="scene" type="application/json">')[1].split("</script>")[0]
+    assert not set("<>&\u2028") & set(scene)                        # nothing the HTML parser could read
+    assert json.loads(scene) == json.loads(json.dumps(viz.scene(trees)))
+    if not find_chromium():
+        pytest.skip("Chromium not found: `apt-get install chromium` or set $CHROMIUM")
+    with Chromium(width=1100, height=700) as browser:
+        shown = browser.open(page.resolve().as_uri())
+        drawn = shown.evaluate(PAGE_STATE)
+        errors = shown.errors
+    assert errors == [] and drawn["rendered"] == "yes" and drawn["scripts"] == 2 and drawn["imgs"] == 0
+    assert drawn["blocks"] == sum(len(t["blocks"]) for t in trees)
+    assert drawn["first"] == "<!--<script>" and drawn["h2"].endswith("gold answer <!--")
+    assert drawn["meta"].endswith("level <b>5</b>")
+
+
+def test_viewer_bad_logs_and_outputs_are_one_line(tree_log, tmp_path, capsys):
+    write, trees = tree_log
+    run = write([{"step": 7, "hello": [1, 2]}])
+    log = run / "trees" / "step_000007.jsonl"
+    before = folder_hash(run)
+    assert viz_cli(capsys, [str(run), "--step", "7"], 2) == (
+        f"viz.py: error: {log}: holds no tree to draw (line 1: not a tree (field(s) tree, method, alpha, "
+        f"prompt, answer, v_root, k_hat, b_hat, leaves, forks, blocks missing or of the wrong type)); "
+        f"expected one JSON tree a line, as train.py --log_trees_every writes")
+    assert folder_hash(run) == before
+    log.write_text("[1, 2, 3]\n" + json.dumps(trees[1]) + "\n")      # one bad line beside a tree: left out
+    page, _ = viz.main([str(run), "--step", "7"])
+    assert capsys.readouterr().err.strip().splitlines()[0] == (
+        f"{log} line 1: not a tree (a JSON list, not an object); that line is left out")
+    assert page.exists()
+    write(trees)
+    assert viz_cli(capsys, [str(run), "--step", "7", "--out", "/proc/viewer"], 2) == (
+        "viz.py: error: --out /proc/viewer: cannot write /proc/viewer.html (No such file or directory); "
+        "expected a folder you can write")
+
+
+def test_gold_answer_matplotlib_cannot_parse_is_drawn_as_plain_text(tree_log, capsys):
+    write, trees = tree_log
+    trees[0]["answer"] = "$\\frac{$"
+    page, png = viz.main([str(write(trees)), "--step", "7"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and page.exists()
+    assert len(err) == 1 and err[0].startswith(
+        f"{png}: 1 title(s) drawn as plain text, not valid matplotlib math text (e.g. 'tree 0: ")
+    assert not list(png.parent.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The viewer: stray files in trees/ and non-finite logs are one line
+# ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def tree_run(tmp_path, smollm_tokenizer):
+    """A run folder holding trees/step_000007.jsonl (test_viz's two trees), and the trees."""
+    trees = _trees(smollm_tokenizer)
+    (tmp_path / "trees").mkdir()
+    (tmp_path / "trees" / "step_000007.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trees))
+    return tmp_path, trees
+
+
+def viz_lines(capsys, argv, code=None) -> list[str]:
+    """`python -m harness.viz ARGS`: its stderr lines; `code` the exit code (None: it draws and returns)."""
+    if code is None:
+        viz.main(argv)
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            viz.main(argv)
+        assert exit_info.value.code == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def program_name(monkeypatch):
+    """The program name the user sees in a line: `python train.py` runs these commands."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+
+
+@pytest.mark.parametrize("stray", ["step_final.jsonl", "step_7.jsonl", "step_000007 (copy).jsonl"])
+def test_a_stray_file_in_trees_is_skipped_with_one_line(program_name, tree_run, capsys, stray):
+    run, _ = tree_run
+    log = run / "trees" / "step_000007.jsonl"
+    shutil.copy(log, run / "trees" / stray)                   # the issue's case: step_final.jsonl
+    before = folder_hash(run / "trees")
+    assert viz_lines(capsys, [str(run)]) == [
+        f"viz.py: {run / 'trees' / stray}: not a tree log of train.py (expected step_NNNNNN.jsonl, a step's "
+        f"number in six or more digits); skipped"]
+    assert (run / "trees" / "step_000007.html").exists()      # the real log, drawn
+    after = folder_hash(run / "trees")
+    assert {name: after[name] for name in before} == before   # the logs untouched; the page and PNG added
+
+
+def test_nan_in_a_tree_log_is_a_named_line_never_a_blank_page(program_name, tree_run, capsys):
+    run, trees = tree_run
+    log = run / "trees" / "step_000007.jsonl"
+    trees[0]["v_root"] = float("nan")                         # the issue's case
+    trees[1]["blocks"][0]["tokens"][0] = "5\ud800"             # a lone surrogate (a "\ud800" escape): U+FFFD
+    log.write_text("".join(json.dumps(t) + "\n" for t in trees))
+    assert viz_lines(capsys, [str(run)]) == [
+        f"{log} line 1: not a tree (a number that is not finite: v_root is nan); that line is left out"]
+    page = (run / "trees" / "step_000007.html").read_text(encoding="utf-8")
+    scene = page.split('<script id="scene" type="application/json">')[1].split("</script>")[0]
+    drawn = json.loads(scene, parse_constant=lambda name: pytest.fail(f"{name} in the page's JSON"))
+    assert [t["tree"] for t in drawn["trees"]] == [1]
+    assert drawn["trees"][0]["blocks"][0]["tokens"][0] == "5\ufffd"
+
+
+def test_a_log_of_non_finite_trees_only_is_one_line(program_name, tree_run, capsys):
+    run, trees = tree_run
+    log = run / "trees" / "step_000007.jsonl"
+    trees[0]["blocks"][2]["entropies"][1] = float("inf")
+    trees[1]["alpha"] = float("-inf")
+    log.write_text("".join(json.dumps(t) + "\n" for t in trees))
+    before = folder_hash(run)
+    assert viz_lines(capsys, [str(run)], code=2) == [
+        f"viz.py: error: {log}: holds no tree to draw (line 1: not a tree (a number that is not finite: "
+        f"blocks[2].entropies[1] is inf)); expected one JSON tree a line, as train.py --log_trees_every "
+        f"writes"]
+    assert folder_hash(run) == before

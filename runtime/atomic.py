@@ -1,4 +1,4 @@
-"""harness/atomic.py — files replaced whole, through temporary files no planted link can redirect.
+"""runtime/atomic.py — files replaced whole, through temporary files no planted link can redirect.
 
     atomic.replace_file(path, lambda tmp: fig.savefig(tmp, format="png"))   # any writer that takes a path
     atomic.write_text(path, text)                                          # text, JSON, bytes

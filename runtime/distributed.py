@@ -53,7 +53,7 @@ def launched() -> bool:
     launcher's variable that cannot be one (WORLD_SIZE empty or not a number; WORLD_SIZE=2 with no RANK,
     MASTER_ADDR, MASTER_PORT: set by hand outside torchrun) is one line (UserError), not torch's ValueError
     from inside init_process_group."""
-    from harness.faults import UserError
+    from runtime.faults import UserError
 
     env = os.environ
     value = env.get("WORLD_SIZE")
@@ -385,46 +385,3 @@ def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None
     optimizer.zero_grad(set_to_none=True)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))
-
-
-# --------------------------------------------------------------------------------------------------------
-# The update's log-probs through the model's own forward (packing.packed_logprobs under torchrun)
-# --------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def fp32_head(model):
-    """The model's own lm_head computing fp32 logits (packing.fp32_logits) while inside: under torchrun the
-    model's forward must compute the logits (DDP's and FSDP2's hooks live there), and they must be the same
-    fp32 logits one process takes its log-softmax of."""
-    import functools
-
-    from packing import fp32_logits
-
-    head = model.get_output_embeddings()
-    head.forward = functools.partial(fp32_logits, head)
-    try:
-        yield
-    finally:
-        del head.forward     # the class's forward again
-
-
-def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log π(target) from logits the model's own head computed (fp32_head), in fp32."""
-    logits = logits.float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def model_logprobs(model, ids, mask, positions, pred_index, targets, chunk: int, extra: dict) -> torch.Tensor:
-    """packing.packed_logprobs's forward under torchrun: the wrapped model's own forward, returning logits at
-    the targets only (logits_to_keep = their positions), a [targets, vocab] tensor per micro-batch rather than
-    `chunk` rows of it; the fp32 log-softmax is still taken `chunk` rows at a time, recomputed in the
-    backward."""
-    from torch.utils.checkpoint import checkpoint
-
-    with fp32_head(unwrap(model)):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                       logits_to_keep=pred_index, **extra).logits[0]
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    parts = [checkpoint(logits_logprobs, logits[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
-             if grad else logits_logprobs(logits[s:s + chunk], targets[s:s + chunk])
-             for s in range(0, len(targets), chunk)]
-    return torch.cat(parts) if parts else logits.new_zeros(0)

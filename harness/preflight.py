@@ -1,100 +1,31 @@
-"""harness/faults.py — the user's mistakes: one clear line each, before anything slow runs.
+"""harness/preflight.py — pre-flight checks: a bad path, model name or data file is one UserError line
+before anything slow runs (train.py's Run and evaluate.py's command call them).
 
-What each script uses (train.py, evaluate.py, the studies):
-
-    from harness import faults
-    if __name__ == "__main__":
-        faults.main_guard(main)          # UserError -> "prog: error: <one line>", exit 2; --debug: traceback
-
-  UserError        a mistake of the person running the script (flag, path, data file, model name, ...). Its
-                   message is one line naming what was wrong and what is expected. Real bugs are not
-                   UserErrors and keep their traceback. Exit codes: 2 a mistake, 3 NonFiniteStop (too many
-                   bad steps, or sampling met non-finite probabilities), 4 WriteError (disk full or another
-                   write error: the path and the cause, the previous checkpoint intact), 130 StopTimeout.
-  check_*          pre-flight checks that turn a bad path/name into a UserError before anything slow runs.
-  load_data        data.load_problems with its messages as UserErrors, and an empty source refused.
-
-The rest of the harness: guards.py (non-finite losses, gradients and weights), signals.py (stop signals),
-oom.py (out of memory), inject.py (fault injection for tests), journal.py (evaluation's resumable record),
-runs.py (run folders and checkpoints), atomic.py (files replaced whole, never through a planted link),
-measured.py (what a saved result measured), tracking.py, distributed.py, viz.py.
+  check_writable        a folder that takes a file (else UserError; a full disk WriteError)
+  check_model           a model name is embedded, a folder, a run with a checkpoint, or a reachable hub id
+  check_new_run         a fresh run never mixes its records with an earlier run's (--overwrite replaces it)
+  resume_source         --resume: the checkpoint to continue from, or None (start at step 0)
+  load_data             data.load_problems with its messages as UserErrors, and an empty source refused
+  check_conversational  TRL's conversational prompts need a tokenizer with a chat template
 """
 from __future__ import annotations
 
 import errno
 import os
-import sys
 from pathlib import Path
+
+import data
+import models
+from harness import runs
+from runtime import atomic
+from runtime.faults import UserError, WriteError, say
 
 EMBEDDED_MODELS = ("smollm2-135m", "tiny-random")
 
 
-class UserError(ValueError):
-    """A mistake in what the user asked for (a bad value): main_guard prints its one-line message and exits
-    with 2."""
-
-    exit_code = 2
-
-
-class NonFiniteStop(UserError):
-    """Training stopped because too many steps in a row had non-finite losses or gradients (exit code 3)."""
-
-    exit_code = 3
-
-
-class WriteError(UserError):
-    """A file of the run could not be written (disk full, quota, read-only, I/O error): one line naming the
-    path and the cause; the previous checkpoint is intact (exit code 4)."""
-
-    exit_code = 4
-
-
-class StopTimeout(UserError):
-    """A stop signal was not honoured at a safe point within --stop_timeout seconds: the run exits mid-step,
-    losing that step (exit code 130, as for an interrupt)."""
-
-    exit_code = 130
-
-
-def say(text: str) -> None:
-    """A console line that does not break a tqdm bar."""
-    from tqdm import tqdm
-
-    tqdm.write(text, file=sys.stderr)
-
-
-def main_guard(main, argv: list[str] | None = None):
-    """Run main(argv) as a command: a UserError prints `prog: error: message` on one line and exits with its
-    exit code (2); a second Ctrl-C exits with 130 and a short line. `--debug` anywhere on the command line
-    is removed before main sees it and lets every exception show its traceback. Any other exception is a bug
-    and keeps its traceback."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args
-    args = [a for a in args if a != "--debug"]
-    prog = Path(sys.argv[0]).name or "python"
-    try:
-        return main(args)
-    except UserError as err:
-        if debug:
-            raise
-        message = " ".join(str(err).split("\n")).strip()
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"{prog}: interrupted", file=sys.stderr)
-        sys.exit(130)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Pre-flight checks: paths and names
-# --------------------------------------------------------------------------------------------------------
 def check_writable(folder: str | Path, flag: str = "--out_dir") -> Path:
     """Create `folder` if needed and prove it takes a file; a UserError naming the flag otherwise (a full
     disk or quota: WriteError, exit 4, as for every other write)."""
-    from harness import atomic
-
     path, probe = Path(folder), None
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -127,18 +58,9 @@ def _hf_cached(repo: str) -> bool:
         return False
 
 
-def hub_blocked() -> str | None:
-    """Why the HF hub cannot be reached now (a short probe), or None."""
-    import data
-
-    return data.hub_blocked()
-
-
 def check_model(name: str, flag: str = "--model", embedded: tuple[str, ...] = EMBEDDED_MODELS) -> None:
     """A model name given on the command line must be an embedded model, a model folder, a run folder with a
     checkpoint, or an HF hub id that is cached or reachable; otherwise one UserError line."""
-    import models
-
     expected = (f"expected {' or '.join(embedded)}, a local model folder (config.json + weights), "
                 f"a run folder with a checkpoint, or an HF hub name")
     if name in embedded:
@@ -158,15 +80,10 @@ def check_model(name: str, flag: str = "--model", embedded: tuple[str, ...] = EM
         raise UserError(f"{flag} {name}: no such folder; {expected}")
     if _hf_cached(name):
         return
-    blocked = hub_blocked()
+    blocked = data.hub_blocked()
     if blocked:
         raise UserError(f"{flag} {name}: not a local folder, not in the HF cache, and the HF hub is "
                         f"unreachable ({blocked}); {expected} reachable online")
-
-
-# What train.py writes into a run folder (--overwrite removes exactly these).
-RUN_FILES = ("metrics.jsonl", "checkpoints", "trees", "tensorboard", "wandb", "training.png", "config.json",
-             "git_commit.txt", "abandoned")
 
 
 def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> bool:
@@ -175,8 +92,6 @@ def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> bool:
     True: the earlier run's files (RUN_FILES, and nothing else) are to be replaced — deleted here when
     `delete`, else by the caller once every other check has passed (train.py: the model, the data; torchrun:
     rank 0 only, after every rank has read the folder; runs.replace_run never follows a link)."""
-    from harness import runs
-
     metrics = run_dir / "metrics.jsonl"
     records = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
@@ -195,8 +110,6 @@ def check_new_run(run_dir: Path, overwrite: bool, delete: bool = True) -> bool:
 def resume_source(resume: str) -> str | None:
     """--resume: the checkpoint folder to continue from, or None when the run folder has no checkpoint yet
     (start at step 0). A path that does not exist is a UserError."""
-    import models
-
     path = Path(resume).expanduser()
     if not path.is_dir():
         raise UserError(f"--resume {resume}: no such folder; expected a run folder (its latest checkpoint is "
@@ -216,8 +129,6 @@ def resume_source(resume: str) -> str | None:
 def load_data(source: str, flag: str, limit: int | None = None, **options) -> list[dict]:
     """data.load_problems with its errors (which name the file and row) as UserErrors; no problems is one.
     `options`: load_problems' dataset_config, prompt_column, answer_column, keep_columns (data.options)."""
-    import data
-
     if source.endswith(data.DATA_FILES) and not os.path.exists(source):
         raise UserError(f"{flag} {source}: no such file; expected a {'/'.join(data.DATA_FILES)} file or one "
                         f"of {', '.join(data.NAMED_SOURCES)}")
@@ -246,18 +157,3 @@ def check_conversational(tokenizer, model: str, data: dict[str, list[dict]]) -> 
             raise UserError(f"{flag}: its prompts are conversational (lists of messages), which need a chat "
                             f"template; the tokenizer of --model {model} has none: expected a model with "
                             f"one, or prompts as text")
-
-
-def model_context(model) -> int | None:
-    """The model's context length (max position embeddings), when its config says."""
-    return getattr(model.config, "max_position_embeddings", None)
-
-
-def check_prompt_fits(n_prompt: int, new_tokens: int, context: int | None, where: str, flags: str = "",
-                      fix: str = "a shorter problem or a smaller --max_new_tokens") -> None:
-    """A prompt plus the most tokens generated after it must fit in the model's context: one response when
-    evaluating, a whole root-to-leaf path of a tree when training (prompts.check_fits). flags: the settings
-    that set new_tokens, shown in parentheses; fix: what to do instead."""
-    if context and n_prompt + new_tokens > context:
-        raise UserError(f"{where}: the prompt is {n_prompt} tokens and up to {new_tokens} new tokens follow"
-                        f"{flags}, which exceeds the model's context of {context} tokens; expected {fix}")

@@ -1,4 +1,4 @@
-"""harness/figures.py — text someone typed or a model wrote, drawn in a matplotlib figure exactly as written.
+"""runtime/figures.py — text someone typed or a model wrote, drawn in a matplotlib figure exactly as written.
 
 matplotlib reads a string with an even number of unescaped `$` as math text: a run name `runs/${M}_${S}`, a
 benchmark file `cost$$.jsonl`, a problem `$x \\le 5$` or a generated token `$$` then stops the figure (and the

@@ -19,7 +19,7 @@ import torch
 
 import evaluate as E
 import models
-from harness import faults
+from runtime import atomic, faults
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "--limit", "4", "--k", "2",
@@ -428,7 +428,7 @@ def _full_write_text(path_name):
     real = Path.write_text
 
     def write_text(self, text, *args, **kwargs):
-        if self.name.startswith(path_name):   # .NAME.<random>.tmp: harness/atomic.py's temporary file
+        if self.name.startswith(path_name):   # .NAME.<random>.tmp: runtime/atomic.py's temporary file
             real(self, text[: len(text) // 2], *args, **kwargs)
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
         return real(self, text, *args, **kwargs)
@@ -614,3 +614,114 @@ def test_a_model_that_ships_its_own_code_is_refused_without_the_flag(run_and_mod
                     f"for a model you trust, or choose a model transformers supports itself")
     assert folder_hash(model) == before and not (tmp_path / "PWNED").exists()
     assert not (tmp_path / "ev").exists()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Benchmark names that are not UTF-8 or too long for a file name
+# ------------------------------------------------------------------------------------------------------
+EVAL = ["--preset", "tiny", "--model", "tiny-random", "--limit", "2", "--k", "2", "--max_new_tokens", "4"]
+
+
+ROWS = '{"problem": "What is 2 + 3?", "answer": "5"}\n{"problem": "What is 1 + 1?", "answer": "2"}\n'
+
+
+@pytest.fixture
+def program_name(monkeypatch):
+    """The program name the user sees in a line: `python train.py` runs these commands."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+
+
+def test_a_benchmark_named_in_latin1_is_one_line(program_name, tmp_path, capsys):
+    bench = tmp_path / os.fsdecode(b"caf\xe9.jsonl")       # the issue's case: named on a Latin-1 system
+    bench.write_text(ROWS)
+    out = tmp_path / "ev"
+    before = folder_hash(tmp_path)
+    line = refused(capsys, EVAL + ["--bench", str(bench), "--out_dir", str(out)])
+    assert line == (f"evaluate.py: error: --bench {tmp_path}/caf\\xe9.jsonl: byte 0xe9 at character "
+                    f"{len(str(tmp_path)) + 5} is not UTF-8; expected a UTF-8 name (rename the file): its "
+                    f"samples file and results.json are UTF-8 files that record it (see --help)")
+    assert folder_hash(tmp_path) == before and not out.exists()
+
+
+def test_a_benchmark_name_too_long_for_its_samples_file_is_one_line(program_name, tmp_path, capsys):
+    bench = tmp_path / ("x" * 244 + ".jsonl")                  # 250 characters: a file this system holds
+    bench.write_text(ROWS)
+    out = tmp_path / "ev"
+    before = folder_hash(tmp_path)
+    line = refused(capsys, EVAL + ["--bench", str(bench), "--out_dir", str(out)])
+    assert line.startswith(f"evaluate.py: error: --bench {str(bench)[:28]}...{str(bench)[-28:]}: a name of "
+                           f"250 bytes; its samples are saved as samples_<name>.jsonl, 294 bytes with")
+    assert line.endswith("more than the 255 a file name may have; expected a name of at most 211 bytes "
+                         "(rename the file, or link it under a shorter name) (see --help)")
+    assert folder_hash(tmp_path) == before and not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Saved samples never dropped silently; links in an evaluation folder never followed
+# ------------------------------------------------------------------------------------------------------
+EVAL_ARITH = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "--limit", "2", "--k",
+              "2", "--max_new_tokens", "4", "--threads", "1"]
+
+
+
+def refused_as(capsys, main, argv, program: str, code: int = 2) -> str:
+    """`main` run as the command `program`: exit `code`, one error line and no traceback; that line."""
+    capsys.readouterr()
+    saved, sys.argv[0] = sys.argv[0], program
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            faults.main_guard(main, argv)
+    finally:
+        sys.argv[0] = saved
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == code, err
+    assert "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
+def test_samples_without_their_state_are_never_dropped_silently(tmp_path, capsys):
+    out = tmp_path / "ev"
+    E.main(EVAL_ARITH + ["--out_dir", str(out)])
+    samples, state = out / "samples_arith-test.jsonl", out / "samples_arith-test.jsonl.state"
+    held = len(samples.read_text().splitlines())
+    state.unlink()
+    # the issue's example: results.json vouches for their settings; they are sampled again, said in a line
+    E.main(EVAL_ARITH + ["--out_dir", str(out)])
+    assert (f"{samples}: its {held} saved record(s) are not reused (no state file vouches for them); sampled "
+            f"again") in capsys.readouterr().err
+    assert state.exists() and len(samples.read_text().splitlines()) == held
+    # variant: nothing vouches for them (no results.json either): refused, the folder unchanged
+    state.unlink()
+    (out / "results.json").unlink()
+    before = folder_hash(out)
+    line = refused_as(capsys, E.main, EVAL_ARITH + ["--out_dir", str(out)], "evaluate.py")
+    assert line == (f"evaluate.py: error: --out_dir {out}: samples_arith-test.jsonl holds {held} samples of "
+                    f"arith-test but no state file says what they measured (samples_arith-test.jsonl.state "
+                    f"missing or unreadable), so they cannot be reused; --overwrite true samples them again, "
+                    f"or use another --out_dir")
+    assert folder_hash(out) == before
+
+
+def plant(links: list[Path], victim: Path) -> None:
+    for link in links:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(victim)
+
+
+def test_links_planted_in_an_evaluation_folder_never_redirect_a_write(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "ev"
+    plant([out / n for n in ("samples_arith-test.jsonl.tmp", "samples_arith-test.jsonl.state.tmp",
+                             ".results.json.tmp", ".pass_curves.png.tmp", ".maj_vs_avg.png.tmp",
+                             "maj_vs_avg.png")], victim)
+    E.main(EVAL_ARITH + ["--out_dir", str(out)])
+    assert victim.read_text() == "precious\n" and not (out / "maj_vs_avg.png").is_symlink()
+    assert json.loads((out / "results.json").read_text())["benchmarks"]["arith-test"]["k"] == 2
+    # the helpers alone: a temporary file is never a name that exists, and a rename replaces a link
+    taken = atomic.exclusive_temp(out / "x")
+    assert taken.is_file() and not taken.is_symlink() and taken.name.startswith(".x.")
+    atomic.write_text(out / "results.json", "{}")
+    assert victim.read_text() == "precious\n"

@@ -1,4 +1,4 @@
-"""harness/threads.py — the CPU thread policy, set in the environment before `import torch`.
+"""runtime/threads.py — the CPU thread policy, set in the environment before `import torch`.
 
 Why: OpenMP's idle threads spin at every barrier, waiting for a sibling. On a CPU shared with other busy
 processes the sibling is often descheduled, so the spinners burn the time slices it needs and the threads
@@ -9,7 +9,7 @@ OpenMP (libgomp) reads OMP_WAIT_POLICY once, when `import torch` loads it: after
 can still change (torch.set_num_threads), so an entry point applies the policy before its first import of
 torch:
 
-    from harness import threads
+    from runtime import threads
     os.environ.update(threads.policy_env(sys.argv[1:], os.environ))   # before `import torch`
 
 (ruff's E402 allows os.environ changes between imports, so `import torch` may follow that line.)

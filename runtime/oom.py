@@ -1,4 +1,4 @@
-"""harness/oom.py — out of device memory: recognise it, and redo the work in smaller pieces.
+"""runtime/oom.py — out of device memory: recognise it, and redo the work in smaller pieces.
 
   is_oom          torch's OutOfMemoryError, or a cuBLAS/cuDNN allocation failure (the same condition).
   Halving         a retry loop the caller writes itself: `for attempt in Halving(size, ...): with attempt:`
@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from harness.faults import say
+from runtime.faults import say
 
 
 def is_oom(err: BaseException) -> bool:
