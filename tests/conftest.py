@@ -63,3 +63,9 @@ def run(finished, tmp_path, monkeypatch):
     copy = tmp_path / "run"
     shutil.copytree(finished, copy)
     return copy
+
+
+@pytest.fixture
+def program_name(monkeypatch):
+    """The program name the user sees in a line: `python train.py` runs the command."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])

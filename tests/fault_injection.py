@@ -90,6 +90,27 @@ def run_cli(capsys, argv, code=None, one_error_line=False) -> list[str]:
     return lines
 
 
+def refused_as(capsys, main, argv, program: str, code: int = 2) -> str:
+    """`main` run as the command `program` (faults.main_guard): exit `code`, one error line and no traceback;
+    that line."""
+    import pytest
+
+    from runtime import faults
+
+    capsys.readouterr()
+    saved, sys.argv[0] = sys.argv[0], program
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            faults.main_guard(main, argv)
+    finally:
+        sys.argv[0] = saved
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == code, err
+    assert "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
 def finished_run(run_dir: Path, argv: list[str]) -> Path:
     """A tiny run trained to its end in this process with the stand-in grader (tests share one, copied)."""
     import pytest

@@ -6,11 +6,11 @@ import re
 import sys
 import time
 
+import fault_injection as FI
 import pytest
 
 import data
 import evaluate as E
-from runtime import faults
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -285,7 +285,6 @@ def test_arithmetic_is_the_same_in_another_process():
     # Python's str hash changes per process; the problems (and the train/test split) must not.
     import json
     import subprocess
-    import sys
 
     code = "import data, json; print(json.dumps(data.make_arithmetic(50, seed=2, split='test')))"
     repo = os.path.dirname(os.path.abspath(data.__file__))
@@ -468,29 +467,13 @@ EVAL = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "
         "--max_new_tokens", "4", "--threads", "1"]
 
 
-def refused(capsys, main, argv, program: str, code: int = 2) -> str:
-    """`main` run as the command `program`: exit `code`, one error line and no traceback; that line."""
-    capsys.readouterr()
-    saved, sys.argv[0] = sys.argv[0], program
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            faults.main_guard(main, argv)
-    finally:
-        sys.argv[0] = saved
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert exit_info.value.code == code, err
-    assert "Traceback" not in err and len(lines) == 1, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("gold", ["9^{9^{9^{9}}}", "10^{10^{10}}"])
 def test_an_explosive_gold_answer_is_refused_at_load(tmp_path, capsys, gold):
     path = tmp_path / "bench.jsonl"
     path.write_text(json.dumps({"problem": "Tower?", "answer": gold}) + "\n"
                     + json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
     out = tmp_path / "ev"
-    line = refused(capsys, E.main, EVAL + ["--bench", str(path), "--out_dir", str(out)], "evaluate.py")
+    line = FI.refused_as(capsys, E.main, EVAL + ["--bench", str(path), "--out_dir", str(out)], "evaluate.py")
     assert line == (f"evaluate.py: error: --bench {path}: {path.parent.name}/{path.name} line 1: field "
                     f"'answer' gives the answer {gold!r}, a form the grader never evaluates (an exponent "
                     f"tower such as 9^{{9^{{9}}}}, a power, factorial or binomial of a huge number, or "

@@ -280,12 +280,6 @@ TORCHRUN = ("expected a command started by torchrun (`torchrun --nproc_per_node 
             "WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT), or WORLD_SIZE unset (or 1) for one process")
 
 
-@pytest.fixture
-def program_name(monkeypatch):
-    """The program name the user sees in a line: `python train.py` runs these commands."""
-    monkeypatch.setattr(sys, "argv", ["train.py"])
-
-
 @pytest.mark.parametrize("env, why", [
     ({"WORLD_SIZE": ""}, "WORLD_SIZE='' in the environment: not a number of processes >= 1"),    # the issue's
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 in the environment but RANK, MASTER_ADDR, MASTER_PORT not set: this "

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import fault_injection as FI
 import pytest
 import torch
 
@@ -625,12 +626,6 @@ EVAL = ["--preset", "tiny", "--model", "tiny-random", "--limit", "2", "--k", "2"
 ROWS = '{"problem": "What is 2 + 3?", "answer": "5"}\n{"problem": "What is 1 + 1?", "answer": "2"}\n'
 
 
-@pytest.fixture
-def program_name(monkeypatch):
-    """The program name the user sees in a line: `python train.py` runs these commands."""
-    monkeypatch.setattr(sys, "argv", ["train.py"])
-
-
 def test_a_benchmark_named_in_latin1_is_one_line(program_name, tmp_path, capsys):
     bench = tmp_path / os.fsdecode(b"caf\xe9.jsonl")       # the issue's case: named on a Latin-1 system
     bench.write_text(ROWS)
@@ -664,22 +659,6 @@ EVAL_ARITH = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-te
 
 
 
-def refused_as(capsys, main, argv, program: str, code: int = 2) -> str:
-    """`main` run as the command `program`: exit `code`, one error line and no traceback; that line."""
-    capsys.readouterr()
-    saved, sys.argv[0] = sys.argv[0], program
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            faults.main_guard(main, argv)
-    finally:
-        sys.argv[0] = saved
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert exit_info.value.code == code, err
-    assert "Traceback" not in err and len(lines) == 1, err
-    return lines[0]
-
-
 def test_samples_without_their_state_are_never_dropped_silently(tmp_path, capsys):
     out = tmp_path / "ev"
     E.main(EVAL_ARITH + ["--out_dir", str(out)])
@@ -695,7 +674,7 @@ def test_samples_without_their_state_are_never_dropped_silently(tmp_path, capsys
     state.unlink()
     (out / "results.json").unlink()
     before = folder_hash(out)
-    line = refused_as(capsys, E.main, EVAL_ARITH + ["--out_dir", str(out)], "evaluate.py")
+    line = FI.refused_as(capsys, E.main, EVAL_ARITH + ["--out_dir", str(out)], "evaluate.py")
     assert line == (f"evaluate.py: error: --out_dir {out}: samples_arith-test.jsonl holds {held} samples of "
                     f"arith-test but no state file says what they measured (samples_arith-test.jsonl.state "
                     f"missing or unreadable), so they cannot be reused; --overwrite true samples them again, "

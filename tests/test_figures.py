@@ -22,13 +22,8 @@ TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"
 FINISHED_STEPS = 2     # conftest's `finished` / `run`: a 2-step run, a checkpoint each step
 
 
+pytestmark = pytest.mark.usefixtures("program_name")   # `python train.py` runs these commands
 MATH_TEXT = ["${M}_${S}", "$x \\le 5$", "$$", "$\\frac{$", "cost $5 and $6", "a\\$b$c$"]
-
-
-@pytest.fixture(autouse=True)
-def program_name(monkeypatch):
-    """The program name the user sees in a line: `python train.py` runs these commands."""
-    monkeypatch.setattr(sys, "argv", ["train.py"])
 
 
 FINISHED = {}   # the stderr of the module's finished run

@@ -4,7 +4,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -120,12 +119,6 @@ def test_the_cards_command_passes_the_flag_check_and_gte_large_still_needs_the_f
 # DATPO_CACHE: the embedded model's converted copy, in the right folder or one line, nothing left behind
 # ------------------------------------------------------------------------------------------------------
 TINY = ["--preset", "tiny", "--save_every", "1", "--threads", "1", "--seed", "3"]
-
-
-@pytest.fixture
-def program_name(monkeypatch):
-    """The program name the user sees in a line: `python train.py` runs these commands."""
-    monkeypatch.setattr(sys, "argv", ["train.py"])
 
 
 def test_an_empty_datpo_cache_is_the_default_never_the_working_directory(program_name, tmp_path, monkeypatch,

@@ -351,12 +351,6 @@ def replace_header(path: Path, header) -> None:
     path.write_bytes(data[:8] + text.ljust(n) + data[8 + n:])
 
 
-@pytest.fixture
-def program_name(monkeypatch):
-    """The program name the user sees in a line: `python train.py` runs these commands."""
-    monkeypatch.setattr(sys, "argv", ["train.py"])
-
-
 def test_a_header_of_another_json_shape_falls_back_like_a_damaged_checkpoint(program_name, run, capsys):
     newest = run / "checkpoints" / "step_000002"
     replace_header(newest / "model.safetensors", [1, 2])     # a JSON array: was AttributeError .items()
@@ -424,22 +418,6 @@ EVAL = ["--preset", "tiny", "--model", "tiny-random", "--bench", "arith-test", "
 def run_one(capsys, argv, code=None) -> list[str]:
     """train.main as a command: its exit code is `code`, its error line the only one and the last."""
     return FI.run_cli(capsys, argv, code, one_error_line=code is not None)
-
-
-def refused(capsys, main, argv, program: str, code: int = 2) -> str:
-    """`main` run as the command `program`: exit `code`, one error line and no traceback; that line."""
-    capsys.readouterr()
-    saved, sys.argv[0] = sys.argv[0], program
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            faults.main_guard(main, argv)
-    finally:
-        sys.argv[0] = saved
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert exit_info.value.code == code, err
-    assert "Traceback" not in err and len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.mark.parametrize("flags, line", [
@@ -588,7 +566,7 @@ def test_an_evaluation_is_never_reused_for_a_checkpoint_it_did_not_measure(run, 
     run_one(capsys, TINY + ["--steps", "3", "--out_dir", str(run), "--resume", str(run)])   # trained on
     step3 = measured.weights_identity(str(run))
     before = folder_hash(out)
-    line = refused(capsys, E.main, flags + ["--model", str(run), "--out_dir", str(out)], "evaluate.py")
+    line = FI.refused_as(capsys, E.main, flags + ["--model", str(run), "--out_dir", str(out)], "evaluate.py")
     assert line == (f"evaluate.py: error: --out_dir {out}: {out / 'results.json'} holds results made with "
                     f"other settings (step 2 -> 3, weights {measured.short(step2['weights'])} -> "
                     f"{measured.short(step3['weights'])}); a folder holds one evaluation (one model and its "

@@ -4,7 +4,6 @@ import json
 import re
 import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import fault_injection as FI
@@ -459,22 +458,6 @@ def run_cli(capsys, argv, code=None) -> list[str]:
     return FI.run_cli(capsys, argv, code, one_error_line=code is not None)
 
 
-def refused(capsys, main, argv, program: str, code: int = 2) -> str:
-    """`main` run as the command `program`: exit `code`, one error line and no traceback; that line."""
-    capsys.readouterr()
-    saved, sys.argv[0] = sys.argv[0], program
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            faults.main_guard(main, argv)
-    finally:
-        sys.argv[0] = saved
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert exit_info.value.code == code, err
-    assert "Traceback" not in err and len(lines) == 1, err
-    return lines[0]
-
-
 def test_a_score_cache_is_recomputed_for_another_checkpoint(run, tmp_path, capsys):
     """main-table: a cell's cache written at step 1 is not its score once it trained to step 2."""
     study = cli.make_study("main-table", ["--scale", "tiny", "--out_dir", str(tmp_path / "mt")])
@@ -583,7 +566,7 @@ def test_study_flags_and_files_are_one_line(tmp_path, capsys, argv, line):
         argv = [a for a in argv if a not in ("--torn", "--earlier")]
     names = {"tmp": tmp_path, "out": out}
     before = folder_hash(out)
-    got = refused(capsys, cli.main, [a.format(**names) for a in argv]
+    got = FI.refused_as(capsys, cli.main, [a.format(**names) for a in argv]
                   + ["--scale", "tiny", "--out_dir", str(out)], "python -m studies")
     assert got.startswith("python -m studies: error: " + line.format(**names)), got
     assert folder_hash(out) == before

@@ -72,7 +72,7 @@ def test_hyperthreads_of_one_core_count_once(tmp_path):
 
 def _torch_threads(argv: list[str], **env: str) -> dict:
     """In a fresh process: apply the policy as an entry point does, then import torch and report."""
-    code = ("import json, os, sys; from harness import threads; "
+    code = ("import json, os, sys; from runtime import threads; "
             "os.environ.update(threads.policy_env(sys.argv[1:], os.environ)); import torch; "
             "print(json.dumps({'threads': torch.get_num_threads(), 'wait': os.environ['OMP_WAIT_POLICY'], "
             "'spin': os.environ.get('GOMP_SPINCOUNT')}))")

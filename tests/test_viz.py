@@ -4,7 +4,6 @@ network)."""
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -309,12 +308,6 @@ def viz_lines(capsys, argv, code=None) -> list[str]:
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return [line for line in err.splitlines() if line.strip()]
-
-
-@pytest.fixture
-def program_name(monkeypatch):
-    """The program name the user sees in a line: `python train.py` runs these commands."""
-    monkeypatch.setattr(sys, "argv", ["train.py"])
 
 
 @pytest.mark.parametrize("stray", ["step_final.jsonl", "step_7.jsonl", "step_000007 (copy).jsonl"])
