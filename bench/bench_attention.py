@@ -2,7 +2,7 @@
 
     python bench/bench_attention.py                     # CUDA: Qwen2.5-3B's width, 4 of its 36 layers, bf16
     python bench/bench_attention.py --layers 36 --budget 16384
-    python bench/bench_attention.py --cpu_check         # this script's own code, tiny model, CPU (no flex)
+    python bench/bench_attention.py --device cpu        # this script's own code, tiny model, CPU (no flex)
 
 Synthetic DATPO trees of the paper's shape (bench/bench_update.synthetic_tree: prompt 150, responses ≈ 600
 tokens, (N, K, B) = (4, 3, 4)) are packed into one micro-batch of at most --budget tokens (packing.pack,
@@ -11,7 +11,8 @@ forward + backward of the sum of the packed log-probs through a random model of 
 (bench/gpu_smoke.random_qwen25_3b, fewer layers; no hub), timed after a warm-up that compiles (median of
 --repeats), its peak memory, and its difference from the dense kernel — the reference, one [L, L] boolean
 mask through the model's own SDPA: the largest |Δ log-prob| and the relative L2 difference of the gradient
-of layer 0's q_proj and of the embedding. Ratios dense/kernel are of one run on one machine.
+of layer 0's q_proj and of the embedding. Ratios dense/kernel are of one run on one machine. The reference
+runs first, and each kernel's row is printed as soon as it is measured.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":   # a device part: one line naming what is missing, before anything loads
+    from bench import needs
+    needs.check("update")
 from harness import threads  # noqa: E402
 
 # OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
@@ -79,14 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", nargs="+", default=["flex", "tree", "dense"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (harness/threads.py)")
-    parser.add_argument("--cpu_check", action="store_true",
-                        help="a 2-layer model of the same family on CPU, tree and dense only (tests)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a 2-layer model of the same family on CPU, tree and dense only (tests)")
     args = parser.parse_args(argv)
-    if args.cpu_check:
+    if args.device == "cpu":
         device, shape, kernels = torch.device("cpu"), TINY, [k for k in args.kernels if k != "flex"]
         dtype = torch.float32
     elif not torch.cuda.is_available():
-        print("bench/bench_attention.py needs a CUDA GPU (or --cpu_check); nothing was run.")
+        print("bench/bench_attention.py needs a CUDA GPU (or --device cpu); nothing was run.")
         return
     else:
         device, kernels = torch.device("cuda"), args.kernels
@@ -98,11 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name}, torch {torch.__version__}; random Qwen2.5-3B-shaped model, {shape['num_hidden_layers']} "
           f"layers, {dtype}; one packed micro-batch of {len(packed)} tokens (budget {args.budget}), "
           f"{len(packed.target_ids)} targets", flush=True)
-    results = {k: measure(model, packed, device, k, args.budget, args.repeats) for k in kernels}
-    ref = results.get("dense")
     print(f"  {'kernel':<7}{'fwd+bwd s':>11}{'dense/kernel':>14}{'peak GB':>9}{'max |Δ logp|':>14}"
-          f"{'Δ grad q_proj':>15}{'Δ grad embed':>14}")
-    for kernel, r in results.items():
+          f"{'Δ grad q_proj':>15}{'Δ grad embed':>14}", flush=True)
+    ref = None
+    for kernel in sorted(kernels, key=lambda k: k != "dense"):    # the reference first
+        r = measure(model, packed, device, kernel, args.budget, args.repeats)
+        ref = r if kernel == "dense" else ref
         if ref is None:
             diffs = ["-", "-", "-"]
         else:
@@ -112,7 +117,6 @@ def main(argv: list[str] | None = None) -> None:
         speed = f"{ref['seconds'] / r['seconds']:.2f}" if ref else "-"
         print(f"  {kernel:<7}{r['seconds']:>11.3f}{speed:>14}{r['peak']:>9.1f}{diffs[0]:>14}{diffs[1]:>15}"
               f"{diffs[2]:>14}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -107,3 +107,17 @@ def test_the_cards_command_passes_the_flag_check_and_gte_large_still_needs_the_f
     assert models.embedder_note("all-minilm-l6-v2") is None
     models.load_embedder("all-minilm-l6-v2")                   # no note for another embedder
     assert "embedder:" not in capsys.readouterr().out
+
+
+def test_gguf_conversion_refuses_a_transformers_older_than_its_floor(tmp_path, monkeypatch):
+    """requirements.txt admits the GPU image's transformers 5.17, which runs everything but the embedded
+    GGUF conversion (before 5.18 it gives SmolLM2 <|im_start|> as EOS): the conversion says so in one line
+    before reading anything, and writes nothing."""
+    import transformers
+
+    from harness.faults import UserError
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(UserError, match=r"needs transformers >= 5\.18, and this one is 5\.17\.0 "):
+        models._convert_smollm2(tmp_path)
+    assert not any(tmp_path.iterdir())
