@@ -12,7 +12,10 @@ forward + backward of the sum of the packed log-probs through a random model of 
 --repeats), its peak memory, and its difference from the dense kernel — the reference, one [L, L] boolean
 mask through the model's own SDPA: the largest |Δ log-prob| and the relative L2 difference of the gradient
 of layer 0's q_proj and of the embedding. Ratios dense/kernel are of one run on one machine. The reference
-runs first, and each kernel's row is printed as soon as it is measured.
+runs first, and each kernel's row is printed as soon as it is measured. First, one line on the update's
+log-prob head (head_line): a bf16 head's forward + backward over one 2,048-target chunk through
+packing.fp32_logits (a bf16 GEMM with an fp32 result) against the former path (both operands upcast, one
+IEEE fp32 product), ms each and their largest |Δ log-prob|.
 """
 from __future__ import annotations
 
@@ -56,6 +59,39 @@ def forward_backward(model, packed: P.Packed, device, kernel: str, budget: int):
     logprobs.float().sum().backward()
     watched = (model.model.layers[0].self_attn.q_proj.weight, model.model.embed_tokens.weight)
     return logprobs.detach().float(), [w.grad.detach().float().clone() for w in watched]
+
+
+def head_line(model, device, tokens: int, repeats: int) -> str:
+    """The update's log-prob head, packing.target_logprobs, on `tokens` random bf16 hidden states and the
+    model's lm_head in bf16: forward + backward through packing.fp32_logits (HalfLogits) against the former
+    arithmetic (both operands upcast to fp32, one IEEE product), median ms of each, max |Δ log-prob|."""
+    import types
+
+    cuda = device.type == "cuda"
+    weight = model.get_output_embeddings().weight.detach().to(torch.bfloat16).requires_grad_()
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, weight.shape[1], generator=gen).to(device, torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, weight.shape[0], (tokens,), generator=gen).to(device)
+    head = types.SimpleNamespace(weight=weight, bias=None)
+    former = types.SimpleNamespace(weight=weight.float(), bias=None)    # fp32_logits' upcast path
+    results = {}
+    for name, module in (("bf16", head), ("former", former)):
+        seconds = []
+        for _ in range(repeats + 1):                                    # the first is a warm-up
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            logprobs = P.target_logprobs(module, hidden, targets)
+            logprobs.sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        results[name] = (statistics.median(seconds[1:]) * 1e3, logprobs.detach())
+    diff = (results["bf16"][1] - results["former"][1]).abs().max().item()
+    kernel = "bf16 GEMM, fp32 result" if P.fp32_out_matmul(device.type) else "upcast (no bf16→fp32 GEMM here)"
+    return (f"  log-prob head, {tokens} targets × vocab {weight.shape[0]}, forward + backward: bf16 "
+            f"({kernel}) {results['bf16'][0]:.1f} ms, former fp32 upcast {results['former'][0]:.1f} ms "
+            f"(former/bf16 {results['former'][0] / results['bf16'][0]:.1f}); max |Δ log p| {diff:.1e}")
 
 
 def measure(model, packed, device, kernel: str, budget: int, repeats: int) -> dict:
@@ -102,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name}, torch {torch.__version__}; random Qwen2.5-3B-shaped model, {shape['num_hidden_layers']} "
           f"layers, {dtype}; one packed micro-batch of {len(packed)} tokens (budget {args.budget}), "
           f"{len(packed.target_ids)} targets", flush=True)
+    cuda = device.type == "cuda"
+    print(head_line(model, device, 2048 if cuda else 64, 3 if cuda else 1), flush=True)
     print(f"  {'kernel':<7}{'fwd+bwd s':>11}{'dense/kernel':>14}{'peak GB':>9}{'max |Δ logp|':>14}"
           f"{'Δ grad q_proj':>15}{'Δ grad embed':>14}", flush=True)
     ref = None

@@ -93,7 +93,7 @@ part() {   # part NAME LIMIT_SECONDS COMMAND...
 }
 
 step_seconds() {   # step_seconds PRESET: gpu_smoke's mean seconds per step of that preset's part
-  sed -n "s/^  mean seconds per step, --preset $1: //p" "$OUT/smoke-$1.txt" 2>/dev/null | tail -n 1
+  sed -n "s/^  mean seconds per step of $1: //p" "$OUT/smoke-$1.txt" 2>/dev/null | tail -n 1
 }
 
 run_part() {

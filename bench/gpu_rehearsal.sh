@@ -88,7 +88,7 @@ if grep -qE "[0-9]+ (failed|error)" "$OUT/engine.txt" 2>/dev/null; then echo "FA
 table smoke-paper "^--preset paper: 1 step\(s\)" "^  update +1 " "^  embedding +1 " "mean seconds per step"
 table smoke-grpo "^--preset grpo: 1 step\(s\)" "^  update +1 " "mean seconds per step"
 table attention "^  reference " "^  paged-flex@64 " "^  varlen-paged .*unavailable"
-table update "^  dense " "^  tree "
+table update "^  log-prob head, " "^  dense " "^  tree "
 table rollout "tokens / s" "floor: the bare forward"
 if grep -q "FAILED" "$OUT"/smoke-*.txt 2>/dev/null; then echo "FAIL smoke: a run stopped (FAILED)"; fail=1; fi
 grep -q "^seconds per step paper / grpo" "$OUT/summary.txt" && grep "^seconds per step" "$OUT/summary.txt"

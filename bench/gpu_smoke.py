@@ -350,7 +350,7 @@ def smoke(preset: str, args) -> list[str]:
                      + ", ".join(f"{r['seconds_step']:.1f}" for r in steps))
         STEP_SECONDS[preset] = sum(r["seconds_step"] for r in steps) / len(steps)
         # one line per preset: bench/gpu_check.sh reads two parts' lines for DATPO / GRPO
-        lines.append(f"  mean seconds per step, --preset {preset}: {STEP_SECONDS[preset]:.2f}")
+        lines.append(f"  mean seconds per step of {preset}: {STEP_SECONDS[preset]:.2f}")
     for key, why in attention._kernel_choice.items():
         if why:
             lines.append(f"  flex fallback ({key[1]}, heads {key[2]}/{key[3]}, head_dim {key[4]}): {why}")
