@@ -89,7 +89,8 @@ part() {   # part NAME LIMIT_SECONDS COMMAND...
   local command="$*"
   command="${command%%$'\n'*}"
   echo "$name rc=$rc $(( $(date +%s) - start ))s (limit ${limit}s): ${command:0:150}" | tee -a "$OUT/summary.txt"
-  grep -v -e "it/s\]" -e "^Loading weights" -e "s/it\]" "$OUT/$name.txt" | tail -n 25
+  # progress bars redraw with \r: one line per redraw, then dropped
+  tr '\r' '\n' < "$OUT/$name.txt" | grep -v -e "it/s\]" -e "^Loading weights" -e "s/it\]" -e "^ *$" | tail -n 25
 }
 
 step_seconds() {   # step_seconds PRESET: gpu_smoke's mean seconds per step of that preset's part

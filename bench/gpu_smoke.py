@@ -48,6 +48,7 @@ from harness import threads  # noqa: E402
 # OpenMP reads its thread policy once, when torch loads: set it first (harness/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                  num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
@@ -220,10 +221,12 @@ class Phases:
             flops, reads = phase_cost(name, args, kwargs, out)
             call["estimate"] = max(flops / self.rates[0], reads / self.rates[1])
             self.calls.setdefault(name, []).append(call)
-            # as it happens, so a run cut short by a time limit still says how far it got
-            print(f"  · {name} {call['seconds']:.1f} s (estimate {call['estimate']:.1f} s), "
-                  f"{call['count']:.0f} {unit}, peak {call['allocated'] / 1e9:.1f} / "
-                  f"{call['reserved'] / 1e9:.1f} GB", flush=True)
+            # as it happens, so a run cut short by a time limit still says how far it got (tqdm.write:
+            # on a line of its own, not glued to the progress bar's)
+            tqdm.write(f"  · {name} {call['seconds']:.1f} s (estimate {call['estimate']:.1f} s), "
+                       f"{call['count']:.0f} {unit}, peak {call['allocated'] / 1e9:.1f} / "
+                       f"{call['reserved'] / 1e9:.1f} GB", file=sys.stdout)
+            sys.stdout.flush()
             return out
         return measured
 

@@ -1,9 +1,9 @@
 """What each part of bench/gpu_check.sh imports, checked before it loads anything else: one line naming every
 missing module and where it comes from, instead of a traceback minutes into a GPU loan.
 
-    python bench/needs.py            # every part's modules: version and origin (image or carried), exit 1
-                                     # if any is missing (gpu_check.sh's env part)
-    python bench/needs.py engine     # one part's: silent when all import, else one line and exit 2
+    python bench/needs.py            # every part's modules imported: version and origin (image or
+                                     # carried), exit 1 if any is missing (gpu_check.sh's env part)
+    python bench/needs.py engine     # one part's, found on the path: silent, else one line and exit 2
 
 The device image lacks some pure-Python packages the project imports (bench/device_image.txt);
 bench/gpu_assets.py copies them into DATPO_CACHE/site, which gpu_check.sh puts on PYTHONPATH.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -21,8 +22,9 @@ CARRIED = {"pysbd": "pysbd", "math_verify": "math-verify", "latex2sympy2_extende
            "antlr4": "antlr4-python3-runtime"}
 
 # What each entry point imports, its own lazy imports included: pysbd for the sent-entropy forks of the
-# paper and demo presets (tree.py), math_verify wherever responses are graded (reward.py; the data's gold
-# answers are checked with it at load), sentence_transformers for the block embeddings (Div_sib).
+# paper and demo presets (tree.py), math_verify wherever responses are graded (reward.py imports it for a
+# boxed answer that is not a plain number; the smoke's rollout flips a coin, its data checks and evaluation
+# grade), sentence_transformers for the block embeddings (Div_sib).
 COMMON = ("torch", "transformers", "numpy", "tqdm")
 GRADED = ("math_verify", "latex2sympy2_extended", "antlr4")
 NEEDS = {
@@ -34,12 +36,17 @@ NEEDS = {
 }
 
 
-def missing(modules) -> list[str]:
-    """The modules of `modules` that do not import, each as 'name (why)'."""
+def missing(modules, load: bool = False) -> list[str]:
+    """The modules of `modules` that are not there, each as 'name (why)': found on the path (milliseconds:
+    what a part checks before it starts), or with `load` imported (seconds: the env part's report, which
+    also catches a broken install)."""
     gone = []
     for name in modules:
         try:
-            importlib.import_module(name)
+            if load:
+                importlib.import_module(name)
+            elif importlib.util.find_spec(name) is None:
+                raise ModuleNotFoundError(f"No module named '{name}'")
         except Exception as err:   # ImportError, or a broken install raising anything at import
             gone.append(f"{name} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
     return gone
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         check(parts[0])
         return 0
     modules = list(dict.fromkeys(m for p in parts for m in NEEDS[p]))
-    gone = missing(modules)
+    gone = missing(modules, load=True)
     for name in modules:
         if name in sys.modules:
             print(f"  {name:<24} {version(name):<14} {origin(name)}")
