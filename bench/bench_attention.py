@@ -2,7 +2,7 @@
 
     python bench/bench_attention.py                     # CUDA: Qwen2.5-3B's width, 4 of its 36 layers, bf16
     python bench/bench_attention.py --layers 36 --budget 16384
-    python bench/bench_attention.py --cpu_check         # this script's own code, tiny model, CPU (no flex)
+    python bench/bench_attention.py --device cpu        # this script's own code, tiny model, CPU (no flex)
 
 Synthetic DATPO trees of the paper's shape (bench/bench_update.synthetic_tree: prompt 150, responses ≈ 600
 tokens, (N, K, B) = (4, 3, 4)) are packed into one micro-batch of at most --budget tokens (packing.pack,
@@ -11,7 +11,11 @@ forward + backward of the sum of the packed log-probs through a random model of 
 (bench/gpu_smoke.random_qwen25_3b, fewer layers; no hub), timed after a warm-up that compiles (median of
 --repeats), its peak memory, and its difference from the dense kernel — the reference, one [L, L] boolean
 mask through the model's own SDPA: the largest |Δ log-prob| and the relative L2 difference of the gradient
-of layer 0's q_proj and of the embedding. Ratios dense/kernel are of one run on one machine.
+of layer 0's q_proj and of the embedding. Ratios dense/kernel are of one run on one machine. The reference
+runs first, and each kernel's row is printed as soon as it is measured. First, one line on the update's
+log-prob head (head_line): a bf16 head's forward + backward over one 2,048-target chunk through
+packing.fp32_logits (a bf16 GEMM with an fp32 result) against the former path (both operands upcast, one
+IEEE fp32 product), ms each and their largest |Δ log-prob|.
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":   # a device part: one line naming what is missing, before anything loads
+    from bench import needs
+    needs.check("update")
 from runtime import threads  # noqa: E402
 
 # OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
@@ -56,6 +63,39 @@ def forward_backward(model, packed: P.Packed, device, kernel: str, budget: int):
     return logprobs.detach().float(), [w.grad.detach().float().clone() for w in watched]
 
 
+def head_line(model, device, tokens: int, repeats: int) -> str:
+    """The update's log-prob head, packing.target_logprobs, on `tokens` random bf16 hidden states and the
+    model's lm_head in bf16: forward + backward through packing.fp32_logits (HalfLogits) against the former
+    arithmetic (both operands upcast to fp32, one IEEE product), median ms of each, max |Δ log-prob|."""
+    import types
+
+    cuda = device.type == "cuda"
+    weight = model.get_output_embeddings().weight.detach().to(torch.bfloat16).requires_grad_()
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, weight.shape[1], generator=gen).to(device, torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, weight.shape[0], (tokens,), generator=gen).to(device)
+    head = types.SimpleNamespace(weight=weight, bias=None)
+    former = types.SimpleNamespace(weight=weight.float(), bias=None)    # fp32_logits' upcast path
+    results = {}
+    for name, module in (("bf16", head), ("former", former)):
+        seconds = []
+        for _ in range(repeats + 1):                                    # the first is a warm-up
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            logprobs = P.target_logprobs(module, hidden, targets)
+            logprobs.sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        results[name] = (statistics.median(seconds[1:]) * 1e3, logprobs.detach())
+    diff = (results["bf16"][1] - results["former"][1]).abs().max().item()
+    kernel = "bf16 GEMM, fp32 result" if P.fp32_out_matmul(device.type) else "upcast (no bf16→fp32 GEMM here)"
+    return (f"  log-prob head, {tokens} targets × vocab {weight.shape[0]}, forward + backward: bf16 "
+            f"({kernel}) {results['bf16'][0]:.1f} ms, former fp32 upcast {results['former'][0]:.1f} ms "
+            f"(former/bf16 {results['former'][0] / results['bf16'][0]:.1f}); max |Δ log p| {diff:.1e}")
+
+
 def measure(model, packed, device, kernel: str, budget: int, repeats: int) -> dict:
     cuda = device.type == "cuda"
     forward_backward(model, packed, device, kernel, budget)                       # warm-up (compiles flex)
@@ -78,17 +118,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4, help="of Qwen2.5-3B's 36")
     parser.add_argument("--budget", type=int, default=8192, help="tokens per packed micro-batch")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--kernels", nargs="+", default=["flex", "tree", "dense"])
+    parser.add_argument("--kernels", nargs="+", default=["flex", "tree", "dense"],
+                        choices=["flex", "tree", "dense"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (runtime/threads.py)")
-    parser.add_argument("--cpu_check", action="store_true",
-                        help="a 2-layer model of the same family on CPU, tree and dense only (tests)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a 2-layer model of the same family on CPU, tree and dense only (tests)")
     args = parser.parse_args(argv)
-    if args.cpu_check:
+    if args.device == "cpu":
         device, shape, kernels = torch.device("cpu"), TINY, [k for k in args.kernels if k != "flex"]
         dtype = torch.float32
     elif not torch.cuda.is_available():
-        print("bench/bench_attention.py needs a CUDA GPU (or --cpu_check); nothing was run.")
+        print("bench/bench_attention.py needs a CUDA GPU (or --device cpu); nothing was run.")
         return
     else:
         device, kernels = torch.device("cuda"), args.kernels
@@ -100,11 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name}, torch {torch.__version__}; random Qwen2.5-3B-shaped model, {shape['num_hidden_layers']} "
           f"layers, {dtype}; one packed micro-batch of {len(packed)} tokens (budget {args.budget}), "
           f"{len(packed.target_ids)} targets", flush=True)
-    results = {k: measure(model, packed, device, k, args.budget, args.repeats) for k in kernels}
-    ref = results.get("dense")
+    cuda = device.type == "cuda"
+    print(head_line(model, device, 2048 if cuda else 16, 3 if cuda else 1), flush=True)
     print(f"  {'kernel':<7}{'fwd+bwd s':>11}{'dense/kernel':>14}{'peak GB':>9}{'max |Δ logp|':>14}"
-          f"{'Δ grad q_proj':>15}{'Δ grad embed':>14}")
-    for kernel, r in results.items():
+          f"{'Δ grad q_proj':>15}{'Δ grad embed':>14}", flush=True)
+    ref = None
+    # the reference first, flex (whose first call compiles) last
+    for kernel in sorted(kernels, key=lambda k: ("dense", "tree", "flex").index(k)):
+        r = measure(model, packed, device, kernel, args.budget, args.repeats)
+        ref = r if kernel == "dense" else ref
         if ref is None:
             diffs = ["-", "-", "-"]
         else:
@@ -114,7 +159,6 @@ def main(argv: list[str] | None = None) -> None:
         speed = f"{ref['seconds'] / r['seconds']:.2f}" if ref else "-"
         print(f"  {kernel:<7}{r['seconds']:>11.3f}{speed:>14}{r['peak']:>9.1f}{diffs[0]:>14}{diffs[1]:>15}"
               f"{diffs[2]:>14}", flush=True)
-
 
 if __name__ == "__main__":
     main()

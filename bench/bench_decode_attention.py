@@ -3,7 +3,7 @@ each takes, its time per call, and its difference from the reference.
 
     python bench/bench_decode_attention.py                        # CUDA: 64 and 256 rows, bf16
     python bench/bench_decode_attention.py --rows 64 --context 1280
-    python bench/bench_decode_attention.py --cpu_check            # this script's own code, small, CPU
+    python bench/bench_decode_attention.py --device cpu           # this script's own code, small, CPU
 
 One decode token per row (query [rows, 16, 1, 128], keys/values of 2 KV heads) attending over `--context`
 tokens per row that live in a KV pool in 1-token slots (the reference) or 16-token pages (the paged step),
@@ -16,7 +16,8 @@ the rows' slots shuffled through the pool as a long run leaves them. Candidates 
                 (--pages) through the block table, no gather — what --decode_step paged runs (P = 64)
   varlen-paged  torch.nn.attention.varlen.varlen_attn with block_table / seqused_k (flash; CUDA only) over
                 pages of --varlen_page tokens, where this torch has it (its flash kernel may refuse small
-                pages: the error is printed)
+                pages: the error is printed); where it has not (torch 2.11's takes none of block_table,
+                seqused_k, enable_gqa) its row says which are missing
 Per candidate: the SDPA backends it is eligible for (reference, packed-gqa), milliseconds per call (median of
 --repeats after a warm-up that compiles), the KV bytes a call must read at least (the rows' contexts once)
 over that time, and the largest |Δ| from the reference output.
@@ -31,6 +32,9 @@ import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":   # a device part: one line naming what is missing, before anything loads
+    from bench import needs
+    needs.check("attention")
 from runtime import threads  # noqa: E402
 
 # OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
@@ -103,16 +107,27 @@ def paged_flex(page_pool, page_rows, query, key, value, scale):
                                          engine_kv=step)[0]
 
 
-def varlen_paged(rows_context: list[list[int]], values_of, query, key, value, scale, page: int):
-    """varlen_attn over pages of `page` tokens (CUDA flash); None if this torch has no block_table."""
+VARLEN_NEEDS = ("block_table", "seqused_k", "enable_gqa")
+
+
+def varlen_missing() -> str:
+    """Why varlen-paged cannot run on this torch ('' when it can): no varlen_attn, or the parameters of
+    VARLEN_NEEDS it lacks."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
     import inspect
 
-    if "block_table" not in inspect.signature(varlen_attn).parameters:
-        return None
+    params = inspect.signature(varlen_attn).parameters
+    lacking = [name for name in VARLEN_NEEDS if name not in params]
+    return f"torch {torch.__version__}'s varlen_attn has no {', '.join(lacking)}" if lacking else ""
+
+
+def varlen_paged(rows_context: list[list[int]], values_of, query, key, value, scale, page: int):
+    """varlen_attn over pages of `page` tokens (CUDA flash); only where varlen_missing() is ''."""
+    from torch.nn.attention.varlen import varlen_attn
+
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     lengths = [len(c) + 1 for c in rows_context]
@@ -166,40 +181,43 @@ def timed(call, repeats: int, device) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(rows: int, context: int, args, device, dtype) -> list[str]:
+def run(rows: int, context: int, args, device, dtype) -> None:
+    """Prints the table of one shape, each candidate's row as soon as it is measured."""
     heads, kv_heads, dim = args.heads, args.kv_heads, args.head_dim
     pools, contexts, query, key, value = setup(rows, context, heads, kv_heads, dim, dtype, device, args.pages)
     slot_pool, slot_rows = pools[0], contexts[0]
     scale = dim ** -0.5
     ref_call, step = reference(slot_pool, slot_rows, query, key, value, scale)
+    kv_bytes = rows * (context + 1) * 2 * kv_heads * dim * torch.finfo(dtype).bits // 8
+    print(f"rows {rows}, context {context}, heads {heads}/{kv_heads}, head_dim {dim}, {dtype}; "
+          f"KV read at least {kv_bytes / 1e6:.1f} MB per call", flush=True)
+    print(f"  {'candidate':<15} {'SDPA backends':<26} {'ms/call':>9} {'GB/s':>8} {'max |Δ|':>10}", flush=True)
     with torch.no_grad():
         expected = ref_call()
         packed_call, _, _ = packed_gqa(slot_pool, step, query, key, value, scale)
-        calls = {"reference": (ref_call, eligible(ref_call)),
-                 "packed-gqa": (packed_call, eligible(packed_call))}
+        calls = {"reference": lambda: (ref_call, eligible(ref_call)),
+                 "packed-gqa": lambda: (packed_call, eligible(packed_call))}
         for page, pool, page_rows in zip(args.pages, pools[1:], contexts[1:]):
-            calls[f"paged-flex@{page}"] = (paged_flex(pool, page_rows, query, key, value, scale), "-")
-        if device.type == "cuda":
+            calls[f"paged-flex@{page}"] = (lambda pool=pool, page_rows=page_rows:
+                                           (paged_flex(pool, page_rows, query, key, value, scale), "-"))
+        why_not = varlen_missing() or ("" if device.type == "cuda" else "flash varlen is CUDA's")
+        if not why_not:
             layer = slot_pool.layers[0]
-            varlen = varlen_paged([r[:-1] for r in slot_rows],
-                                  lambda r: layer[torch.tensor(slot_rows[r][:-1], device=device)],
-                                  query, key, value, scale, args.varlen_page)
-            if varlen is not None:
-                calls["varlen-paged"] = (varlen, "-")
-        kv_bytes = rows * (context + 1) * 2 * kv_heads * dim * torch.finfo(dtype).bits // 8
-        lines = [f"rows {rows}, context {context}, heads {heads}/{kv_heads}, head_dim {dim}, {dtype}; "
-                 f"KV read at least {kv_bytes / 1e6:.1f} MB per call",
-                 f"  {'candidate':<15} {'SDPA backends':<26} {'ms/call':>9} {'GB/s':>8} {'max |Δ|':>10}"]
-        for name, (call, backends) in calls.items():
+            calls["varlen-paged"] = lambda: (varlen_paged(
+                [r[:-1] for r in slot_rows], lambda r: layer[torch.tensor(slot_rows[r][:-1], device=device)],
+                query, key, value, scale, args.varlen_page), "-")
+        for name, make in calls.items():
             try:
+                call, backends = make()
                 ms = timed(call, args.repeats, device)
                 diff = (call().float() - expected.float()).abs().max().item()
-                lines.append(f"  {name:<15} {backends:<26} {ms:>9.3f} {kv_bytes / ms / 1e6:>8.1f} "
-                             f"{diff:>10.2e}")
+                line = f"  {name:<15} {backends:<26} {ms:>9.3f} {kv_bytes / ms / 1e6:>8.1f} {diff:>10.2e}"
             except Exception as err:   # e.g. a page size the kernel refuses: say so, go on
-                lines.append(f"  {name:<15} {backends:<26} failed: {type(err).__name__}: "
-                             f"{str(err).splitlines()[0][:150] if str(err) else ''}")
-    return lines
+                line = (f"  {name:<15} {'-':<26} failed: {type(err).__name__}: "
+                        f"{str(err).splitlines()[0][:150] if str(err) else ''}")
+            print(line, flush=True)
+        if why_not:
+            print(f"  {'varlen-paged':<15} {'-':<26} unavailable: {why_not}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,24 +232,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--varlen_page", type=int, default=256, help="varlen-paged's page size")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (runtime/threads.py)")
-    parser.add_argument("--cpu_check", action="store_true",
-                        help="this script's own code on CPU, small (4 rows, 40 tokens, 4/2 heads of 16)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: this script's own code on CPU, small (4 rows, 40 tokens, 4/2 heads of 16)")
     args = parser.parse_args(argv)
-    if args.cpu_check:
+    if args.device == "cpu":
         args.rows, args.context, args.repeats = [4], [40], 2
         args.heads, args.kv_heads, args.head_dim = 4, 2, 16
         device, dtype = torch.device("cpu"), torch.float32
     elif not torch.cuda.is_available():
         print("bench/bench_decode_attention.py times CUDA kernels and there is no CUDA GPU here; "
-              "--cpu_check runs its own code on the CPU")
+              "--device cpu runs its own code on the CPU")
         return
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
         print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     for rows in args.rows:
         for context in args.context:
-            for line in run(rows, context, args, device, dtype):
-                print(line, flush=True)
+            run(rows, context, args, device, dtype)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@
         # every row runs to max_new_tokens; the embedded SmolLM2 tokenizer
     python bench/bench_rollout.py --model random-qwen2.5-3b --device cuda --precision bf16 --shapes a \
         --rows 256 --max_new_tokens 128      # shape (a) at 256 rows (64 prompts × 4), all decoding at once
+    python bench/bench_rollout.py --model random-qwen2.5-tiny --device cpu --shapes a --rows 8 \
+        --max_new_tokens 8                   # the same code, a 2-layer model of that family (the rehearsal)
     python bench/bench_rollout.py --shapes c --decode_step paged-eager   # the paged step on the CPU
 
 Shapes, both engines on the same prompts (arith-train, the demo's chat prompt with its worked example):
@@ -43,6 +45,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":   # a device part: one line naming what is missing, before anything loads
+    from bench import needs
+    needs.check("rollout")
 from runtime import threads  # noqa: E402
 
 # OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
@@ -215,10 +220,11 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = models.pick_device(args.device)
-    if args.model == "random-qwen2.5-3b":
-        from bench.gpu_smoke import random_policy
+    if args.model in ("random-qwen2.5-3b", "random-qwen2.5-tiny"):
+        from bench.gpu_smoke import QWEN25_3B, TINY, random_policy
 
-        model, tokenizer = random_policy(models.policy_dtype(args.precision), device)
+        shape = QWEN25_3B if args.model == "random-qwen2.5-3b" else TINY
+        model, tokenizer = random_policy(models.policy_dtype(args.precision), device, shape=shape)
     else:
         model, tokenizer = models.load_policy(args.model, device, models.policy_dtype(args.precision))
     model.eval()
@@ -258,8 +264,9 @@ def main():
         ours, ref = result[engines[0]], result[engines[-1]]
         print(f"\n({shape}) {n_prompts} prompts, N = {kwargs.get('n_base', cfg.n_base)}, "
               f"{'no branches' if kwargs else f'K_max = {cfg.k_max}, B_max = {cfg.b_max}, {cfg.fork}'}, "
-              f"max_new_tokens {cfg.max_new_tokens}; load average {os.getloadavg()[0]:.2f}")
-        print(f"{'':34s}{engines[0]:>14s}{engines[-1]:>14s}{engines[0] + '/' + engines[-1]:>17s}")
+              f"max_new_tokens {cfg.max_new_tokens}; load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"{'':34s}{engines[0]:>14s}{engines[-1]:>14s}{engines[0] + '/' + engines[-1]:>17s}",
+              flush=True)
         for label, key, fmt in [("wall seconds", "wall", "{:.1f}"), ("generated tokens", "tokens", "{:.0f}"),
                                 ("tokens / s", "tok_s", "{:.1f}"), ("branches", "branches", "{:.0f}"),
                                 ("row-steps run", "row_steps", "{:.0f}"),
@@ -270,7 +277,7 @@ def main():
             if key == "kv":
                 a, b = a / 2**20, b / 2**20
             ratio = f"{a / b:.2f}" if b else "-"
-            print(f"{label:34s}{fmt.format(a):>14s}{fmt.format(b):>14s}{ratio:>17s}")
+            print(f"{label:34s}{fmt.format(a):>14s}{fmt.format(b):>14s}{ratio:>17s}", flush=True)
         seconds_per_token[shape] = {e: r["wall"] / r["tokens"] for e, r in result.items()}
         rows, context, counted = ours["shape"]
         floor = bare_forward_tokens_per_s(model, max(1, round(rows)), round(context))
@@ -297,7 +304,7 @@ def main():
     if "a" in seconds_per_token and "b" in seconds_per_token and not args.compile_decode:
         for e in engines:
             print(f"DATPO (b) / GRPO-like (a) rollout seconds per generated token, {e}: "
-                  f"{seconds_per_token['b'][e] / seconds_per_token['a'][e]:.2f}")
+                  f"{seconds_per_token['b'][e] / seconds_per_token['a'][e]:.2f}", flush=True)
     today, ours = paper_shape_kv()
     print(f"\npaper shape (Qwen2.5-3B bf16, 16 prompts, (4, 3, 4), 1,024 new tokens, 256-token prompts), "
           f"computed peak KV: generate {today / 2**30:.1f} GiB, engine {ours / 2**30:.1f} GiB, "

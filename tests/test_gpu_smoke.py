@@ -33,9 +33,10 @@ def test_gpu_smoke_harness_runs_train_loop_on_cpu(capsys):
 
     before = (models.load_policy, R.compute_reward, R.rollout_trees, train.ppo_update, loop.save_checkpoint,
               advantage.embed_blocks)
-    gpu_smoke.main(["--cpu_check", "--presets", "paper", "grpo", "--prompts", "2", "--max_new_tokens", "6",
-                    "--ppo_epochs", "1", "--steps", "1", "--extra", "--precision", "fp32",
-                    "--group_size", "4", "--gen_batch_size", "8", "--max_tokens_per_micro_batch", "128"])
+    gpu_smoke.main(["--device", "cpu", "--presets", "paper", "grpo", "--prompts", "2",
+                    "--max_new_tokens", "6", "--ppo_epochs", "1", "--steps", "1", "--extra", "--precision",
+                    "fp32", "--group_size", "4", "--gen_batch_size", "8",
+                    "--max_tokens_per_micro_batch", "128"])
     out = capsys.readouterr().out
     runs = out.split("--preset ")[1:]
     assert [r.split(":")[0] for r in runs] == ["paper", "grpo"] and "FAILED" not in out
@@ -85,13 +86,13 @@ def test_checkpointing_default_follows_the_memory_estimate():
 
 
 @pytest.mark.slow
-def test_bench_attention_cpu_check_prints_the_tree_kernel_equal_to_dense(capsys):
+def test_bench_attention_on_cpu_prints_the_tree_kernel_equal_to_dense(capsys):
     """bench/bench_attention.py's own code on CPU (tree and dense; flex is CUDA's): one packed micro-batch of
     paper-shaped trees, forward + backward per kernel; the tree kernel's log-probs and gradients match the
     dense reference to float32 rounding, and the dense row differs from itself by nothing."""
     import bench_attention
 
-    bench_attention.main(["--cpu_check", "--budget", "512", "--repeats", "1"])
+    bench_attention.main(["--device", "cpu", "--budget", "512", "--repeats", "1"])
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.startswith("  ") and line.split()[0] in ("tree", "dense")}
@@ -99,3 +100,44 @@ def test_bench_attention_cpu_check_prints_the_tree_kernel_equal_to_dense(capsys)
     assert [float(x) for x in rows["dense"][4:7]] == [0.0, 0.0, 0.0]
     assert float(rows["tree"][4]) < 1e-4 and max(float(x) for x in rows["tree"][5:7]) < 1e-4
     assert "one packed micro-batch of" in out and float(rows["tree"][1]) > 0
+
+
+def test_a_part_missing_a_module_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
+    """bench/needs.check, each device part's first act: every missing module in one line (with why), a
+    carried one pointed at DATPO_CACHE/site and gpu_assets.py; a part whose modules all import is silent."""
+    from bench import needs
+
+    monkeypatch.setitem(needs.NEEDS, "probe", ("json", "datpo_no_such_module", "datpo_no_such_carried"))
+    monkeypatch.setitem(needs.CARRIED, "datpo_no_such_carried", "datpo-carried-dist")
+    monkeypatch.setenv("DATPO_CACHE", "/somewhere/gpu_assets")
+    with pytest.raises(SystemExit) as stop:
+        needs.check("probe")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("probe: cannot start, missing datpo_no_such_module (ModuleNotFoundError")
+    assert "datpo_no_such_carried (ModuleNotFoundError" in err and "json" not in err
+    assert "carried ones (datpo-carried-dist) belong in /somewhere/gpu_assets/site" in err
+    monkeypatch.setitem(needs.NEEDS, "probe", ("json",))
+    needs.check("probe")
+    assert capsys.readouterr().err == ""
+
+
+def test_carried_packages_import_from_the_assets_folder_alone(tmp_path):
+    """bench/gpu_assets.carry_packages copies pysbd (the paper preset's sentence splitter, which the device
+    image lacks) without byte code or pysbd's stray top-level packages; a Python without site-packages (-S)
+    imports it from there alone, splits sentences with it, and needs.origin calls it carried."""
+    import gpu_assets
+
+    site = tmp_path / "site"
+    carried = gpu_assets.carry_packages(site)
+    assert [c.split()[0] for c in carried] == list(gpu_assets.needs.CARRIED.values())
+    packages = {p.name for p in site.iterdir() if not p.name.endswith(".dist-info")}
+    assert packages == set(gpu_assets.needs.CARRIED)
+    assert not [p for p in site.rglob("*") if p.suffix in (".pyc", ".so") or p.name == "__pycache__"]
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import pysbd; from bench import needs; "
+            "seg = pysbd.Segmenter(language='en', clean=False); print(needs.origin('pysbd'), "
+            "seg.segment('It is 5. Then 6.'))")
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(site), ROOT], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "DATPO_CACHE": str(tmp_path), "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "carried ['It is 5. ', 'Then 6.']"

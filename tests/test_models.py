@@ -239,3 +239,15 @@ def test_a_conversion_killed_outright_is_cleared_by_the_next_run(program_name, t
         f"DATPO_CACHE={cache}: removed {killed.name}, left by a conversion of the embedded model that was "
         f"interrupted (process {killed.name.split('-')[2]} is gone)"]
     assert not killed.exists() and running.exists() and other.exists()
+def test_gguf_conversion_refuses_a_transformers_older_than_its_floor(tmp_path, monkeypatch):
+    """requirements.txt admits the GPU image's transformers 5.17, which runs everything but the embedded
+    GGUF conversion (before 5.18 it gives SmolLM2 <|im_start|> as EOS): the conversion says so in one line
+    before reading anything, and writes nothing."""
+    import transformers
+
+    from runtime.faults import UserError
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(UserError, match=r"needs transformers >= 5\.18, and this one is 5\.17\.0 "):
+        models._convert_smollm2(tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -181,6 +181,46 @@ def test_logprobs_of_a_bf16_model_come_from_fp32_logits():
     assert head.weight.grad is not None and head.weight.grad.dtype == torch.bfloat16
 
 
+def test_bf16_head_log_probs_equal_the_fp32_upcast_and_gradients_stay_within_bf16_rounding(monkeypatch):
+    """packing.HalfLogits, the bf16 head of the update (issue 42): its log-probs equal the former path's (both
+    operands upcast, one IEEE fp32 product) within 1e-5 at logits of ~20 — on CPU the forward is that same
+    product (no bf16 GEMM with an fp32 result there); on CUDA only the order of its fp32 sums differs. Its
+    gradients, from a bf16-rounded logit gradient as every other bf16 layer takes its own, are within one
+    bf16 unit (2^-8, relative L2) of float64 from the same values, and at most twice as far as the former
+    fp32 product rounded once. An fp32 head never takes it: those runs compute what they computed."""
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(64, 2000, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(2000, 64, generator=gen) * 0.6)
+    hidden0 = (torch.randn(48, 64, generator=gen) * 0.6).to(torch.bfloat16)
+    targets = torch.randint(0, 2000, (48,), generator=gen)
+    adv = torch.randn(48, generator=gen)
+
+    def run(logits_of, weight, dtype=torch.bfloat16):
+        weight.grad = None
+        hidden = hidden0.to(dtype, copy=True).requires_grad_()
+        logits = logits_of(hidden)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+        (logp * adv).sum().backward()
+        return logp.detach().double(), hidden.grad.double(), weight.grad.double(), logits.detach()
+
+    ours = run(lambda h: P.fp32_logits(head, h), head.weight)
+    former = run(lambda h: torch.nn.functional.linear(h.float(), head.weight.float()), head.weight)
+    w64 = head.weight.detach().double().requires_grad_()
+    exact = run(lambda h: torch.nn.functional.linear(h, w64), w64, torch.float64)   # the same values
+    assert 10 < exact[3].abs().max() < 40 and ours[3].dtype == torch.float32
+    assert (ours[0] - former[0]).abs().max() <= 1e-5
+    for i in (1, 2):                                                        # hidden, then weight
+        ours_error = ((ours[i] - exact[i]).norm() / exact[i].norm()).item()
+        former_error = ((former[i] - exact[i]).norm() / exact[i].norm()).item()
+        assert ours_error <= 2 ** -8 and ours_error <= 2 * former_error and ours[i].abs().max() > 0
+    # fp32 runs never take the bf16 path
+    monkeypatch.setattr(P.HalfLogits, "apply", lambda *a: pytest.fail("an fp32 head took the bf16 path"))
+    head32 = torch.nn.Linear(64, 2000, bias=False)
+    hidden32 = torch.randn(5, 64, generator=gen)
+    assert torch.equal(P.fp32_logits(head32, hidden32), torch.nn.functional.linear(hidden32, head32.weight))
+
+
 def test_split_items_keep_ancestors_as_context_and_train_each_block_once():
     tr = datpo_tree()
     items = P.split_items(tr, 0, tr.trained, max_tokens=12)

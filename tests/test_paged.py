@@ -329,7 +329,7 @@ def test_paged_step_on_cuda_with_graphs_grows_generate_trees(smollm_tokenizer, m
 
 
 @pytest.mark.slow
-def test_bench_decode_attention_cpu_check_prints_every_candidate_equal_to_the_reference(capsys):
+def test_bench_decode_attention_on_cpu_prints_every_candidate_equal_to_the_reference(capsys):
     """bench/bench_decode_attention.py's own code on CPU (varlen is CUDA's): each candidate's row, the
     reference eligible for SDPA's math backend, and every candidate within float32 rounding of it."""
     import os
@@ -338,7 +338,7 @@ def test_bench_decode_attention_cpu_check_prints_every_candidate_equal_to_the_re
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import bench_decode_attention
 
-    bench_decode_attention.main(["--cpu_check"])
+    bench_decode_attention.main(["--device", "cpu"])
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
             if line.startswith("  ") and line.split()[0] in ("reference", "packed-gqa", "paged-flex@16",
                                                              "paged-flex@64")}
