@@ -100,6 +100,48 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+# --------------------------------------------------------------------------------------------------------
+# Every field's kind, whatever set it: the command line (argparse parses by these), a settings file
+# (--config FILE, a run's config.json under --resume: harness/cli.py reads them with kind_problem), a preset
+# or a Config built in code (validate). A bool is never an int, an int never a float ("steps": 2.0 is
+# refused, not truncated), a string is never a bool ("false" is truthy: it let a model folder's own code run).
+# --------------------------------------------------------------------------------------------------------
+KIND_NAMES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+
+
+def kind_problem(kind: str, value) -> str | None:
+    """What a value of the field kind `kind` (a Config annotation as written in config.py: bool, int, float,
+    str, list[str], list[float]) is, when `value` is not one; None when it is. A float field takes an
+    integer (1 is 1.0)."""
+    if kind.startswith("list[") and kind.endswith("]"):
+        item = kind[5:-1]
+        if isinstance(value, list) and all(kind_problem(item, v) is None for v in value):
+            return None
+        return f"a list of {KIND_NAMES.get(item, item).replace('an ', '').replace('a ', '')}s"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {"bool": isinstance(value, bool), "int": number and isinstance(value, int), "float": number,
+          "str": isinstance(value, str)}.get(kind, True)
+    return None if ok else KIND_NAMES[kind]
+
+
+def shown(value) -> str:
+    """A settings value as a message shows it, its kind in view: the string "false", 2.0, true, null."""
+    import json
+
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"the string {text}" if isinstance(value, str) else text
+
+
+def check_types(cfg) -> None:
+    """Every field's value of its kind (kind_problem); a preset or a Config built in code meets the same
+    rule as the command line and a settings file."""
+    for f in dataclasses.fields(cfg):
+        why = kind_problem(str(f.type), getattr(cfg, f.name))
+        if why:
+            raise ValueError(f"--{f.name}: got {shown(getattr(cfg, f.name))}, expected {why}")
+
+
 def check_choices(cfg) -> None:
     """Fields with a fixed set of values (CHOICES, LIST_CHOICES, --device) and the trackers' packages."""
     for name, allowed in CHOICES.items():
@@ -307,8 +349,9 @@ def check_texts(cfg) -> None:
 
 
 def validate(cfg) -> None:
-    """Config.validate: names in UTF-8, choices, ranges, then combinations; the first problem raises
-    ValueError."""
+    """Config.validate: every value of its field's kind, names in UTF-8, choices, ranges, then
+    combinations; the first problem raises ValueError."""
+    check_types(cfg)
     check_texts(cfg)
     check_choices(cfg)
     check_ranges(cfg)

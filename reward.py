@@ -308,15 +308,23 @@ def _clean(answer: str) -> str:
     return answer
 
 
+# Sizing commands around brackets (\left( ... \right), \big( ...): dropped before reading exponents.
+_SIZING_RE = re.compile(r"\\(?:left|right|[bB]igg?[lr]?)(?![A-Za-z])")
+# Commands that keep an expression numeric (a tower of them is still a number to compute).
+_NUMERIC_COMMANDS_RE = re.compile(r"\\(?:[dt]?frac|cdot|times|sqrt|div)(?![A-Za-z])")
+
+
 def _exponent_args(answer: str) -> list[str]:
-    """The argument of every ^ : a balanced {group} or a single token."""
+    """The argument of every ^ : a balanced group opened by {, ( or [ (any of them closing it: \\left and
+    \\right dropped first), or a single token."""
+    answer = _SIZING_RE.sub("", answer)
     args = []
     for m in re.finditer(r"\^\s*", answer):
         j = m.end()
-        if j < len(answer) and answer[j] == "{":
+        if j < len(answer) and answer[j] in "{([":
             depth, k = 0, j
             while k < len(answer):
-                depth += {"{": 1, "}": -1}.get(answer[k], 0)
+                depth += 1 if answer[k] in "{([" else -1 if answer[k] in "})]" else 0
                 if depth == 0:
                     break
                 k += 1
@@ -324,6 +332,15 @@ def _exponent_args(answer: str) -> list[str]:
         else:
             args.append(answer[j:j + 1])
     return args
+
+
+def _numeric_tower(arg: str) -> bool:
+    """An exponent that is itself a power of numbers: a digit raised to a digit (9^{9^9}), or any power with
+    no letter in it ((1+8)^{(1+8)^{(1+8)}}, \\left(9\\right)^{...}): sympy evaluates those exactly, and
+    9^(9^9) has 370 million digits. e^{x^2} and 2^{2^n} stay symbolic."""
+    if re.search(r"\d\s*[})\]]?\s*\^\s*[{(\[]?\s*\(?\s*\d", arg):
+        return True
+    return "^" in arg and not re.search(r"[A-Za-z]", _NUMERIC_COMMANDS_RE.sub("", _SIZING_RE.sub("", arg)))
 
 
 def _is_safe(answer: str) -> bool:
@@ -342,9 +359,9 @@ def _is_safe(answer: str) -> bool:
         return False
     if any(r.search(answer) for r in _EXPLOSIVE_RES):
         return False
-    # Numeric towers like 9^{9^{9}}: a number raised to a number inside an exponent. e^{x^2} and
-    # 2^{2^n} stay allowed (sympy keeps them symbolic).
-    return not any(re.search(r"\d\s*\}?\s*\^\s*\{?\s*\(?\s*\d", arg) for arg in _exponent_args(answer))
+    # Numeric towers like 9^{9^{9}} or (1+8)^{(1+8)^{(1+8)}}: a power of numbers inside an exponent.
+    # e^{x^2} and 2^{2^n} stay allowed (sympy keeps them symbolic).
+    return not any(_numeric_tower(arg) for arg in _exponent_args(answer))
 
 
 # Units. math-verify drops a unit from each side before comparing (so "5 m" = "5 cm"), as the MATH grader
@@ -431,6 +448,13 @@ def _plain_number(answer: str) -> Fraction | None:
 # math-verify, in this process
 
 _mv = None  # (parse, verify) once imported
+
+
+def load_grader() -> None:
+    """Load math-verify now (about a second; 5-6 s beside two busy processes on 2 cores). TIMEOUT_SECONDS
+    bounds a check, not this one-time import: the first check of a process that did not call it pays the
+    import first (a run's first step does, once)."""
+    _load_math_verify()
 
 
 def _load_math_verify():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import io
 import json
@@ -27,6 +28,7 @@ import tokenize
 import typing
 from pathlib import Path
 
+import checks
 import config as C
 import methods as M
 from checks import CHOICES, LIST_CHOICES
@@ -238,9 +240,17 @@ def help_defaults(argv: list[str]) -> dict | None:
 
 
 def saved_config(path: str | Path, flag: str) -> dict:
-    """The settings in a run's config.json (its history and fields this version no longer has left out); a
-    UserError-style ValueError naming the file otherwise."""
+    """The settings in a JSON file — --config FILE, or a run's config.json under --resume — checked as the
+    command line checks its flags, before anything loads: every value of its field's kind
+    (checks.kind_problem: the string "false" is not a boolean, 2.0 is not a number of steps), TRL's and
+    verl's names read as ours (aliases.resolve, as on the command line), a key that is neither one line
+    naming it. A run's own keys are read as today's: its history is left out, renamed fields by their new
+    name, fields this version removed dropped (runs.upgrade). Any problem is a ValueError naming the flag,
+    the file and the key."""
+    from harness import runs
+
     path = Path(path)
+    where = f"{flag} {path}"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
@@ -249,10 +259,43 @@ def saved_config(path: str | Path, flag: str) -> dict:
         raise ValueError(f"{flag}: {path} is not JSON ({err}); expected a run's config.json")
     if not isinstance(saved, dict):
         raise ValueError(f"{flag}: {path} holds {type(saved).__name__}, expected a run's config.json object")
-    from harness import runs
-
-    names = {f.name for f in dataclasses.fields(Config)}
-    return {k: v for k, v in runs.upgrade(saved).items() if k in names}   # renamed fields by today's names
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(Config)}
+    ours, foreign = {}, {}
+    for key, value in runs.upgrade(saved).items():
+        if key == "history" or key in runs.REMOVED_FIELDS:
+            continue
+        if key in kinds:
+            ours[key] = value
+        elif key in aliases.BY_NAME:
+            foreign[key] = value
+        else:
+            near = difflib.get_close_matches(key, [*kinds, *aliases.BY_NAME], n=1)
+            raise ValueError(f"{where}: unknown setting {json.dumps(key)}"
+                             + (f" (did you mean {json.dumps(near[0])}?)" if near else "")
+                             + "; expected the fields of config.py (train.py --help lists them) or TRL's or "
+                               "verl's names for them")
+    for key, value in [*ours.items(), *foreign.items()]:
+        alias = aliases.BY_NAME.get(key) if key not in kinds else None
+        if alias is not None and alias.field is None:   # refused with what to use (aliases.resolve)
+            continue
+        kind = kinds[key] if alias is None else (alias.kind.__name__ if alias.kind else kinds[alias.field])
+        why = checks.kind_problem(kind, value)
+        if why:
+            raise ValueError(f"{where}: {json.dumps(key)}: got {checks.shown(value)}, expected {why}"
+                             + (" (a JSON boolean: no quotes)" if kind == "bool" else ""))
+    method = ours.get("method", Config.method)
+    try:
+        resolved = aliases.resolve(foreign, ours, method in M.METHODS
+                                   and M.METHODS[method].rollout == "parallel") if foreign else {}
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    settings = {**ours, **resolved}
+    for key, value in settings.items():   # a float field given an integer (1) holds the float (1.0)
+        if kinds[key] == "float" and not isinstance(value, bool) and isinstance(value, int):
+            settings[key] = float(value)
+        elif kinds[key] == "list[float]" and isinstance(value, list):
+            settings[key] = [float(v) for v in value]
+    return settings
 
 
 def resume_base(resume: str) -> dict:
@@ -314,6 +357,8 @@ def config_of(args, preset: str | None) -> Config:
         # a new run: never a resume, never a licence to delete a folder
         base = {**saved_config(args.config, "--config"), "resume": "", "overwrite": False,
                 "allow_config_change": False}
+        if not base.get("out_dir"):   # never the current folder (its config.json would be replaced)
+            base["out_dir"] = f"runs/{Path(args.config).stem}"
     elif resume and not preset and not args.scale:
         base = {**resume_base(resume), "overwrite": False, "allow_config_change": False}
     overrides = given_flags(args, base=base, preset=preset or "paper", scale=args.scale)

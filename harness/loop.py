@@ -99,6 +99,10 @@ class Run:
         self.record: dict | None = None
         self.stopped_early = False
         self.replace, self.data, self.data_changes = False, {}, {}   # set by __enter__ (open_run, the data)
+        self.identity: dict = {}      # saved with every checkpoint besides the data: reward files, π_ref
+        self.resume_changes: dict = {}   # what this resume changed, for its first step's metrics record
+        self.step_start: dict | None = None   # the trainer state as the step in progress found it
+        self.saved_step = 0           # the step of the newest checkpoint (the one resumed, or written)
         self._stack = contextlib.ExitStack()
 
     # ---- before the first step ---------------------------------------------------------------------------
@@ -148,13 +152,24 @@ class Run:
         self.data = runs.data_hashes(self.problems, self.eval_problems)   # saved in every checkpoint
         self.data_changes = runs.check_resume_data(state, self.data, cfg.allow_config_change, {
             "train_data": cfg.train_data, "eval_data": cfg.eval_data}) if state else {}   # rows changed
+        # the reward files and π_ref are part of what the run is: saved with every checkpoint, checked here
+        sources = custom_reward.source_hashes(cfg)          # read before any of them runs
+        self.data_changes.update(custom_reward.check_resume_source(state, sources, cfg.allow_config_change))
+        reference = reference_identity(cfg)
+        self.data_changes.update(check_resume_reference(state, reference, cfg.allow_config_change))
+        self.identity = {"reward_sources": sources, "reference": reference}
+        self.saved_step = state["step"] if state else 0
         self.reward = custom_reward.load(cfg, self.problems)   # --reward: the functions, loaded and checked
         torch.manual_seed(cfg.seed)
 
     def __exit__(self, kind, err, trace) -> bool:
         """Releases the run lock and the signal handlers whatever happened. Sampling that met non-finite
-        probabilities becomes a NonFiniteStop line naming the run's last checkpoint (guards.sampling_stop)."""
+        probabilities becomes a NonFiniteStop line naming the run's last checkpoint (guards.sampling_stop).
+        Reward code that tried to end the process (custom_reward.RewardExit) ends the run with a checkpoint
+        at the last finished step (rescue_checkpoint), named in its line."""
         try:
+            if isinstance(err, custom_reward.RewardExit):
+                raise custom_reward.RewardExit(f"{err}; {rescue_checkpoint(self)}") from None
             if isinstance(err, RuntimeError):
                 stop = guards.sampling_stop(err, self.run.step + 1, self.run_dir)
                 if stop is not None:
@@ -238,6 +253,7 @@ class Run:
                 self.log.say(f"stopped by {self.stop.requested} before step {run.step + 1}")
                 return
             self.guard.snapshot()   # weights and optimizer state, restored if the update breaks them
+            self.step_start = run.trainer_state()   # for rescue_checkpoint, should a reward end the step
             self.t_step = time.perf_counter()
             yield step
             if self.stopped_early:   # end_step said so
@@ -257,6 +273,13 @@ class Run:
         if self.checkpoint:
             load_trainer_state(self.state, self.model, self.optimizer, run)
             self.log.say(f"resumed from {self.checkpoint} at step {run.step}")
+            # the checkpoint's optimizer came with its own lr, betas and weight decay: the run's are cfg's
+            set_hyperparameters(self.optimizer, cfg)
+            # what --allow_config_change let this resume change (experiment fields, data rows, reward
+            # files, π_ref) goes into the first step's metrics record too
+            changed = runs.config_changes(self.state.get("config", {}), json.loads(cfg.to_json()))
+            self.resume_changes = {k: list(v) for k, v in {**changed, **self.data_changes}.items()
+                                   if k not in runs.RESUME_MAY_CHANGE}
         if self.replace:   # every check passed and everything loaded: now the earlier run goes
             replace_earlier_run(self.run_dir, self.log)
         if self.checkpoint:
@@ -285,6 +308,8 @@ class Run:
         run.step += 1
         record = {**tracking.step_record(run.step, result, run.prompts, self.t_step), **lr,
                   **custom_reward.step_means(self.reward)}
+        if self.resume_changes:   # the first step after a resume that changed settings says which
+            record["resumed_with_changes"], self.resume_changes = self.resume_changes, {}
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = (
             run.bad_steps_in_a_row + 1 if record["nonfinite_minibatches"] or record["nonfinite_updates"]
             else 0)
@@ -421,6 +446,72 @@ def record_config(cfg: C.Config, run_dir: Path, checkpoint, state: dict | None, 
             runs.write_json(config, runs.with_history(saved, json.loads(cfg.to_json()), changes, step))
 
 
+def set_hyperparameters(optimizer, cfg: C.Config) -> None:
+    """The run's lr, betas and weight decay in every parameter group of a resumed optimizer, whose state
+    dict brought the checkpoint's: a change allowed under --allow_config_change takes effect (the schedule
+    then sets each step's lr from cfg.lr, optim.schedule_lr); an unchanged run gets the values it had."""
+    for group in optimizer.param_groups:
+        group["lr"], group["betas"], group["weight_decay"] = cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay
+
+
+def reference_identity(cfg: C.Config) -> dict | None:
+    """π_ref's identity for --kl_beta > 0 (None otherwise): --model as given, the folder it loads (a run
+    folder: its latest checkpoint) and a fingerprint of its weights (measured.weights_identity). A --model
+    that is not there is one line here, before anything loads or is replaced."""
+    if not cfg.kl_beta:
+        return None
+    from harness import measured
+
+    preflight.check_model(cfg.model, "--model (π_ref of --kl_beta)")
+    identity = measured.weights_identity(cfg.model, cfg.seed)
+    return {"model": cfg.model, "path": models.resolve_checkpoint(cfg.model), "weights": identity["weights"]}
+
+
+def check_resume_reference(state: dict | None, now: dict | None, allow: bool) -> dict[str, tuple]:
+    """A resume whose π_ref is not the one the run trained against (other weights under --model: a folder
+    retrained, a run folder that checkpointed since) would pull the policy toward another model: one
+    UserError line, unless `allow` (--allow_config_change true); returns {"reference policy": (old, new)}
+    for config.json's history. Weights are compared where both are known, else the folders; checkpoints of
+    earlier versions record none."""
+    saved = (state or {}).get("reference")
+    if not isinstance(saved, dict) or now is None:
+        return {}
+    key = "weights" if saved.get("weights") and now.get("weights") else "path"
+    if saved.get(key) == now.get(key):
+        return {}
+    from harness import measured
+
+    old = f"{saved.get('path')} ({measured.short(saved.get('weights'))})"
+    new = f"{now.get('path')} ({measured.short(now.get('weights'))})"
+    if not allow:
+        raise faults.UserError(f"--resume: π_ref (--model {now['model']}, the reference of --kl_beta) is not "
+                               f"the one the run trained against: {old} -> {new}; expected the model the run "
+                               f"started from, or --allow_config_change true to continue against this one "
+                               f"(recorded in config.json's history)")
+    return {"reference policy": (old, new)}
+
+
+def rescue_checkpoint(s: Run) -> str:
+    """After reward code tried to end the process mid-step (custom_reward.RewardExit): a checkpoint at the
+    last finished step when none was written since — the weights and the optimizer are that step's (reward
+    code runs in the rollout, before the update) and the trainer state is the one the step in progress
+    started from (Run.steps), so --resume redoes that step exactly —; what --resume continues from, in
+    words. Under torchrun nothing is written (a checkpoint is collective)."""
+    run = s.run
+    done = run.step
+    if s.learner is not None and done > s.saved_step and s.step_start is not None and not D.active():
+        path = save_checkpoint(s.run_dir, done, s.model, s.tokenizer, s.optimizer,
+                               {**s.step_start, "config": json.loads(s.cfg.to_json()), "data": s.data,
+                                **s.identity}, keep=s.cfg.keep_checkpoints)
+        s.saved_step = done
+        return (f"the run stopped in step {done + 1} with a checkpoint of step {done}, {path}; fix the "
+                f"function and continue with --resume {s.run_dir}")
+    if s.saved_step:
+        return (f"the run stopped in step {done + 1}; its last checkpoint is step {s.saved_step}: fix the "
+                f"function and continue with --resume {s.run_dir}")
+    return f"the run stopped in step {done + 1}, before any checkpoint: fix the function and start it again"
+
+
 def load_trainer_state(state: dict, model, optimizer, run: RunState) -> None:
     """A checkpoint's optimizer state (any number of ranks) and trainer state (RunState), as read by
     runs.pick_checkpoint — its weights were loaded with the model."""
@@ -473,7 +564,8 @@ def log_completions(s: Run, step: int, result) -> None:
     """At step 1 and every --log_completions_every steps: every leaf's completion as a table in the trackers
     (tracking.completion_rows, Log.completions), as TRL's log_completions."""
     if D.is_main() and tracking.trees_due(step, s.cfg.log_completions_every):
-        s.log.completions(step, tracking.completion_rows(result.trees, result.scores, s.tokenizer))
+        rows = tracking.completion_rows(result.trees, result.scores, s.tokenizer)
+        s.log.completions(step, s.reward.extra_columns(rows, result.trees) if s.reward else rows)
 
 
 def evaluate_and_save(s: Run, run: RunState, stop: signals.GracefulStop, stopping: bool
@@ -495,8 +587,9 @@ def evaluate_and_save(s: Run, run: RunState, stop: signals.GracefulStop, stoppin
     if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
         saved = save_checkpoint(s.run_dir, done, s.model, s.tokenizer, s.optimizer,
                                 {**run.trainer_state(found if run.pending_eval else None),
-                                 "config": json.loads(cfg.to_json()), "data": s.data},
+                                 "config": json.loads(cfg.to_json()), "data": s.data, **s.identity},
                                 keep=cfg.keep_checkpoints)
+        s.saved_step = done if saved is not None else s.saved_step
     return saved, stopping
 
 

@@ -4,6 +4,7 @@
     measured.problems_hash(problems)               # the rows a benchmark or training file gave
     measured.of_evaluation(cfg, model, problems, k=8, max_new_tokens=2048)   # all of it, for a score cache
     measured.differences(saved, wanted)           # "k 2 -> 4, weights step 1 (…) -> step 2 (…)"
+    measured.run_identity("runs/demo")             # {"run_config", "checkpoint"}: the studies' caches
 
 A name is not an identity: a run folder (`--model runs/demo`) names its latest checkpoint, which moves on as
 the run trains; two runs may share a folder name (runs/a/demo, runs/b/demo); a benchmark file may be edited
@@ -75,6 +76,47 @@ def weights_identity(model: str, seed: int = 0) -> dict:
         cached = models.model_file(resolved, "config.json")
         weights = f"hub {resolved}@{cached.parent.name}" if cached is not None else None
     return {"step": step, "weights": weights}
+
+
+def checkpoint_hash(folder: Path) -> str | None:
+    """SHA-256 over a checkpoint's files (names and contents, in name order) — its weights, the model's
+    config and generation config, the tokenizer — but not its trainer state (optimizer moments: they change
+    no score); None for a folder with no files."""
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name != "trainer_state.pt") \
+        if Path(folder).is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        info = path.stat()
+        digest.update(f"{path.name}\0{_file_hash(str(path.resolve()), info.st_size, info.st_mtime_ns)}\0"
+                      .encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def run_identity(model: str) -> dict:
+    """{"run_config", "checkpoint"}: what a study's score of a train.py run (or one of its checkpoints) is a
+    score of — the run's experiment (SHA-256 of its config.json less what a resume may change and its
+    history: two runs with one folder name, or one folder trained anew with other settings, differ) and the
+    checkpoint (checkpoint_hash). Both None for a model that is not a run's."""
+    import models
+    from harness import runs
+
+    resolved = Path(models.resolve_checkpoint(model))
+    if not (resolved / "trainer_state.pt").is_file():
+        return {"run_config": None, "checkpoint": None}
+    config = runs.run_folder_of(resolved) / "config.json"
+    try:
+        saved = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = None
+    if isinstance(saved, dict):
+        kept = {k: v for k, v in runs.upgrade(saved).items()
+                if k not in runs.RESUME_MAY_CHANGE and k != "history"}
+        run_config = "sha256:" + hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    else:
+        run_config = None
+    return {"run_config": run_config, "checkpoint": checkpoint_hash(resolved)}
 
 
 def of_evaluation(cfg, model: str, problems: list[dict], k: int, max_new_tokens: int, **extra) -> dict:

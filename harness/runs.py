@@ -309,6 +309,9 @@ def replace_run(run_dir: Path) -> list[str]:
 
 # Config fields renamed since a run was saved: its config.json is read with the new names.
 RENAMED_FIELDS = {"branch_budget": "branch_length"}
+# Fields earlier versions wrote into config.json and this one no longer has: a saved run's settings are read
+# without them (their defaults were today's behaviour), anything else unknown is refused (cli.saved_config).
+REMOVED_FIELDS = ("log_every", "naive_prefill")
 
 
 def upgrade(saved: dict) -> dict:

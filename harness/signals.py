@@ -8,6 +8,11 @@ import threading
 from runtime.faults import StopTimeout, say
 
 
+class QuitNow(KeyboardInterrupt):
+    """A second stop signal: quit at once (exit 130). A KeyboardInterrupt of its own kind, so that code which
+    turns a KeyboardInterrupt raised by user code into a line (harness/custom_reward.py) lets this one go."""
+
+
 class GracefulStop:
     """SIGTERM / SIGINT handling for a loop with safe points.
 
@@ -23,7 +28,12 @@ class GracefulStop:
     while a check ran would be disarmed (and its StopTimeout swallowed by the check's `except Exception`).
     At the deadline the watchdog makes the main thread run the stop handler (_thread.interrupt_main, which
     does nothing once the handlers are restored), and again every RETRY seconds until the stop is over, so a
-    StopTimeout that lands inside some library's `except Exception` is raised again a moment later."""
+    StopTimeout that lands inside some library's `except Exception` is raised again a moment later. The call
+    is a real signal sent to the main thread (signal.pthread_kill), not only a flag (interrupt_main): a main
+    thread blocked in C — a sleep, a socket read, a wait for a subprocess — is woken (EINTR) and the handler's
+    StopTimeout ends that call, within --stop_timeout (plus RETRY) of the first signal. __exit__ sets the
+    stop over and waits for the watchdog before it restores the handlers, so no signal of the watchdog
+    arrives after them."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     RETRY = 0.1
@@ -50,7 +60,7 @@ class GracefulStop:
                               f"last checkpoint")
         name = signal.Signals(signum).name
         if self.requested:
-            raise KeyboardInterrupt
+            raise QuitNow
         self.requested = name
         later = f", or in {self.timeout:g}s mid-step (--stop_timeout)" if self.timeout > 0 else ""
         say(f"{name} received: stopping {self.what}{later}; send it again to quit at once")
@@ -69,7 +79,7 @@ class GracefulStop:
                 if self._over.is_set():
                     return
                 self._calls += 1
-                _thread.interrupt_main(signum)   # a no-op once the handler is no longer installed
+                wake_main(signum)   # the handler is installed: __exit__ sets _over under this lock first
             if self._over.wait(self.RETRY):
                 return
 
@@ -88,6 +98,19 @@ class GracefulStop:
     def __exit__(self, *exc) -> None:
         with self._lock:
             self._over.set()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join()   # after this, nothing of the watchdog is on its way to the main thread
+        with self._lock:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
             self._previous.clear()
+
+
+def wake_main(signum: int) -> None:
+    """Run the handler of `signum` on the main thread: a real signal to that thread (which interrupts a
+    blocking system call there), else (no pthread_kill: Windows) the flag interrupt_main sets, which the main
+    thread sees at its next Python instruction."""
+    if hasattr(signal, "pthread_kill"):
+        signal.pthread_kill(threading.main_thread().ident, signum)
+    else:
+        _thread.interrupt_main(signum)

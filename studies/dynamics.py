@@ -4,7 +4,8 @@ saved checkpoint (App. F.5 "pass@64 across checkpoints").
 
     python -m studies dynamics --runs runs/paper runs/treerl runs/attnrl
 
-Checkpoint scores are cached in OUT/scores/<run>/, so a rerun evaluates only new checkpoints.
+Checkpoint scores are cached in OUT/scores/<run>_<its config's fingerprint>/, so a rerun evaluates only new
+checkpoints.
 """
 from __future__ import annotations
 
@@ -91,17 +92,22 @@ def read_config(path: Path) -> dict:
 
 def score_checkpoint(study: Study, folder: Path, ckpt: Path, run_cfg: dict) -> dict:
     """avg@k and pass@k of one checkpoint on --bench, from OUT/scores/<run>/ or evaluated now and cached.
-    The cache records what it measured (the checkpoint's step and weights, the problems, k, the sampling
-    settings: harness/measured.py) and is named by it, so two runs of one folder name (runs/a/demo,
-    runs/b/demo) or a checkpoint trained anew never take each other's scores."""
+    The cache records what it measured (the checkpoint's step and weights, the run's identity — its
+    config's and its checkpoint's fingerprints, measured.run_identity —, the problems, k, the sampling
+    settings: harness/measured.py) and is named by it, in a folder named by the run's config fingerprint,
+    so two runs of one folder name (runs/a/demo, runs/b/demo) or a checkpoint trained anew never take each
+    other's scores."""
     cfg, o = study.cfg, study.opts
     eval_cfg = dataclasses.replace(cfg, model=str(ckpt), **{
         k: run_cfg[k] for k in ("prompt_style", "few_shot", "answer_fallback") if k in run_cfg})
     problems = load_study_problems(o["bench"], o["limit"], [], "--bench")
+    run = measured.run_identity(str(ckpt))
     wanted = measured.of_evaluation(eval_cfg, str(ckpt), problems, o["k"], cfg.max_new_tokens,
-                                    bench=o["bench"])
+                                    bench=o["bench"], **run)
     key = measured.problems_hash([wanted])[7:19]
-    cache = study.out / "scores" / folder.name / f"{ckpt.name}_{Path(o['bench']).name}_k{o['k']}_{key}.json"
+    # a folder per run experiment (its config's fingerprint), never per folder name
+    runs_dir = f"{folder.name}_{(run['run_config'] or 'sha256:none')[7:19]}"
+    cache = study.out / "scores" / runs_dir / f"{ckpt.name}_{Path(o['bench']).name}_k{o['k']}_{key}.json"
     cached = measured.read_cache(cache, wanted, faults.say)
     if cached is not None:
         return cached

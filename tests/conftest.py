@@ -6,13 +6,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest  # noqa: E402
 
+from runtime import threads  # noqa: E402
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pyproject.toml runs the suite in one worker process per core (pytest-xdist): each worker's torch
-    # takes its share of the cores instead of all of them, so workers do not oversubscribe the CPU
+    # pyproject.toml runs the suite in one worker process per usable core (pytest-xdist): each worker's
+    # torch takes its share of the cores instead of all of them, so workers do not oversubscribe the CPU
     import torch
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    torch.set_num_threads(max(1, threads.usable_cores() // workers))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one worker per core this process may use — its affinity mask, capped by a
+    cgroup CPU quota (runtime/threads.usable_cores) — not xdist's count of the host's cores (a 2-CPU
+    container on a 64-core host would start ~32 workers, each loading torch and the models). One usable core:
+    0, the suite runs in this process. PYTEST_XDIST_AUTO_NUM_WORKERS, when set, wins (xdist's own rule)."""
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        try:
+            return int(chosen)
+        except ValueError:
+            pass
+    return auto_workers(threads.usable_cores())
+
+
+def auto_workers(cores: int) -> int:
+    """xdist workers for `cores` usable cores: one each, none (in-process) for a single core."""
+    return cores if cores > 1 else 0
 
 
 def pytest_collection_modifyitems(items):
