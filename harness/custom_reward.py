@@ -20,7 +20,8 @@ one call per group of completions of one prompt (a prompt's N base responses, th
   completion_ids   their token ids
   trainer_state    a transformers.TrainerState: global_step = training steps done, max_steps = --steps
   log_extra        TRL's log_extra(column, values): one value per completion, a column of the completions
-                   table (--log_completions_every); passed when the function takes it (by name or **kwargs)
+                   table (--log_completions_every); passed to a function that names both parameters (TRL's
+                   example does; a **kwargs function written before TRL added them sees only columns)
   log_metric       TRL's log_metric(name, value): a number, averaged over the step's calls (and ranks) into
                    the step's metrics record ("reward_metrics") and the trackers (train/reward_metrics/NAME)
   **columns        every other column of the training data, by name, one value per completion: a row's own
@@ -119,11 +120,12 @@ class Rewards:
     metrics: dict = field(default_factory=dict)          # log_metric: name -> [sum, count] this step
     extras: dict = field(default_factory=dict)           # log_extra: (prompt, ids) -> {column: value}
 
-    def __call__(self, problem: dict, seen, texts: list[str], token_lists: list[list[int]],
-                 step: int) -> list[float]:
+    def __call__(self, problem: dict, texts: list[str], token_lists: list[list[int]], step: int,
+                 seen=None) -> list[float]:
         """The summed, weighted reward of each completion of one prompt (see the module docstring). `seen`:
-        the prompt as the model saw it (model_prompt)."""
+        the prompt as the model saw it (model_prompt; None: the problem's own prompt)."""
         n = len(texts)
+        seen = problem["problem"] if seen is None else seen
         prompt, bootstrap = trl_prompt(problem["problem"], seen)
         completions = [[{"role": "assistant", "content": bootstrap + t}] for t in texts] \
             if isinstance(prompt, list) else list(texts)
@@ -395,10 +397,15 @@ def neighbour(folder: Path, name: str) -> Path | None:
     return None
 
 
+LOADED: dict[str, Path] = {}   # reward modules this process loaded: name -> file (a later run may reload)
+
+
 def taken_by(name: str, mine: Path | None) -> Path | None:
     """The other file that module name `name` means here — this project's module, or a module already
-    imported — when it is not `mine`; None when the name is free or means `mine`."""
-    for other in (project_modules().get(name), module_file(name)):
+    imported that is not an earlier run's reward module (LOADED) — when it is not `mine`; None when the name
+    is free or means `mine`."""
+    imported = module_file(name) if LOADED.get(name) != module_file(name) else None
+    for other in (project_modules().get(name), imported):
         if other is not None and other.resolve() != mine:
             return other.resolve()
     return None
@@ -447,11 +454,12 @@ def clashes_after(before: set[str], where: str) -> None:
                             f"project's {ours[name].name}; expected that file renamed")
 
 
-def load_function(spec: str) -> tuple[Callable, Path | None]:
+def load_function(spec: str, loaded: dict | None = None) -> tuple[Callable, Path | None]:
     """The function `spec` names and the file it is defined in: FILE.py:FUNCTION (loaded as the module named
     by the file, its folder importable while it loads, so it may import its neighbours) or module:function
     (the current folder importable). Names that clash with this project's or imported modules, a module
-    that fails to import or ends the process at import, and a missing function are one UserError line."""
+    that fails to import or ends the process at import, and a missing function are one UserError line.
+    `loaded`: {file: module} of this run's reward files so far (two functions of one file: loaded once)."""
     target, _, name = spec.rpartition(":")
     where = f"--reward {spec}"
     before = set(sys.modules)
@@ -464,8 +472,8 @@ def load_function(spec: str) -> tuple[Callable, Path | None]:
         if not module_name.isidentifier():   # not importable by name anyway: a name nothing else has
             module_name = "datpo_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         check_names(where, path, module_name)
-        if module_file(module_name) == path.resolve():   # two functions of one file: loaded once
-            module = sys.modules[module_name]
+        if loaded is not None and path.resolve() in loaded:   # two functions of one file: loaded once
+            module = loaded[path.resolve()]
         else:
             loader = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(loader)
@@ -476,6 +484,9 @@ def load_function(spec: str) -> tuple[Callable, Path | None]:
                 except BaseException as err:
                     sys.modules.pop(module_name, None)
                     raise import_error(where, target, err) from err
+            LOADED[module_name] = path.resolve()
+            if loaded is not None:
+                loaded[path.resolve()] = module
     else:
         top = target.split(".")[0]
         mine = neighbour(Path.cwd(), top)
@@ -550,8 +561,8 @@ class own_argv:
 
 def check_signature(f: RewardFunction, columns: list[str]) -> None:
     """The function takes what TRL passes (prompts, completions, completion_ids, trainer_state and the
-    dataset's other columns by name), else one line saying what it lacks. Whether it takes log_extra and
-    log_metric (by name or **kwargs) decides whether they are passed."""
+    dataset's other columns by name), else one line saying what it lacks. A function that names log_extra
+    and log_metric gets them."""
     if inspect.isasyncgenfunction(f.fn):
         raise UserError(f"--reward {f.spec}: an async generator (it yields); expected a function returning "
                         f"(or an async function awaiting to) a list of numbers, one per completion")
@@ -566,11 +577,7 @@ def check_signature(f: RewardFunction, columns: list[str]) -> None:
         raise UserError(f"--reward {f.spec}: cannot take TRL's arguments ({err}); expected "
                         f"{f.name}(prompts, completions, **kwargs): the dataset's columns "
                         f"({', '.join(columns) or 'none'}) come by name") from None
-    try:
-        signature.bind(**dict.fromkeys(names + list(LOGGING)))
-        f.takes_logging = True
-    except TypeError:
-        f.takes_logging = False
+    f.takes_logging = all(name in signature.parameters for name in LOGGING)
 
 
 def check_weights(cfg, weights: list[float]) -> None:
@@ -598,9 +605,15 @@ def load(cfg, problems: list[dict]) -> Rewards | None:
         return None
     weights = [float(w) for w in (cfg.reward_weights or [1.0] * len(cfg.reward))]
     check_weights(cfg, weights)
-    functions = []
+    functions, names, loaded = [], {}, {}
     for spec, weight in zip(cfg.reward, weights):
-        fn, source = load_function(spec)
+        target = spec.rpartition(":")[0]
+        if target.endswith(".py"):   # two files of one name in one run: one module name for both
+            path, name = Path(target).expanduser().resolve(), Path(target).stem
+            if names.setdefault(name, path) != path:
+                raise UserError(f"--reward {spec}: its module name {name!r} is also {names[name]}'s (another "
+                                f"--reward); expected reward files with different names")
+        fn, source = load_function(spec, loaded)
         functions.append(RewardFunction(spec, fn, weight, source))
     columns = sorted(set().union(*(p.get("columns", {"answer": None}) for p in problems)))
     for f in functions:
@@ -672,7 +685,7 @@ def scorer(rewards: Rewards | None, tokenizer, indices: list[int] | None, step: 
 
     def score(p: int, token_lists: list[list[int]]) -> list[float]:
         texts = tokenizer.batch_decode(token_lists, skip_special_tokens=True)
-        return rewards(batch[p], seen[p], texts, token_lists, step)
+        return rewards(batch[p], texts, token_lists, step, seen[p])
     return score
 
 

@@ -4,7 +4,7 @@
     measured.problems_hash(problems)               # the rows a benchmark or training file gave
     measured.of_evaluation(cfg, model, problems, k=8, max_new_tokens=2048)   # all of it, for a score cache
     measured.differences(saved, wanted)           # "k 2 -> 4, weights step 1 (…) -> step 2 (…)"
-    measured.run_identity("runs/demo")             # {"run_config", "checkpoint"}: the studies' caches
+    measured.checkpoint_hash("runs/demo/checkpoints/step_000024")   # its files, but the trainer state
 
 A name is not an identity: a run folder (`--model runs/demo`) names its latest checkpoint, which moves on as
 the run trains; two runs may share a folder name (runs/a/demo, runs/b/demo); a benchmark file may be edited
@@ -92,31 +92,6 @@ def checkpoint_hash(folder: Path) -> str | None:
         digest.update(f"{path.name}\0{_file_hash(str(path.resolve()), info.st_size, info.st_mtime_ns)}\0"
                       .encode())
     return "sha256:" + digest.hexdigest()
-
-
-def run_identity(model: str) -> dict:
-    """{"run_config", "checkpoint"}: what a study's score of a train.py run (or one of its checkpoints) is a
-    score of — the run's experiment (SHA-256 of its config.json less what a resume may change and its
-    history: two runs with one folder name, or one folder trained anew with other settings, differ) and the
-    checkpoint (checkpoint_hash). Both None for a model that is not a run's."""
-    import models
-    from harness import runs
-
-    resolved = Path(models.resolve_checkpoint(model))
-    if not (resolved / "trainer_state.pt").is_file():
-        return {"run_config": None, "checkpoint": None}
-    config = runs.run_folder_of(resolved) / "config.json"
-    try:
-        saved = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        saved = None
-    if isinstance(saved, dict):
-        kept = {k: v for k, v in runs.upgrade(saved).items()
-                if k not in runs.RESUME_MAY_CHANGE and k != "history"}
-        run_config = "sha256:" + hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
-    else:
-        run_config = None
-    return {"run_config": run_config, "checkpoint": checkpoint_hash(resolved)}
 
 
 def of_evaluation(cfg, model: str, problems: list[dict], k: int, max_new_tokens: int, **extra) -> dict:

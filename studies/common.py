@@ -11,6 +11,7 @@ Statistics (pure functions over plain lists):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import shlex
@@ -24,7 +25,7 @@ import config as C
 import data
 import models
 import rollout as R
-from harness import measured, preflight
+from harness import measured, preflight, runs
 from runtime import atomic, faults
 
 # --------------------------------------------------------------------------------------------------------
@@ -219,6 +220,27 @@ def read_result(study: Study) -> dict:
     study.opts.update(options)
     study.cfg = dataclasses.replace(study.cfg, **config)
     return result
+
+
+def run_identity(model: str) -> dict:
+    """{"run_config", "checkpoint"}: what a study's score of a train.py run (or one of its checkpoints) is a
+    score of — the run's experiment (SHA-256 of its config.json less what a resume may change and its
+    history: two runs with one folder name, or one folder trained anew with other settings, differ) and the
+    checkpoint (measured.checkpoint_hash: weights, model config, tokenizer). Both None for a model that is
+    not a run's. The studies' score caches record it and are reused only for the same."""
+    resolved = Path(models.resolve_checkpoint(model))
+    if not (resolved / "trainer_state.pt").is_file():
+        return {"run_config": None, "checkpoint": None}
+    try:
+        saved = json.loads((runs.run_folder_of(resolved) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = None
+    run_config = None
+    if isinstance(saved, dict):
+        kept = {k: v for k, v in runs.upgrade(saved).items()
+                if k not in runs.RESUME_MAY_CHANGE and k != "history"}
+        run_config = "sha256:" + hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    return {"run_config": run_config, "checkpoint": measured.checkpoint_hash(resolved)}
 
 
 STUDY_COUNTS = {   # study flag -> (least, most): a typo is one line, not a traceback deep inside a study

@@ -38,6 +38,7 @@ from studies.common import (
     mean_of,
     pm,
     pyplot,
+    run_identity,
     save_png,
     t_interval,
     train_command,
@@ -207,7 +208,7 @@ def score_model(study: Study, run_dir: Path, label: str) -> dict[str, dict]:
         path = study.out / "eval" / label / f"{Path(bench).name}.json"
         problems = load_study_problems(bench, o["limit"], [], "--bench")
         wanted = measured.of_evaluation(eval_cfg, str(run_dir), problems, o["k"], cfg.max_new_tokens,
-                                        bench=bench, **measured.run_identity(str(run_dir)))
+                                        bench=bench, **run_identity(str(run_dir)))
         cached = measured.read_cache(path, wanted, faults.say)
         if cached is None:
             if policy is None:

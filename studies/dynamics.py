@@ -27,6 +27,7 @@ from studies.common import (
     load_study_problems,
     markdown_table,
     pyplot,
+    run_identity,
     save_png,
     write_outputs,
 )
@@ -93,7 +94,7 @@ def read_config(path: Path) -> dict:
 def score_checkpoint(study: Study, folder: Path, ckpt: Path, run_cfg: dict) -> dict:
     """avg@k and pass@k of one checkpoint on --bench, from OUT/scores/<run>/ or evaluated now and cached.
     The cache records what it measured (the checkpoint's step and weights, the run's identity — its
-    config's and its checkpoint's fingerprints, measured.run_identity —, the problems, k, the sampling
+    config's and its checkpoint's fingerprints, common.run_identity —, the problems, k, the sampling
     settings: harness/measured.py) and is named by it, in a folder named by the run's config fingerprint,
     so two runs of one folder name (runs/a/demo, runs/b/demo) or a checkpoint trained anew never take each
     other's scores."""
@@ -101,7 +102,7 @@ def score_checkpoint(study: Study, folder: Path, ckpt: Path, run_cfg: dict) -> d
     eval_cfg = dataclasses.replace(cfg, model=str(ckpt), **{
         k: run_cfg[k] for k in ("prompt_style", "few_shot", "answer_fallback") if k in run_cfg})
     problems = load_study_problems(o["bench"], o["limit"], [], "--bench")
-    run = measured.run_identity(str(ckpt))
+    run = run_identity(str(ckpt))
     wanted = measured.of_evaluation(eval_cfg, str(ckpt), problems, o["k"], cfg.max_new_tokens,
                                     bench=o["bench"], **run)
     key = measured.problems_hash([wanted])[7:19]

@@ -32,6 +32,7 @@ from studies.common import (
     markdown_table,
     pm,
     pyplot,
+    run_identity,
     save_png,
     t_interval,
     train_command,
@@ -133,7 +134,7 @@ def evaluate_cell(study: Study, cfg: C.Config, checkpoint: Path, cache: Path) ->
     eval_cfg = dataclasses.replace(cfg, model=str(checkpoint))
     problems = load_study_problems(o["bench"], o["limit"], [], "--bench")
     wanted = measured.of_evaluation(eval_cfg, str(checkpoint), problems, o["k"], cfg.eval_max_new_tokens,
-                                    bench=o["bench"], **measured.run_identity(str(checkpoint)))
+                                    bench=o["bench"], **run_identity(str(checkpoint)))
     cached = measured.read_cache(cache, wanted, faults.say)
     if cached is not None:
         return cached

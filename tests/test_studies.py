@@ -317,9 +317,10 @@ def test_dynamics_reads_levels_and_scores_checkpoints(tmp_path):
     assert sum(s["prompts"] for s in info["levels"].values()) == 2 * 2          # 2 prompts × 2 steps
     for name in ("learning_curve.png", "leaf_count.png", "passk_checkpoints.png"):
         assert (out / name).exists()
-    cached = sorted((out / "scores" / "run").iterdir())
+    (folder,) = (out / "scores").glob("run_*")      # named by the run and its config's fingerprint
+    cached = sorted(folder.iterdir())
     cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(run)])   # nothing re-scored
-    assert sorted((out / "scores" / "run").iterdir()) == cached
+    assert sorted(folder.iterdir()) == cached
 
 
 def test_dynamics_and_main_table_name_a_torn_metrics_line_and_refuse_a_torn_config(tmp_path, capsys):
@@ -470,8 +471,8 @@ def test_a_score_cache_is_recomputed_for_another_checkpoint(run, tmp_path, capsy
     weights = [measured.short(measured.weights_identity(str(run / "checkpoints" / s))["weights"])
                for s in ("step_000001", "step_000002")]
     assert second["measured"]["step"] == 2 and second["checkpoint"].endswith("step_000002")
-    assert (f"{cache}: measured something else (step 1 -> 2, weights {weights[0]} -> {weights[1]}); "
-            f"computed again") in capsys.readouterr().err
+    assert (f"{cache}: measured something else (step 1 -> 2, weights {weights[0]} -> {weights[1]}, "
+            f"checkpoint ") in capsys.readouterr().err
     assert main_table.evaluate_cell(study, cfg, run / "checkpoints" / "step_000002", cache) == second
     assert "computed again" not in capsys.readouterr().err                    # the same: reused
 
@@ -500,7 +501,8 @@ def test_a_finished_cell_trained_with_other_settings_is_never_scored_as_this_one
         {k: v for k, v in before.items() if k != "config.json"}
 
 
-def test_dynamics_never_takes_one_runs_scores_for_another_of_the_same_name(run, tmp_path, capsys):
+def test_dynamics_never_takes_one_runs_scores_for_another_of_the_same_name(run, tmp_path, capsys,
+                                                                          monkeypatch):
     a, b = tmp_path / "a" / "demo", tmp_path / "b" / "demo"
     shutil.copytree(run, a)
     run_cli(capsys, TINY + ["--steps", "1", "--seed", "4", "--out_dir", str(b)])   # another step 1
@@ -514,7 +516,22 @@ def test_dynamics_never_takes_one_runs_scores_for_another_of_the_same_name(run, 
             assert scores["measured"]["weights"] == measured.files_hash(checkpoint)
     assert runs_["a/demo (datpo)"]["checkpoints"]["1"]["measured"]["weights"] != \
         runs_["b/demo (datpo)"]["checkpoints"]["1"]["measured"]["weights"]
-    assert len(list((out / "scores" / "demo").glob("step_000001_*.json"))) == 2   # one cache each
+    assert len(list((out / "scores").glob("demo_*/step_000001_*.json"))) == 2   # one cache each
+    # issue 44: b/demo made a copy of a/demo (the same weights) whose run had other settings: its own score,
+    # never a/demo's cached one (the cache is keyed by the run's identity, not its folder's name)
+    shutil.rmtree(b)
+    shutil.copytree(a, b)
+    config = json.loads((b / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps({**config, "alpha_start": 0.4}))
+    scored, original = [], evaluate.evaluate_problems
+    monkeypatch.setattr(evaluate, "evaluate_problems",
+                        lambda *args, **kwargs: scored.append(kwargs["desc"]) or original(*args, **kwargs))
+    cli.main(["dynamics", "--scale", "tiny", "--out_dir", str(out), "--runs", str(a), str(b)])
+    assert scored == ["demo/step_000001", "demo/step_000002"]   # b's checkpoints; a's came from the cache
+    runs_ = json.loads((out / "result.json").read_text())["runs"]
+    measured_b = runs_["b/demo (datpo)"]["checkpoints"]["1"]["measured"]
+    assert measured_b["weights"] == runs_["a/demo (datpo)"]["checkpoints"]["1"]["measured"]["weights"]
+    assert measured_b["run_config"] != runs_["a/demo (datpo)"]["checkpoints"]["1"]["measured"]["run_config"]
 
 
 def test_a_torn_result_json_write_keeps_the_sampled_records(tmp_path, monkeypatch):
