@@ -24,7 +24,7 @@ import config as C
 import data
 import rollout
 import tree as T
-from harness import custom_reward, signals, tracking
+from harness import custom_reward, runs, signals, tracking
 from runtime import faults
 
 TINY = ["--preset", "tiny", "--threads", "1", "--seed", "3"]
@@ -148,15 +148,14 @@ def test_sys_exit_in_a_reward_ends_the_run_with_one_line_and_a_checkpoint(progra
                          f"completion and cannot end the run; the run stopped in step 2 with a checkpoint of "
                          f"step 1, {run}/checkpoints/step_000001; fix the function and continue with "
                          f"--resume {run}")
-    # was: exit 0, no line, no checkpoint. The rescued checkpoint is the uninterrupted run's step 1 ...
+    # was: exit 0, no line, no checkpoint. The rescued checkpoint is the uninterrupted run's step 1: the same
+    # weights and the same trainer state (RNG, the data's cursor), so --resume redoes step 2 exactly
     rescued, whole = run / "checkpoints" / "step_000001", tmp_path / "whole" / "checkpoints" / "step_000001"
     assert FI.folder_hash(rescued)["model.safetensors"] == FI.folder_hash(whole)["model.safetensors"]
-    # ... and --resume ends where the uninterrupted run ended, bit for bit
-    (user / "EXIT").unlink()
-    FI.run_cli(capsys, argv + ["--out_dir", str(run), "--resume", str(run)])
-    final = [FI.folder_hash(r / "checkpoints" / "step_000002")["model.safetensors"] for r in (run, tmp_path /
-                                                                                               "whole")]
-    assert final[0] == final[1]
+    states = [runs.load_plain(folder / "trainer_state.pt") for folder in (rescued, whole)]
+    assert [(s["step"], s["cursor"], s["rng"]["python"]) for s in states] == \
+        [(1, 2, states[1]["rng"]["python"])] * 2
+    assert torch.equal(states[0]["rng"]["torch"], states[1]["rng"]["torch"])
 
 
 @pytest.mark.parametrize("body, ended", [

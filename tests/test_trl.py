@@ -103,8 +103,8 @@ def test_rewards_are_called_as_trl_calls_them_and_summed_by_hand():
                                                                       "accuracy_reward": 1 / 3}}
     # a tree method: weights whose sum can leave [0, 1] (1 + 1) are one line at load (issue 44); weights that
     # keep it inside are fine
-    with pytest.raises(faults.UserError, match=r"^--reward: --reward_weights 1 1: a weighted sum of values in "
-                                               r"\[0, 1\] can reach 2; datpo is a tree method"):
+    with pytest.raises(faults.UserError, match=r"^--reward: --reward_weights 1 1: a weighted sum of values "
+                                               r"in \[0, 1\] can reach 2; datpo is a tree method"):
         custom_reward.load(C.make_config("tiny", reward=cfg.reward, reward_weights=[1.0, 1.0]), [problem])
     half = custom_reward.load(C.make_config("tiny", reward=cfg.reward, reward_weights=[0.5, 0.5]), [problem])
     assert half(problem, texts, [[1], [2], [3]], step=0) == [1.0, 0.5, 0.0]
