@@ -45,7 +45,8 @@ class Config:
                                             # owner/name[:split] (data.load_problems); the paper: math-train,
                                             # 12,000 MATH problems (App. F.1)
     prompt_style: str = "release"           # release: the authors' plain-text prompt, what their runs used;
-                                            # chat: the tokenizer's chat template; plain: Q/A
+                                            # chat: the tokenizer's chat template; plain: Q/A; verbatim: the
+                                            # text as it is (TRL's rule). Conversational rows: their template
     few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
     answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
     reward: list[str] = field(default_factory=list)  # FILE.py:FUNCTION or module:function with TRL's
@@ -173,8 +174,9 @@ class Config:
                                             # tensorboard | wandb (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N;
                                             # 0 = never
-    log_completions_every: int = 0          # steps; every leaf's completion as a table in the trackers at
-                                            # step 1 and every N (TRL's log_completions); 0 = never
+    log_completions_every: int = 0          # steps; every leaf's completion as a table in the trackers (the
+                                            # console without one) at step 1 and every N (TRL's
+                                            # log_completions); 0 = never
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid (checks.py: every choice in its list,
@@ -222,10 +224,12 @@ SCALES: dict[str, dict] = {
     ),
 }
 # A class: the demo made small enough to see an ablation in minutes on 2 cores (README "Ablations"): 4 prompts
-# a step, 4 steps, every tree logged (python -m harness.viz), 16 held-out problems before and after. It sets
-# no algorithm knob (fork, adaptive, alpha_*, ...): edits of Config's defaults take effect on it.
-SCALES["teach"] = dict(SCALES["demo"], max_new_tokens=48, prompts_per_step=4, steps=4, eval_every=4,
-                       eval_limit=16, eval_k=2, eval_max_new_tokens=48, save_every=0, log_trees_every=1)
+# a step, 4 steps, every tree logged (python -m harness.viz), 16 held-out problems before and after;
+# mini-batches of 16 blocks, so a step takes a few AdamW steps and the clip acts. It sets no algorithm knob
+# (fork, adaptive, alpha_*, ...): edits of Config's defaults take effect on it.
+SCALES["teach"] = dict(SCALES["demo"], max_new_tokens=48, prompts_per_step=4, mini_batch_size=16, steps=4,
+                       eval_every=4, eval_limit=16, eval_k=2, eval_max_new_tokens=48, save_every=0,
+                       log_trees_every=1)
 
 # Rows of the paper's tables: algorithm settings only (the scale comes from SCALES). A row that names a method
 # gets that method's own settings first (methods.py: TreeRL's forks and (6, 2, 2), GRPO's clip-higher, ...),

@@ -287,9 +287,12 @@ def parse_args(argv: list[str] | None = None, description: str = "DATPO training
     args = parser.parse_args(argv)
     preset = args.preset if scanned(argv, "--preset") is not None else None   # None: not given
     try:
-        return config_of(args, preset)
+        cfg = config_of(args, preset)
     except ValueError as err:
         parser.error(str(err))
+    from harness import runs
+
+    return runs.resolve_paths(cfg)   # relative paths made absolute: the run resumes from any folder
 
 
 def given_flags(args, exclude=(), base: dict | None = None, preset: str = "paper",

@@ -48,7 +48,12 @@ def level_summary(step_records: list[dict]) -> dict[str, dict]:
             t[1] += s["leaves"] * s["prompts"]
             t[2] += s["pass_rate"] * s["prompts"]
     return {lv: {"prompts": int(t[0]), "leaves": t[1] / t[0], "pass_rate": t[2] / t[0]}
-            for lv, t in sorted(totals.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
+            for lv, t in sorted(totals.items(), key=lambda kv: level_key(kv[0]))}
+
+
+def level_key(level: str) -> tuple:
+    """A logged level (a JSON key: "3", "hard") in order: numbers first, by value, then names."""
+    return (not level.isdigit(), int(level) if level.isdigit() else 0, level)
 
 
 def read_run(study: Study, folder: Path, name: str | None = None) -> tuple[str, dict]:
@@ -131,7 +136,7 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     legend_if_any(ax)
     fig.tight_layout()
     save_png(fig, figures[0], dpi=110)
-    levels = sorted({lv for run in runs.values() for lv in run["levels"]}, key=lambda x: (len(x), x))
+    levels = sorted({lv for run in runs.values() for lv in run["levels"]}, key=level_key)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(len(runs), 1)
     for j, (label, run) in enumerate(runs.items()):

@@ -395,9 +395,20 @@ def test_completion_rows_and_their_table(smollm_tokenizer):
     assert table[2].startswith("| 0 | 1 | Q\\|1 | The answer is \\boxed{5} | 1.000 |")
 
 
-def test_completions_need_a_tracker():
-    with pytest.raises(ValueError, match="--log_completions_every sends completions to a tracker"):
-        C.make_config("tiny", log_completions_every=2)
+def test_completions_go_to_the_console_without_a_tracker(smollm_tokenizer, tmp_path, capsys):
+    """TRL's --log_completions with no --report_to: every leaf on the console, one heading and two lines
+    each (TRL prints its table too); a tracker gets the table instead."""
+    assert C.make_config("tiny", log_completions_every=2).report_to == ["none"]
+    rows = [{"tree": 0, "leaf": 2, "prompt": "x" * 100 + "What is 2 + 3?", "completion": "It is \\boxed{5}",
+             "reward": 1.0, "advantage": "+0.250 → +0.500"},
+            {"tree": 1, "leaf": 4, "prompt": "Q", "completion": "word " * 40, "reward": 0.0,
+             "advantage": "-"}]
+    tracking.Log(tmp_path).completions(3, rows)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("completions of step 3") and len(lines) == 1 + 2 * len(rows)
+    assert lines[1] == "  0, 2: 1, +0.250 → +0.500"
+    assert lines[2].endswith("What is 2 + 3? | It is \\boxed{5}") and lines[2].startswith("    …x")
+    assert lines[4].endswith("…") and len(lines[4]) == len("    Q | ") + 72
 
 
 def test_kl_beta_trains_against_the_frozen_initial_policy(tmp_path, monkeypatch):
@@ -422,6 +433,10 @@ def test_kl_beta_trains_against_the_frozen_initial_policy(tmp_path, monkeypatch)
     assert all(torch.equal(ref[k], v) for k, v in seen[0][1].items())          # the initial weights
     assert any(not torch.equal(ref[k], v) for k, v in seen[1][2].items())      # the policy moved, π_ref not
     assert json.loads((tmp_path / "kl" / "config.json").read_text())["kl_beta"] == 0.5
+    # TRL logs `kl` when β > 0: the mean k3 over the tokens the loss saw; 0 while θ = π_ref, > 0 once moved
+    steps = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["kl"] >= 0 for r in steps) and steps[-1]["kl"] > 0
     seen.clear()
     train.main(TINY + ["--out_dir", str(tmp_path / "plain")])
     assert seen[0][0] is None
+    assert "kl" not in json.loads((tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()[0])
