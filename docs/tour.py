@@ -436,7 +436,11 @@ def section_exercise(trace: Trace, cfg: config.Config) -> str:
             "- `fork: str = \"random\"`: forks at random prefix lengths, not at the starts of the "
             "highest-entropy sentences. The N base responses and V(root) come before any fork (sections 1–3 "
             "stay); section 4 lists the new forks, section 5's branches grow from them, so the trees, their "
-            "values and every Â of section 6 change.\n")
+            "values and every Â of section 6 change.\n\n"
+            "Over whole runs: `python train.py --preset teach` before and after the edit (into another "
+            "`--out_dir`), then `python -m studies dynamics --runs A B --checkpoints false` draws both runs "
+            "step by step: reward, V(root), K̂/B̂, leaves, clip fraction, Â − Â_base, fork positions "
+            "(README \"Ablations\").\n")
 
 
 def depth_first(tr: packing.TrainTree) -> list[int]:
