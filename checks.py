@@ -22,7 +22,7 @@ METHODS = M.METHODS                         # datpo, grpo, drgrpo, treerl, attnr
 FORKS = T.FORK_STRATEGIES
 ALPHA_SCOPES = ("positive", "all")
 PRECISIONS = ("bf16-autocast", "bf16", "fp32")
-PROMPT_STYLES = ("release", "chat", "plain")
+PROMPT_STYLES = ("release", "chat", "plain", "verbatim")
 LOSS_NORMS = ("token", "constant")
 BRANCH_LENGTHS = T.BRANCH_LENGTHS
 VALUE_ESTIMATES = release.VALUES          # paper | release (release.py)
@@ -256,9 +256,9 @@ def check_combinations(cfg) -> None:
     if cfg.micro_batch_size > cfg.mini_batch_size:
         raise ValueError(f"--micro_batch_size ({cfg.micro_batch_size}) must be <= "
                          f"--mini_batch_size ({cfg.mini_batch_size})")
-    if cfg.log_completions_every and cfg.report_to == ["none"]:
-        raise ValueError("--log_completions_every sends completions to a tracker: expected --report_to "
-                         "tensorboard and/or wandb (the run folder keeps them with --log_trees_every N)")
+    if cfg.few_shot and cfg.prompt_style == "verbatim":
+        raise ValueError("--few_shot adds a worked example to each prompt; --prompt_style verbatim uses each "
+                         "prompt as it is: expected one of them")
     if cfg.off_policy_steps not in (0, 1):
         raise ValueError(f"--off_policy_steps: got {cfg.off_policy_steps}, expected 0 (on-policy) or 1 "
                          f"(one-step off-policy)")

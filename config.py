@@ -7,8 +7,22 @@ Defaults are the paper's DATPO run on Qwen2.5-3B-Base (Appendix F.2 "Implementat
     python train.py --preset demo --steps 10 --fork tok-entropy --out_dir runs/x
 
 Every field can be set as `--<field_name> VALUE` (harness/cli.py); values are checked (checks.py),
-and an unknown flag or a bad value is one line that says what is valid. Ablations: edit a preset below or
-pass flags.
+and an unknown flag or a bad value is one line that says what is valid.
+
+Where a value comes from, lowest to highest (a later one wins the field):
+
+    Config's default  <  the scale's row (SCALES)  <  the method's settings (methods.py)  <  the preset's
+    row (ROWS)  <  --config FILE or --resume RUN (a run's config.json: every field)  <  the command line
+
+The method sits above the scale so that TreeRL stays (6, 2, 2) with tok-entropy forks at any scale.
+Ablations: edit a default in `Config` below; it reaches every run whose rows leave that field alone (the
+paper's, and --preset teach for the algorithm's knobs). A row that sets it wins, and the run says so at
+start, one line per field ("b_max = 3 in config.py → 2 from scale demo"; harness/edits.py). Three recipes
+on `--preset teach`, what each shows in minutes (README "Ablations"):
+
+    adaptive: bool = False          K̂, B̂ stay (K_max, B_max): easy prompts grow full trees (Sec. 4.1)
+    fork: str = "random"            forks anywhere, not at the starts of high-entropy sentences (App. D)
+    alpha_start: float = 0.4        twice the diversity bonus on every block with Â_base > 0 (Eq. 4)
 """
 from __future__ import annotations
 
@@ -31,7 +45,8 @@ class Config:
                                             # owner/name[:split] (data.load_problems); the paper: math-train,
                                             # 12,000 MATH problems (App. F.1)
     prompt_style: str = "release"           # release: the authors' plain-text prompt, what their runs used;
-                                            # chat: the tokenizer's chat template; plain: Q/A
+                                            # chat: the tokenizer's chat template; plain: Q/A; verbatim: the
+                                            # text as it is (TRL's rule). Conversational rows: their template
     few_shot: bool = False                  # prepend one worked example (the 135M demo needs it)
     answer_fallback: bool = False           # grade the last number when there is no \boxed{} (demo only)
     reward: list[str] = field(default_factory=list)  # FILE.py:FUNCTION or module:function with TRL's
@@ -159,8 +174,9 @@ class Config:
                                             # tensorboard | wandb (several: a list)
     log_trees_every: int = 0                # steps; RUN/trees/step_XXXXXX.jsonl at step 1 and every N;
                                             # 0 = never
-    log_completions_every: int = 0          # steps; every leaf's completion as a table in the trackers at
-                                            # step 1 and every N (TRL's log_completions); 0 = never
+    log_completions_every: int = 0          # steps; every leaf's completion as a table in the trackers (the
+                                            # console without one) at step 1 and every N (TRL's
+                                            # log_completions); 0 = never
 
     def validate(self) -> "Config":
         """Raise ValueError naming the field and what is valid (checks.py: every choice in its list,
@@ -174,9 +190,9 @@ class Config:
 
 # ---------------------------------------------------------------------------------------------------------
 # Presets. Two independent axes:
-#   --scale   how big a run is (model, data, lengths, batch sizes, steps): paper | demo | tiny
+#   --scale   how big a run is (model, data, lengths, batch sizes, steps): paper | demo | teach | tiny
 #   --preset  which row of the paper's tables to run (method, tree shape, forks, alpha, clip, ...)
-# `--preset demo` and `--preset tiny` are DATPO at that scale; `--preset treerl --scale demo` is TreeRL on
+# `--preset demo`, `teach` and `tiny` are DATPO at that scale; `--preset treerl --scale demo` is TreeRL on
 # the CPU demo, `--preset treerl` (paper scale) is the paper's TreeRL row. Later flags override both.
 # ---------------------------------------------------------------------------------------------------------
 SCALES: dict[str, dict] = {
@@ -207,6 +223,13 @@ SCALES: dict[str, dict] = {
         save_every=1, precision="fp32", device="cpu", gradient_checkpointing=False,
     ),
 }
+# A class: the demo made small enough to see an ablation in minutes on 2 cores (README "Ablations"): 4 prompts
+# a step, 4 steps, every tree logged (python -m harness.viz), 16 held-out problems before and after;
+# mini-batches of 16 blocks, so a step takes a few AdamW steps and the clip acts. It sets no algorithm knob
+# (fork, adaptive, alpha_*, ...): edits of Config's defaults take effect on it.
+SCALES["teach"] = dict(SCALES["demo"], max_new_tokens=48, prompts_per_step=4, mini_batch_size=16, steps=4,
+                       eval_every=4, eval_limit=16, eval_k=2, eval_max_new_tokens=48, save_every=0,
+                       log_trees_every=1)
 
 # Rows of the paper's tables: algorithm settings only (the scale comes from SCALES). A row that names a method
 # gets that method's own settings first (methods.py: TreeRL's forks and (6, 2, 2), GRPO's clip-higher, ...),
@@ -260,12 +283,14 @@ ROWS: dict[str, dict] = {
 
 # --preset NAME → (scale, row). The scale names are also presets: DATPO at that scale.
 PRESETS: dict[str, tuple[str, str]] = {name: ("paper", name) for name in ROWS}
-PRESETS.update({"demo": ("demo", "paper"), "tiny": ("tiny", "paper")})
+PRESETS.update({"demo": ("demo", "paper"), "tiny": ("tiny", "paper"), "teach": ("teach", "paper")})
 
 
-def make_config(preset: str = "paper", scale: str | None = None, **overrides) -> Config:
-    """A validated Config: the scale's settings, then the method's own (methods.py), the preset's row, then
-    field overrides."""
+def layers(preset: str = "paper", scale: str | None = None, method: str | None = None
+           ) -> list[tuple[str, dict]]:
+    """The rows a preset lays over Config's defaults, in order, each named: the scale's, the method's own
+    settings (methods.py), the preset's row (and its paper-scale sizes). A later row wins a field; `method`
+    (a --method given) picks the method's settings instead of the row's."""
     if preset not in PRESETS:
         raise ValueError(f"--preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
     default_scale, row = PRESETS[preset]
@@ -274,16 +299,28 @@ def make_config(preset: str = "paper", scale: str | None = None, **overrides) ->
         raise ValueError(f"--scale: got {scale!r}, expected one of {', '.join(SCALES)}")
     row_values = dict(ROWS[row])
     at_paper = row_values.pop("at_paper_scale", {})     # a row's sizes that only make sense at paper scale
-    method = overrides.get("method", row_values.get("method", Config.method))
+    method = method or row_values.get("method", Config.method)
     defining = methods.METHODS[method].settings if method in methods.METHODS else {}   # else: validate says
-    values = {**SCALES[scale], **defining, **row_values, **(at_paper if scale == "paper" else {}),
-              **overrides}
+    return [(f"scale {scale}", SCALES[scale]), (f"method {method} (methods.py)", defining),
+            (f"preset {row}", row_values),
+            (f"preset {row} at paper scale", at_paper if scale == "paper" else {})]
+
+
+def make_config(preset: str = "paper", scale: str | None = None, **overrides) -> Config:
+    """A validated Config: Config's defaults, then the rows of `layers` (scale, method, preset), then field
+    overrides. Which row set each field is kept as `cfg.set_by` (harness/edits.py names an edited default a
+    row overrode)."""
+    stack = layers(preset, scale, overrides.get("method"))
+    values = {name: value for _, row in stack for name, value in row.items()}
+    values.update(overrides)
     if not values.get("out_dir"):
-        values["out_dir"] = f"runs/{preset}" + ("" if scale == default_scale else f"-{scale}")
+        scale = stack[0][0].removeprefix("scale ")
+        values["out_dir"] = f"runs/{preset}" + ("" if scale == PRESETS[preset][0] else f"-{scale}")
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
     if unknown:
         raise ValueError(f"unknown config field(s) {unknown}; valid fields: "
                          f"{', '.join(f.name for f in dataclasses.fields(Config))}")
-    return Config(**values).validate()
-
-
+    cfg = Config(**values).validate()
+    cfg.set_by = {name: where for where, row in stack for name in row}
+    cfg.set_by.update(dict.fromkeys(overrides, "make_config's overrides"))
+    return cfg

@@ -69,9 +69,12 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
     """Turn a problem into the model's input string.
 
     A conversational problem (a list of {"role", "content"} messages, TRL's format) is the whole prompt: the
-    tokenizer's chat template is applied to it once, with the generation prompt, whatever `style` and
-    `few_shot` say. A problem text that already carries the tokenizer's chat template (its special tokens:
-    carries_template) is the prompt as it is, never wrapped again. Any other text is formatted by `style`:
+    tokenizer's chat template is applied to it once (apply_template: the generation prompt after a user
+    message, an assistant message continued), whatever `style` and `few_shot` say. A problem text that
+    already carries the tokenizer's chat template (its special tokens: carries_template) is the prompt as it
+    is, never wrapped again. Any other text is formatted by `style`:
+
+    style "verbatim" (TRL's rule for a dataset of plain-text prompts): the text as it is, nothing added.
 
     style "release" (the paper's runs: the authors' plain-text prompt, see RELEASE_SYSTEM):
         <system text>\n\nProblem:\n<problem>\n\n<instruction>\n\nReasoning:\n
@@ -89,7 +92,7 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
     """
     if isinstance(problem, list):
         return apply_template(problem, tokenizer)
-    if tokenizer is not None and carries_template(problem, tokenizer):
+    if style == "verbatim" or (tokenizer is not None and carries_template(problem, tokenizer)):
         return problem
     if style == "release":
         def block(question, reasoning=""):
@@ -115,16 +118,20 @@ def format_prompt(problem, tokenizer=None, style="chat", few_shot=False):
             ]
         messages.append({"role": "user", "content": f"{problem}\n{INSTRUCTION}"})
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    raise ValueError(f"format_prompt: unknown style {style!r}; use 'release', 'chat' or 'plain'")
+    raise ValueError(f"format_prompt: unknown style {style!r}; use 'release', 'chat', 'plain' or 'verbatim'")
 
 
 def apply_template(messages: list[dict], tokenizer) -> str:
-    """A conversational prompt through the tokenizer's chat template, once, ending with the generation
-    prompt (TRL's maybe_apply_chat_template does the same for a conversational dataset)."""
+    """A conversational prompt through the tokenizer's chat template, once, as TRL's
+    maybe_apply_chat_template does: after a user message the generation prompt opens the assistant's turn;
+    an assistant message last is continued (the model writes on from its text, its turn left open). Any other
+    last role is refused at load (check_messages), as TRL refuses it."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("a conversational prompt (a list of messages) needs a tokenizer with a chat "
                          "template; this model's tokenizer has none: use a model with one, or text prompts")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    goes_on = messages[-1].get("role") == "assistant"
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not goes_on,
+                                         continue_final_message=goes_on)
 
 
 def template_markers(tokenizer) -> tuple[str, ...]:
@@ -200,11 +207,12 @@ def last_boxed(text):
 
 
 def _parse_level(value, where):
-    """MATH writes levels as "Level 3" ("Level ?" for two unrated problems); other files may use ints."""
+    """MATH writes levels as "Level 3" ("Level ?" for two unrated problems); other files may use ints, or
+    names ("hard"), kept as written (stripped). Numbers and names sort apart (level_order)."""
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"{where}: level must be an int or 'Level N', got {value!r}")
+        raise ValueError(f"{where}: level must be an int, 'Level N' or a name, got {value!r}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -213,7 +221,13 @@ def _parse_level(value, where):
         m = re.fullmatch(r"\s*(?:level\s*)?(\d+|\?)\s*", value, flags=re.IGNORECASE)
         if m:
             return None if m.group(1) == "?" else int(m.group(1))
-    raise ValueError(f"{where}: level must be an int or 'Level N', got {value!r}")
+        return value.strip() or None   # a name such as "hard" (an empty cell: no level)
+    raise ValueError(f"{where}: level must be an int, 'Level N' or a name, got {value!r}")
+
+
+def level_order(level) -> tuple:
+    """A sort key for levels of any kind: numbers in order, then names, then none."""
+    return (level is None, isinstance(level, str), level if isinstance(level, int) else 0, str(level))
 
 
 def _answer_text(value, where, field):
@@ -229,14 +243,16 @@ def _answer_text(value, where, field):
     return str(value).strip()
 
 
-def to_problem(row, where, prompt_column=None, answer_column=None, keep_columns=False):
+def to_problem(row, where, prompt_column=None, answer_column=None, keep_columns=False,
+               answer_required=True):
     """Map one raw row to {"problem", "answer", "level"}; raise ValueError naming `where` on a bad row.
 
     problem from `prompt_column` when given, else a conversational `prompt` (a list of {"role", "content"}
     messages: TRL's format, kept as the list), else `problem`, `question` or `prompt` (a string). answer
-    from `answer_column` when given, else `answer`, `final_answer` or `solution` (read_answer). With
-    keep_columns the problem also carries "columns": the row's other fields, as they are, which --reward
-    functions receive by name (TRL passes a dataset's other columns so).
+    from `answer_column` when given, else `answer`, `final_answer` or `solution` (read_answer); without
+    answer_required (training under --reward: the functions grade) a row with none, or an empty one, has
+    answer None. With keep_columns the problem also carries "columns": the row's other fields, as they are,
+    which --reward functions receive by name (TRL passes a dataset's other columns so).
     """
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected an object with a problem and an answer, "
@@ -263,22 +279,21 @@ def to_problem(row, where, prompt_column=None, answer_column=None, keep_columns=
     elif not problem.strip():
         raise ValueError(f"{where}: field '{key}' is empty")
 
-    if answer_column:
-        field = answer_column if answer_column in row else None
-        if field is None:
-            raise ValueError(f"{where}: no column {answer_column!r} (--answer_column); "
-                             f"found keys {sorted(row)}")
-    else:
-        field = next((k for k in ("answer", "final_answer", "solution") if k in row), None)
-    if field is None:
+    field = answer_column or next((k for k in ("answer", "final_answer", "solution") if k in row), None)
+    answer = None
+    if field in row and not (not answer_required and row[field] in (None, "")):
+        answer = read_answer(row[field], where, field)
+        if not answer:
+            raise ValueError(f"{where}: field '{field}' gives an empty answer")
+        why = unmatchable_gold(answer) or explosive_gold(answer)
+        if why:
+            raise UnmatchableGold(f"{where}: field '{field}' gives the answer {_shown(answer)}, {why}")
+    elif answer_required and answer_column:
+        raise ValueError(f"{where}: no column {answer_column!r} (--answer_column); found keys {sorted(row)}")
+    elif answer_required:
         raise ValueError(f"{where}: missing answer field (expected 'answer', 'final_answer', or 'solution' "
-                         f"with \\boxed{{}}); found keys {sorted(row)}")
-    answer = read_answer(row[field], where, field)
-    if not answer:
-        raise ValueError(f"{where}: field '{field}' gives an empty answer")
-    why = unmatchable_gold(answer) or explosive_gold(answer)
-    if why:
-        raise UnmatchableGold(f"{where}: field '{field}' gives the answer {_shown(answer)}, {why}")
+                         f"with \\boxed{{}}, or name yours with --answer_column; rows without one train "
+                         f"only under --reward); found keys {sorted(row)}")
     problem = {"problem": problem, "answer": answer, "level": _parse_level(row.get("level"), where)}
     if keep_columns:
         problem["columns"] = {k: v for k, v in row.items() if k != key}
@@ -286,11 +301,16 @@ def to_problem(row, where, prompt_column=None, answer_column=None, keep_columns=
 
 
 def check_messages(messages: list, where: str, key: str) -> None:
-    """A conversational prompt: {"role": str, "content": str} messages."""
+    """A conversational prompt: {"role": str, "content": str} messages, the last one the user's (the model
+    answers it) or the assistant's (the model continues it): TRL's rule (apply_template)."""
     for n, message in enumerate(messages, 1):
         if not (isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
             raise ValueError(f"{where}: field '{key}' message {n}: expected {{\"role\": str, \"content\": "
                              f"str}} (a conversational prompt), got {str(message)[:80]}")
+    last = messages[-1]["role"]
+    if last not in ("user", "assistant"):
+        raise ValueError(f"{where}: field '{key}' ends with a {last!r} message; expected the last message "
+                         f"to be the user's (answered) or the assistant's (continued), as TRL requires")
 
 
 def read_answer(value, where, field) -> str:
@@ -731,7 +751,7 @@ NAMED_SOURCES = ["math-train", "math500", "gsm8k-train", "gsm8k-test", "arith", 
 
 
 def load_problems(source, limit=None, skip_unmatchable=None, dataset_config=None, prompt_column=None,
-                  answer_column=None, keep_columns=False):
+                  answer_column=None, keep_columns=False, answer_required=True):
     """Problems for a named source, a local file, or an HF dataset (see the module docstring).
 
     limit: keep the first `limit` problems (deterministic order: file order, or generation order for arith).
@@ -740,10 +760,12 @@ def load_problems(source, limit=None, skip_unmatchable=None, dataset_config=None
     dataset_config (an HF dataset's config name), prompt_column, answer_column: for files and HF datasets
     (--dataset_config, --prompt_column, --answer_column); the named sources have their own. keep_columns:
     each problem carries its row's other fields as "columns" (to_problem), for --reward functions.
+    answer_required False (training under --reward): a file's or HF dataset's row may have no answer.
     """
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
-    columns = dict(prompt_column=prompt_column, answer_column=answer_column, keep_columns=keep_columns)
+    columns = dict(prompt_column=prompt_column, answer_column=answer_column, keep_columns=keep_columns,
+                   answer_required=answer_required)
     kept = dict(keep_columns=keep_columns)
     if source == "math-train":
         problems = load_math_train(keep_columns)
@@ -778,7 +800,8 @@ def options(cfg, training: bool = True) -> dict:
     """load_problems' keyword arguments from a Config: --dataset_config, --prompt_column, --answer_column, and
     for the training data with --reward functions keep_columns (they receive the rows' other fields)."""
     return dict(dataset_config=cfg.dataset_config or None, prompt_column=cfg.prompt_column or None,
-                answer_column=cfg.answer_column or None, keep_columns=training and bool(cfg.reward))
+                answer_column=cfg.answer_column or None, keep_columns=training and bool(cfg.reward),
+                answer_required=not cfg.reward)
 
 
 def summarize(problems):
@@ -786,7 +809,7 @@ def summarize(problems):
     by_level = {}
     for p in problems:
         by_level[p["level"]] = by_level.get(p["level"], 0) + 1
-    order = sorted(by_level, key=lambda lv: (lv is None, lv or 0))
+    order = sorted(by_level, key=level_order)
     return {"count": len(problems), "by_level": {lv: by_level[lv] for lv in order}}
 
 

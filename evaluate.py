@@ -159,7 +159,7 @@ def score_records(records: list[dict], k: int) -> dict:
         if record.get("level") is not None:
             levels[record["level"]].append(bool(record["correct"]))
     if levels:
-        result["avg_by_level"] = {lv: _mean(levels[lv]) for lv in sorted(levels)}
+        result["avg_by_level"] = {lv: _mean(levels[lv]) for lv in sorted(levels, key=data.level_order)}
     if all("tokens" in rec for rec in records):
         result["mean_tokens"] = _mean(rec["tokens"] for rec in records)
         result["truncated"] = _mean(float(not rec["stopped"]) for rec in records)  # hit max_new_tokens

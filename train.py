@@ -235,17 +235,18 @@ def ppo_update(policy, optimizer, trees: list[packing.TrainTree], cfg, pad_id: i
             norm = packing.loss_normaliser(trees, units, cfg.loss_norm, cfg.max_new_tokens, most_targets)
             if not packing.trains(trees, units):   # every advantage 0: no forward, no optimizer step
                 continue
-            sums = torch.zeros(2, dtype=torch.float64, device=device)   # Σ loss, Σ clipped tokens
+            sums = torch.zeros(3, dtype=torch.float64, device=device)   # Σ loss, Σ clipped tokens, Σ k3
             # log π_θ of a micro-batch's tokens; the iterator back-propagates `micro.loss` (Forward.passes)
             for micro, new in forward.passes(units, optimizer, sums, counts):
                 at = micro.at                                          # its tokens in the flat buffers
                 old_lp = torch.where(has_old[at], old[at], new.detach())   # θ_old = θ (fixed_logprobs)
                 objective, clipped = clipped_objective(new, old_lp, adv[at], cfg.clip_low, cfg.clip_high)
-                objective = objective if ref is None else objective - cfg.kl_beta * kl.k3(new, ref[at])
+                objective, k3_sum = kl.penalty(objective, new, ref, at, cfg.kl_beta)   # --kl_beta > 0
                 micro.loss = -(micro.weight * objective).sum() / norm                       # Eq. DATPO
-                sums += torch.stack([micro.loss.detach().double(), clipped.sum().double()])
-            loss, clip_tokens = sums.tolist()                         # one sync per mini-batch
+                sums += torch.stack([micro.loss.detach().double(), clipped.sum().double(), k3_sum])
+            loss, clip_tokens, k3_total = sums.tolist()               # one sync per mini-batch
             counts["clip_tokens"] += int(clip_tokens)
+            counts["kl"] += k3_total
             grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):   # NaN/inf: not applied
                 optimizer.zero_grad(set_to_none=True)
@@ -258,7 +259,7 @@ def ppo_update(policy, optimizer, trees: list[packing.TrainTree], cfg, pad_id: i
             counts["loss"], counts["grad_norm"] = counts["loss"] + loss, counts["grad_norm"] + grad_norm
             counts["optimizer_steps"] += 1
     optimizer.zero_grad(set_to_none=True)
-    return update_record(counts, trees, cfg.ppo_epochs, forward.kernel)
+    return update_record(counts, trees, cfg.ppo_epochs, forward.kernel, kl_logged=ref is not None)
 
 
 def fixed_logprobs(forward: packing.Forward, first: list, cfg, reference, counts: dict):
@@ -292,17 +293,21 @@ def update_counts() -> dict:
     """The update's counters: summed loss and gradient norm over optimizer steps, clipped / trained /
     forwarded tokens, non-finite mini-batches and updates, out-of-memory retries (runtime/oom.py)."""
     return {"loss": 0.0, "grad_norm": 0.0, "optimizer_steps": 0, "clip_tokens": 0, "total_tokens": 0,
-            "forwarded": 0, "nonfinite_minibatches": 0, "nonfinite_updates": 0, "oom_retries": 0}
+            "forwarded": 0, "nonfinite_minibatches": 0, "nonfinite_updates": 0, "oom_retries": 0, "kl": 0.0}
 
 
-def update_record(counts: dict, trees: list[packing.TrainTree], ppo_epochs: int, kernel: str) -> dict:
+def update_record(counts: dict, trees: list[packing.TrainTree], ppo_epochs: int, kernel: str,
+                  kl_logged: bool = False) -> dict:
     """What ppo_update reports: mean loss and gradient norm per optimizer step, the clipped fraction of
     tokens, tokens forwarded per pass over the batch (packing overhead) against the unique tokens trained,
-    the out-of-memory retries and the attention kernel."""
-    loss, clip_tokens, total_tokens, forwarded = distributed.all_reduce(
-        [counts["loss"], counts["clip_tokens"], counts["total_tokens"], counts["forwarded"]])   # torchrun
+    the out-of-memory retries and the attention kernel; with `kl_logged` (--kl_beta > 0) the mean k3 to
+    π_ref over the tokens the loss saw (TRL's logged `kl`)."""
+    loss, clip_tokens, total_tokens, forwarded, k3_total = distributed.all_reduce(
+        [counts["loss"], counts["clip_tokens"], counts["total_tokens"], counts["forwarded"],
+         counts["kl"]])   # torchrun
     steps = max(counts["optimizer_steps"], 1)
     return {"loss": loss / steps, "clip_frac": clip_tokens / max(total_tokens, 1),
+            **({"kl": k3_total / max(total_tokens, 1)} if kl_logged else {}),
             "grad_norm": counts["grad_norm"] / steps, "optimizer_steps": counts["optimizer_steps"],
             "trained_blocks": sum(len(packing.live_blocks(tr, tr.trained)) for tr in trees),
             "nonfinite_minibatches": counts["nonfinite_minibatches"],

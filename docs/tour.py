@@ -3,6 +3,8 @@ docs/tour.py — a guided tour of one real DATPO step: docs/tour.md, written fro
 
     python docs/tour.py                          # docs/tour.md: the embedded SmolLM2-135M, 2 prompts (~1 min)
     python docs/tour.py --scale tiny --out X.md  # the same at test size (a tiny random model)
+    python docs/tour.py --alpha_start 0.4 --out X.md   # any train.py flag (or an edit of config.py's
+                                                        # defaults: the exercise at the page's end)
 
 It runs `train.train_step` once — the real step, not a copy of it — with the stage functions it calls wrapped
 so that each records what it was given and what it gave back (`Trace`). The page then follows Algorithm DATPO
@@ -10,7 +12,8 @@ so that each records what it was given and what it gave back (`Trace`). The page
 from the source by this script, so they cannot drift): the prompts, the N base responses with their token
 entropies and sentences, V(root), K̂ and B̂, the forks, the tree's blocks, the Monte-Carlo values, Â_base,
 Div_sib and α, the final advantages, a packed tree and its attention mask, and the clipped loss of the update
-in both of its epochs — the second one's ratios moved by the first epoch's AdamW step, some of them clipped.
+in both of its epochs — the second one's ratios moved by the first epoch's AdamW step, some of them clipped;
+the viewer's picture of the step's trees (harness/viz.py) is written beside the page (<page>_tree.png).
 
 So that the clip is seen acting, the tour's step runs two PPO epochs (the demo: one).
 It runs in float64, so that any CPU writes the same page to the last printed digit (fp32 sums round
@@ -19,10 +22,10 @@ tests/test_tour.py regenerates it and compares.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import inspect
+import json
 import os
 import sys
 import tempfile
@@ -35,6 +38,8 @@ from runtime import threads  # noqa: E402
 
 # OpenMP reads its thread policy once, when torch loads: set it first (runtime/threads.py says why)
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
+import ast  # noqa: E402
+
 import torch  # noqa: E402
 
 import advantage  # noqa: E402
@@ -45,14 +50,15 @@ import packing  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 import tree  # noqa: E402
-from harness import loop  # noqa: E402
+from harness import cli, loop, tracking, viz  # noqa: E402
 
 # What the tour runs: the demo's model and settings, 2 prompts, the first step of a 24-step run (α = 0.2),
-# two PPO epochs so that the second epoch's ratios move and the clip acts.
-TOUR = dict(prompts_per_step=2, n_base=4, k_max=2, b_max=2, fork="sent-entropy", log_trees_every=0,
-            eval_every=0, save_every=0, seed=6, ppo_epochs=2)
-SCALES = {"demo": dict(preset="demo", max_new_tokens=48),
-          "tiny": dict(preset="tiny", max_new_tokens=16, alpha_start=0.2)}
+# two PPO epochs so that the second epoch's ratios move and the clip acts. No algorithm knob is set here:
+# an edit of Config's defaults in config.py reaches the page, and so does any train.py flag (which wins).
+TOUR = dict(prompts_per_step=2, log_trees_every=0, eval_every=0, save_every=0, seed=6, ppo_epochs=2)
+# Per scale, lengths; at tiny scale also the demo's tree (N, K_max, B_max) = (4, 2, 2) and sent-entropy forks
+# (the tiny scale's own are tok-entropy: a random model writes no sentences worth the name)
+SIZES = {"demo": dict(max_new_tokens=48), "tiny": dict(max_new_tokens=16, n_base=4, fork="sent-entropy")}
 # The functions the tour watches: (owner, name). Each call's arguments and result are recorded in order.
 WATCHED = [(rollout, "plan_prompt"), (tree, "sentence_spans"), (tree, "select_forks"),
            (rollout, "rollout_trees"), (advantage, "alpha_at"), (advantage, "score_tree"),
@@ -89,10 +95,25 @@ class Trace:
         return record
 
 
-def tour_config(scale: str, out_dir: str) -> config.Config:
-    values = dict(SCALES[scale])
-    preset = values.pop("preset")
-    return config.make_config(preset, **TOUR, **values, out_dir=out_dir, threads=1)
+def tour_config(argv: list[str], out_dir: str) -> tuple[config.Config, Path]:
+    """The tour's Config from train.py's flags (its --preset/--scale: the demo's by default; TOUR and SIZES
+    under the flags given) and the page to write (--out)."""
+    parser = cli.build_parser("docs/tour.py: one real DATPO step, written up (docs/tour.md); every flag "
+                              "is train.py's", own=lambda p: p.add_argument(
+                                  "--out", default=str(ROOT / "docs" / "tour.md"), help="the page to write"))
+    args = parser.parse_args(argv)
+    preset = cli.scanned(argv, "--preset")
+    scale = args.scale or (config.PRESETS[preset][0] if preset in config.PRESETS else "demo")
+    if scale not in SIZES:
+        parser.error(f"--scale {scale}: the tour runs at {' or '.join(SIZES)} scale")
+    try:
+        given = cli.given_flags(args, exclude=("out_dir", "threads"), preset=preset or "paper", scale=scale)
+        ours = {**TOUR, **SIZES[scale]}
+        cfg = config.make_config(preset or "paper", scale, **{**ours, **given}, out_dir=out_dir, threads=1)
+    except ValueError as err:
+        parser.error(str(err))
+    cfg.set_by.update({**dict.fromkeys(ours, "docs/tour.py"), **dict.fromkeys(given, "the command line")})
+    return cfg, Path(args.out)
 
 
 def run_step(cfg: config.Config):
@@ -119,25 +140,51 @@ def run_step(cfg: config.Config):
 # Code excerpts, read from the source
 # --------------------------------------------------------------------------------------------------------
 def excerpt(function, start: str | None = None, stop: str | None = None) -> str:
-    """The source of `function` (its docstring left out), or its lines from the first containing `start`
-    through the first after it containing `stop`, as a fenced block headed by where it is."""
-    lines = inspect.getsourcelines(inspect.unwrap(function))[0]
+    """The source of `function` (its docstring and blank lines left out), or its lines from the first
+    containing `start` through the first after it containing `stop`, widened to whole statements
+    (whole_statements), as a fenced block headed by where it is. The block parses as Python (a test reads
+    every block of docs/*.md)."""
+    source = inspect.getsource(inspect.unwrap(function))
     path = Path(inspect.getsourcefile(inspect.unwrap(function))).relative_to(ROOT)
+    lines = source.splitlines()
+    definition = ast.parse(textwrap_dedent(source)).body[0]
     if start is None:
-        body = inspect.getsource(inspect.unwrap(function))
-        doc = inspect.getdoc(function)
-        if doc:
-            quoted = body.index('"""')
-            body = body[:quoted] + body[body.index('"""', quoted + 3) + 3:].lstrip("\n")
-            body = body.replace("\n\n", "\n")
-        text = body.rstrip()
+        doc = definition.body[0] if ast.get_docstring(definition) else None
+        skipped = set(range(doc.lineno - 1, doc.end_lineno)) if doc else set()
+        text = "\n".join(line for i, line in enumerate(lines) if i not in skipped and line.strip())
     else:
         begin = next(i for i, line in enumerate(lines) if start in line)
         end = next(i for i, line in enumerate(lines) if i >= begin and stop in line) if stop else begin
-        text = "".join(lines[begin:end + 1]).rstrip()
-        indent = min(len(line) - len(line.lstrip()) for line in text.splitlines() if line.strip())
-        text = "\n".join(line[indent:] for line in text.splitlines())
+        begin, end = whole_statements(definition, begin, end)
+        text = "\n".join(lines[begin:end + 1])
+    text = textwrap_dedent(text).rstrip()
+    ast.parse(text)   # an excerpt that does not parse is this script's bug: stop here, not on the page
     return f"`{path}`, `{function.__qualname__}`:\n\n```python\n{text}\n```\n"
+
+
+def textwrap_dedent(text: str) -> str:
+    """`text` with the indentation its lines share removed."""
+    indent = min(len(line) - len(line.lstrip()) for line in text.splitlines() if line.strip())
+    return "\n".join(line[indent:] for line in text.splitlines())
+
+
+def whole_statements(definition: ast.AST, begin: int, end: int) -> tuple[int, int]:
+    """Source lines begin..end (0-based, in the function's source) widened so that no statement is cut: a
+    statement the range starts inside begins it, and one it ends inside, or whose first line it holds,
+    ends it whole (a `for` header brings its body)."""
+    changed = True
+    while changed:
+        changed = False
+        for node in ast.walk(definition):
+            if not isinstance(node, ast.stmt) or node is definition:
+                continue
+            first, last = node.lineno - 1, node.end_lineno - 1
+            own_last = node.body[0].lineno - 2 if hasattr(node, "body") and node.body else last
+            if first < begin <= own_last:                  # begins inside a statement's own lines
+                begin, changed = first, True
+            if begin <= first <= end < last:               # holds a statement's start, not its end
+                end, changed = last, True
+    return begin, end
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -159,13 +206,24 @@ def num(x, digits: int = 4) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
-def render(trace: Trace, tok, batch, result, cfg: config.Config) -> str:
+def render(trace: Trace, tok, batch, result, cfg: config.Config, picture: str) -> str:
     trees = result.trees
     plans = planned(trace, trees)
     return "\n".join([intro(cfg), section_prompts(batch), section_bases(plans, tok),
-                      section_budget(plans, cfg), section_forks(plans, tok), section_blocks(trees),
-                      section_advantages(trace, trees), section_packed(trace, result),
-                      section_update(trace, result.update, cfg)])
+                      section_budget(plans, cfg), section_forks(plans, tok, cfg), section_blocks(trees),
+                      section_advantages(trace, trees, picture), section_packed(trace, result),
+                      section_update(trace, result.update, cfg), section_exercise(trace, cfg)])
+
+
+def draw_trees(result, tok, cfg: config.Config, path: Path) -> str:
+    """The viewer's picture of the step's trees (harness/viz.py's PNG, from the records the run's tree log
+    would hold: tracking.tree_record) at `path`; returns its file name, for the page."""
+    records = [{"step": 1, "tree": i, "method": cfg.method, "alpha": result.alpha,
+                **tracking.tree_record(tr, tok, scores, cfg.value_estimate, cfg.sibling_groups)}
+               for i, (tr, scores) in enumerate(zip(result.trees, result.scores))]
+    records = json.loads(json.dumps(records))   # as the log holds them (tracking.write_trees)
+    viz.render_png(records, f"docs/tour.py: step 1, {cfg.method}, α = {result.alpha:.3f}", path)
+    return path.name
 
 
 def intro(cfg: config.Config) -> str:
@@ -264,7 +322,14 @@ def section_budget(plans: list[Planned], cfg: config.Config) -> str:
             + table(["prompt", "base rewards", "V(root)", "K̂", "B̂"], rows))
 
 
-def section_forks(plans: list[Planned], tok) -> str:
+def section_forks(plans: list[Planned], tok, cfg: config.Config) -> str:
+    if cfg.fork != "sent-entropy":   # another strategy (--fork, or an edit of config.py): its forks
+        rows = [[item.prompt, j, len(item.tokens[j]), " ".join(map(str, item.forks.get(j, []))) or "—"]
+                for item in plans for j in range(len(item.tokens))]
+        return (f"\n## 4. Forks: {cfg.fork} — `tree.select_forks` (App. D)\n\n"
+                "A fork f is a prefix length: a branch keeps the response's first f tokens and samples token "
+                "f on. Each response's forks:\n\n"
+                + table(["prompt", "response j", "tokens", "forks f"], rows))
     out = ["\n## 4. Forks at the starts of the highest-entropy sentences — `tree.select_forks` "
            "(App. D, sent-entropy)\n\n",
            "Each response is split into sentences (`tree.sentence_spans`: PySBD, maths masked); a sentence's "
@@ -311,7 +376,7 @@ def section_blocks(trees: list[tree.Tree]) -> str:
     return "".join(out)
 
 
-def section_advantages(trace: Trace, trees: list[tree.Tree]) -> str:
+def section_advantages(trace: Trace, trees: list[tree.Tree], picture: str) -> str:
     (_, args, _, alpha), = trace.of("alpha_at")
     out = ["\n## 6. Phase 3: values, advantages and sibling diversity — `advantage.score_tree` "
            "(Sec. 4.2, App. E.1)\n\n",
@@ -330,7 +395,52 @@ def section_advantages(trace: Trace, trees: list[tree.Tree]) -> str:
                 for i, (b, sc) in enumerate(zip(tr.blocks, scores))]
         out.append(f"\n**Prompt {p}**\n\n"
                    + table(["block", "r", "V(s_start)", "V(s_end)", "Â_base", "Div_sib", "Â"], rows))
+    rows = [[p, num(tr.v_root), num(advantage.mc_root_value(tr.rewards)), tr.leaves]
+            for p, tr in enumerate(trees)]
+    out.append("\n**Two values of the root.** The V(s_start) of a root block above is V̂_MC(root), the "
+               "mean reward of every leaf of the finished tree (`advantage.mc_root_value`, Eq. 3's value). "
+               "Section 3's V(root) is the mean of the N base responses alone (`tree.Tree.v_root`, "
+               "Sec. 4.1): it is known before any branch exists and sets K̂ and B̂. The branches then add "
+               "leaves, so the two differ:\n\n"
+               + table(["prompt", "V(root): N bases (Tree.v_root)", "V̂_MC(root): all leaves "
+                        "(advantage.mc_root_value)", "leaves"], rows))
+    out.append("\nThe viewer's picture of these trees (`python -m harness.viz RUN` draws a run's logged "
+               "trees so; harness/viz.py): each prompt from left to right, one row per response and branch, "
+               "blocks coloured by Â (red < 0 < green), a strip of token entropies under each, ▼ at the "
+               f"forks, each leaf's reward in its circle.\n\n![the step's trees]({picture})\n")
     return "".join(out)
+
+
+def section_exercise(trace: Trace, cfg: config.Config) -> str:
+    """An exercise: an edit of config.py's defaults, and what it changes on this page, computed from the
+    page's own numbers (Eq. 4 with α doubled)."""
+    doubled = 2 * trace.of("alpha_at")[0][3]
+    expected = []
+    for p, (*_, scores) in enumerate(trace.of("score_tree")):
+        for i, sc in enumerate(scores):
+            if sc.base_advantage > 0 and sc.div_sib is not None and len(expected) < 3:
+                after = sc.base_advantage + doubled * sc.div_sib
+                expected.append(f"prompt {p} block {i}: Â {num(sc.advantage)} → {num(after)} "
+                                f"(= {num(sc.base_advantage)} + {doubled:g} × {num(sc.div_sib)})")
+    shown = "; ".join(expected) or "no block of this step has Â_base > 0, so none changes"
+    return (f"\n## 9. Exercise: change α or the forking strategy in config.py, rerun, see Â change\n\n"
+            "The tour's settings leave the algorithm's knobs to config.py, so an edit of a default of "
+            f"`Config` reaches this step (the run says so at start: `alpha_start = {doubled:g} in config.py: "
+            "in effect`). Edit one, run `python docs/tour.py --out /tmp/tour.md`, and compare with this page "
+            f"(a flag does the same: `python docs/tour.py --alpha_start {doubled:g} --out /tmp/tour.md`).\n\n"
+            f"- `alpha_start: float = {doubled:g}` (now {cfg.alpha_start:g}). α enters Phase 3 only, so "
+            "the step samples the same responses (same seed): sections 1–5 do not change. In section 6, "
+            f"α = {doubled:g}, twice the bonus: every block with Â_base > 0 gets Â = Â_base + "
+            f"{doubled:g}·Div_sib, the others keep Â = Â_base (Eq. 4). Expected: {shown}. Section 8's "
+            "ratios and loss move with them.\n"
+            "- `fork: str = \"random\"`: forks at random prefix lengths, not at the starts of the "
+            "highest-entropy sentences. The N base responses and V(root) come before any fork (sections 1–3 "
+            "stay); section 4 lists the new forks, section 5's branches grow from them, so the trees, their "
+            "values and every Â of section 6 change.\n\n"
+            "Over whole runs: `python train.py --preset teach` before and after the edit (into another "
+            "`--out_dir`), then `python -m studies dynamics --runs A B --checkpoints false` draws both runs "
+            "step by step: reward, V(root), K̂/B̂, leaves, clip fraction, Â − Â_base, fork positions "
+            "(README \"Ablations\").\n")
 
 
 def depth_first(tr: packing.TrainTree) -> list[int]:
@@ -428,18 +538,16 @@ def section_update(trace: Trace, record: dict, cfg: config.Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", choices=list(SCALES), default="demo")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "tour.md"))
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = tour_config(args.scale, run_dir)
+        cfg, out = tour_config(argv, run_dir)
         trace, tok, batch, result = run_step(cfg)
-        page = render(trace, tok, batch, result, cfg)
-    Path(args.out).write_text(page, encoding="utf-8")
-    print(f"wrote {args.out}")
-    return Path(args.out)
+        picture = draw_trees(result, tok, cfg, out.with_name(out.stem + "_tree.png"))
+        page = render(trace, tok, batch, result, cfg, picture)
+    out.write_text(page, encoding="utf-8")
+    print(f"wrote {out} and {out.with_name(picture)}")
+    return out
 
 
 if __name__ == "__main__":

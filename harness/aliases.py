@@ -27,6 +27,7 @@ class Alias:
     note: str = ""                     # what it means here (shown by --help) or, refused, what to use
     kind: type | None = None           # the foreign value's type when it is not our field's (bool, str)
     convert: Callable | None = None    # foreign value -> ours; raises ValueError with a reason
+    hint: str = ""                     # a refused name's --help line (what to use), shorter than `note`
 
 
 def mapped(table: dict, flag: str) -> Callable:
@@ -98,22 +99,33 @@ ALIASES: list[Alias] = [
     Alias("per_device_train_batch_size", "TRL", None,
           "TRL counts completions per device per optimizer step; here --prompts_per_step counts the prompts "
           "of a step, --mini_batch_size the blocks of an optimizer step and --max_tokens_per_micro_batch the "
-          "tokens of one forward (gradient accumulation follows)"),
+          "tokens of one forward (gradient accumulation follows)",
+          hint="counts completions per device: use --prompts_per_step, --mini_batch_size (blocks)"),
     Alias("gradient_accumulation_steps", "TRL", None,
           "accumulation follows from --mini_batch_size (blocks per optimizer step) and "
-          "--max_tokens_per_micro_batch (tokens per forward/backward)"),
+          "--max_tokens_per_micro_batch (tokens per forward/backward)",
+          hint="follows from --mini_batch_size and --max_tokens_per_micro_batch"),
     Alias("num_train_epochs", "TRL", None, "use --steps: one step is --prompts_per_step prompts, so one pass "
-          "over P problems is P / prompts_per_step steps"),
-    Alias("max_steps", "TRL", None, f"{STEPS}: use --steps"),
-    Alias("save_steps", "TRL", None, f"{STEPS}: use --save_every (steps)"),
-    Alias("eval_steps", "TRL", None, f"{STEPS}: use --eval_every (steps)"),
-    Alias("logging_steps", "TRL", None, "every step is logged (metrics.jsonl and --report_to)"),
-    Alias("warmup_steps", "TRL", None, f"{STEPS}: use --warmup_ratio F, the warmup's share of --steps"),
+          "over P problems is P / prompts_per_step steps",
+          hint="use --steps (one pass = problems / --prompts_per_step)"),
+    Alias("max_steps", "TRL", None, f"{STEPS}: use --steps",
+          hint="counts optimizer steps: use --steps (rollout + update)"),
+    Alias("save_steps", "TRL", None, f"{STEPS}: use --save_every (steps)",
+          hint="counts optimizer steps: use --save_every (steps)"),
+    Alias("eval_steps", "TRL", None, f"{STEPS}: use --eval_every (steps)",
+          hint="counts optimizer steps: use --eval_every (steps)"),
+    Alias("logging_steps", "TRL", None, "every step is logged (metrics.jsonl and --report_to)",
+          hint="every step is logged"),
+    Alias("warmup_steps", "TRL", None, f"{STEPS}: use --warmup_ratio F, the warmup's share of --steps",
+          hint="counts optimizer steps: use --warmup_ratio"),
     Alias("max_prompt_length", "TRL", None, "TRL truncates longer prompts from the left; here "
-          "--max_prompt_tokens N skips them (counted: a cut math problem is another problem)"),
+          "--max_prompt_tokens N skips them (counted: a cut math problem is another problem)",
+          hint="truncates prompts: --max_prompt_tokens skips them"),
     Alias("scale_rewards", "TRL", None, "the advantage is the method's: --method grpo ((r − mean)/std) or "
-          "drgrpo (r − mean)"),
-    Alias("fp16", "TRL", None, "fp16 is not offered: --precision bf16, bf16-autocast or fp32"),
+          "drgrpo (r − mean)",
+          hint="the advantage is the method's: --method grpo or drgrpo"),
+    Alias("fp16", "TRL", None, "fp16 is not offered: --precision bf16, bf16-autocast or fp32",
+          hint="use --precision bf16, bf16-autocast or fp32"),
     # ---- verl (its hydra config's paths) ----
     Alias("data.train_files", "verl", "train_data", "verl's name for --train_data"),
     Alias("data.val_files", "verl", "eval_data", "verl's name for --eval_data"),

@@ -155,8 +155,8 @@ def build_parser(description: str = "DATPO training", defaults: dict | None = No
                           for f in dataclasses.fields(Config)}
     run = parser.add_argument_group("preset")
     run.add_argument("--preset", default="paper", choices=list(PRESETS), metavar="NAME",
-                     help=f"a row of the paper's tables (method and its settings); demo/tiny = DATPO at that "
-                          f"scale: {', '.join(PRESETS)} (default paper)")
+                     help=f"a row of the paper's tables (method and its settings); demo/teach/tiny = DATPO "
+                          f"at that scale: {', '.join(PRESETS)} (default paper)")
     run.add_argument("--scale", default=None, choices=list(SCALES),
                      help="run size (model, data, lengths, batches, steps); default: the preset's own")
     if saved_config:
@@ -165,6 +165,9 @@ def build_parser(description: str = "DATPO training", defaults: dict | None = No
                               "them; not with --preset/--scale). To continue a run: --resume RUN alone")
     run.add_argument("--debug", action="store_true", default=None,
                      help="show the Python traceback of an error (faults.main_guard removes this flag first)")
+    # TRL's names next, each with what it becomes here or why it is refused (filled by add_foreign_names)
+    trl = parser.add_argument_group("TRL's names: accepted as ours, or refused saying what to use (verl's: "
+                                    "docs/trl.md)")
     hints = typing.get_type_hints(Config)
     groups: dict[str, argparse._ArgumentGroup] = {}
     docs = field_docs()
@@ -173,7 +176,7 @@ def build_parser(description: str = "DATPO training", defaults: dict | None = No
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         group.add_argument(f"--{f.name}", **field_kwargs(f.name, hints[f.name]),
                            help=field_help(f.name, values.get(f.name)))
-    add_foreign_names(parser, hints)
+    add_foreign_names(parser, hints, trl)
     return parser
 
 
@@ -197,14 +200,15 @@ def field_kwargs(name: str, kind) -> dict:
     return kwargs
 
 
-def add_foreign_names(parser: argparse.ArgumentParser, hints: dict) -> None:
-    """TRL's names in a group of their own (--help lists them); verl's dotted names accepted but listed only
-    in docs/trl.md; refused names hidden, each one line when used."""
-    group = parser.add_argument_group("TRL's names (verl's: docs/trl.md)")
+def add_foreign_names(parser: argparse.ArgumentParser, hints: dict, group) -> None:
+    """TRL's names in `group` (--help lists each: what it becomes here, or "refused" and what to use); verl's
+    dotted names accepted but listed only in docs/trl.md; a refused name is one line when used."""
     for alias in aliases.ALIASES:
         flag = f"--{alias.name}"
         if alias.field is None:
-            parser.add_argument(flag, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+            shown = f"refused: {alias.hint or alias.note}" if alias.source == "TRL" else argparse.SUPPRESS
+            (group if alias.source == "TRL" else parser).add_argument(flag, nargs="?", action=Refuse,
+                                                                     metavar="VALUE", help=shown)
             continue
         kwargs = field_kwargs(alias.field, hints[alias.field]) if alias.kind is None \
             else field_kwargs("", alias.kind)
@@ -326,9 +330,12 @@ def parse_args(argv: list[str] | None = None, description: str = "DATPO training
     args = parser.parse_args(argv)
     preset = args.preset if scanned(argv, "--preset") is not None else None   # None: not given
     try:
-        return config_of(args, preset)
+        cfg = config_of(args, preset)
     except ValueError as err:
         parser.error(str(err))
+    from harness import runs
+
+    return runs.resolve_paths(cfg)   # relative paths made absolute: the run resumes from any folder
 
 
 def given_flags(args, exclude=(), base: dict | None = None, preset: str = "paper",
@@ -363,11 +370,18 @@ def config_of(args, preset: str | None) -> Config:
         base = {**resume_base(resume), "overwrite": False, "allow_config_change": False}
     overrides = given_flags(args, base=base, preset=preset or "paper", scale=args.scale)
     if base is None:
-        return make_config(preset or "paper", args.scale, **overrides)
+        cfg = make_config(preset or "paper", args.scale, **overrides)
+        cfg.set_by.update(dict.fromkeys(overrides, "the command line"))   # harness/edits.py names them
+        return cfg
     # a method changed on top of saved settings brings its own settings, as --method does (methods.py)
     defining = M.METHODS[overrides["method"]].settings if overrides.get("method") in M.METHODS else {}
     try:
-        return Config(**{**base, **defining, **overrides}).validate()
+        cfg = Config(**{**base, **defining, **overrides}).validate()
     except TypeError as err:   # a hand-edited config.json with a value of the wrong kind
         raise ValueError(f"{args.config or resume}: {err}; expected the settings as train.py wrote them") \
             from None
+    saved = f"--config {args.config}" if args.config else f"--resume {resume} (the run's config.json)"
+    cfg.set_by = {**dict.fromkeys(base, saved), **dict.fromkeys(defining, f"method {overrides.get('method')} "
+                                                                          f"(methods.py)"),
+                  **dict.fromkeys(overrides, "the command line")}
+    return cfg

@@ -46,7 +46,7 @@ import data
 import kl
 import methods as M
 import models
-from harness import custom_reward, guards, preflight, runs, signals, tracking
+from harness import custom_reward, edits, guards, preflight, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
 from prompts import PromptStream
@@ -126,6 +126,8 @@ class Run:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.run_dir, self.log, self.checkpoint, self.state, self.replace = open_run(cfg, self._stack)
+        for line in edits.notes(cfg):   # a default edited in config.py: in effect, or what set it instead
+            self.log.say(line)
         self.run = RunState(rng=random.Random(cfg.seed))
         self.rng = self.run.rng
         state = self.state

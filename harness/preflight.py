@@ -143,7 +143,24 @@ def load_data(source: str, flag: str, limit: int | None = None, **options) -> li
     if not problems:
         raise UserError(f"{flag} {source}: no problems in it; expected at least one row with a problem and "
                         f"an answer")
+    if flag == "--eval_data":
+        problems = graded_rows(problems, source)
     return problems
+
+
+def graded_rows(problems: list[dict], source: str) -> list[dict]:
+    """The held-out rows the grader can evaluate: those with an answer. Rows without one load only under
+    --reward (data.options); they are left out with one line, and a set with none is one UserError."""
+    graded = [p for p in problems if p["answer"] is not None]
+    if len(graded) == len(problems):
+        return problems
+    if not graded:
+        raise UserError(f"--eval_data {source}: no row has an answer, and the held-out evaluation grades "
+                        f"answers; expected --eval_every 0, or an --eval_data whose rows have answers "
+                        f"(--answer_column names the column)")
+    say(f"--eval_data {source}: {len(problems) - len(graded)} of {len(problems)} rows have no answer; the "
+        f"held-out evaluation grades the {len(graded)} that have one")
+    return graded
 
 
 def check_conversational(tokenizer, model: str, data: dict[str, list[dict]]) -> None:

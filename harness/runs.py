@@ -17,6 +17,7 @@ Everything here is plain functions over paths and dicts, so a training loop of a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -319,11 +320,48 @@ def upgrade(saved: dict) -> dict:
     return {RENAMED_FIELDS.get(k, k): v for k, v in saved.items()}
 
 
+def resolved_paths(values: dict) -> dict:
+    """The settings with each relative path that names a file or folder here made absolute, so that a run's
+    config.json works from any working folder (`--resume RUN` elsewhere): a data file (--train_data,
+    --eval_data), a model or embedder folder, a reward FILE.py, a --resume path. Names (arith-train,
+    smollm2-135m, Qwen/Qwen2.5-3B, a module:function) stay as written."""
+    import data
+    import models
+
+    def here(path: str, kind) -> str:
+        absolute = Path(path).expanduser()
+        return str(absolute.resolve()) if not absolute.is_absolute() and kind(absolute) else path
+
+    out = dict(values)
+    for name in ("train_data", "eval_data"):
+        if isinstance(out.get(name), str) and out[name].endswith(data.DATA_FILES):
+            out[name] = here(out[name], Path.is_file)
+    for name in ("model", "embed_model"):
+        if isinstance(out.get(name), str) and out[name] not in models.EMBEDDED:
+            out[name] = here(out[name], Path.is_dir)
+    if isinstance(out.get("resume"), str) and out["resume"]:
+        out["resume"] = here(out["resume"], Path.exists)
+    if isinstance(out.get("reward"), list):
+        out["reward"] = [here(spec.rpartition(":")[0], Path.is_file) + ":" + spec.rpartition(":")[2]
+                         if isinstance(spec, str) and spec.rpartition(":")[0].endswith(".py") else spec
+                         for spec in out["reward"]]
+    return out
+
+
+def resolve_paths(cfg):
+    """cfg with resolved_paths applied in place (its other attributes kept); returns it."""
+    for name, value in resolved_paths(dataclasses.asdict(cfg)).items():
+        if value != getattr(cfg, name):
+            setattr(cfg, name, value)
+    return cfg
+
+
 def config_changes(saved: dict, new: dict) -> dict[str, tuple]:
     """{field: (saved value, new value)} for every field both configs have that differs (a field one side
     lacks is a knob added or removed since: its default reproduces the old behaviour; a renamed field is
-    read by its new name, upgrade)."""
-    saved = upgrade(saved)
+    read by its new name, upgrade). A relative path saved by an older version counts as the same file when
+    it names it from here (resolved_paths)."""
+    saved = resolved_paths(upgrade(saved))
     keys = sorted(set(saved) & set(new))
     return {k: (saved.get(k), new.get(k)) for k in keys if k != "history" and saved.get(k) != new.get(k)}
 

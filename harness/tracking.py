@@ -38,6 +38,7 @@ import numpy as np
 
 import advantage as A
 import checks
+import data
 import tree as T
 from runtime import atomic, faults
 
@@ -136,8 +137,12 @@ class Log:
 
     def completions(self, step: int, rows: list[dict]) -> None:
         """The step's completions (completion_rows) as a table in the trackers: TensorBoard text
-        "completions" (markdown), W&B table "completions". metrics.jsonl keeps numbers only."""
-        if not self.enabled or not self.report_to or not rows:
+        "completions" (markdown), W&B table "completions"; with no tracker, on the console, one line each
+        (TRL prints them too). metrics.jsonl keeps numbers only."""
+        if not self.enabled or not rows:
+            return
+        if not self.report_to:
+            self.say(console_table(step, rows))
             return
         self._open()
         columns = list(rows[0])
@@ -275,7 +280,7 @@ def level_stats(trees: list[T.Tree]) -> dict:
     return {"levels": {str(lv): {"prompts": len(group),
                                  "leaves": float(np.mean([tr.leaves for tr in group])),
                                  "pass_rate": float(np.mean([tr.pass_rate for tr in group]))}
-                       for lv, group in sorted(by_level.items())}}
+                       for lv, group in sorted(by_level.items(), key=lambda kv: data.level_order(kv[0]))}}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -385,6 +390,21 @@ def completion_rows(trees: list[T.Tree], scores: list[list[A.BlockScore]], token
                          "reward": block.reward,
                          "advantage": " → ".join("-" if a is None else f"{a:+.3f}" for a in advantages)})
     return rows
+
+
+def console_table(step: int, rows: list[dict], width: int = 72) -> str:
+    """completion_rows for a terminal: a heading, then one line per leaf (its prompt's end and its
+    completion on one line each, cut to `width` characters)."""
+    def cut(text: str, most: int, end: bool = False) -> str:
+        one = " ".join(str(text).split())
+        if len(one) <= most:
+            return one
+        return "…" + one[-(most - 1):] if end else one[:most - 1] + "…"
+    lines = [f"completions of step {step} (tree, leaf: reward, advantages root first; prompt end | "
+             f"completion):"]
+    lines += [f"  {r['tree']}, {r['leaf']}: {r['reward']:g}, {r['advantage']}\n"
+              f"    {cut(r['prompt'], width // 3, end=True)} | {cut(r['completion'], width)}" for r in rows]
+    return "\n".join(lines)
 
 
 def markdown_table(columns: list[str], rows: list[dict]) -> str:

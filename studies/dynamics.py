@@ -1,8 +1,11 @@
-"""studies/dynamics.py — Sec. 5.2 / App. F.5: how training went, read from train.py run folders: the learning
-curve (Sec. 5.2 "learning curve"), leaves and PassRate per difficulty level ("leaf count"), and pass@k of each
-saved checkpoint (App. F.5 "pass@64 across checkpoints").
+"""studies/dynamics.py — Sec. 5.2 / App. F.5: how training went, read from train.py run folders: the runs step
+by step side by side (reward, V(root), K̂ and B̂, leaves, clip fraction, the diversity bonus, fork positions:
+steps.png and a per-step table), the learning curve (Sec. 5.2 "learning curve": held-out avg@k, else the
+training reward), leaves and PassRate per difficulty level ("leaf count"), and pass@k of each saved checkpoint
+(App. F.5 "pass@64 across checkpoints").
 
     python -m studies dynamics --runs runs/paper runs/treerl runs/attnrl
+    python -m studies dynamics --runs runs/teach runs/teach-fixed --checkpoints false   # no model loaded
 
 Checkpoint scores are cached in OUT/scores/<run>_<its config's fingerprint>/, so a rerun evaluates only new
 checkpoints.
@@ -50,7 +53,12 @@ def level_summary(step_records: list[dict]) -> dict[str, dict]:
             t[1] += s["leaves"] * s["prompts"]
             t[2] += s["pass_rate"] * s["prompts"]
     return {lv: {"prompts": int(t[0]), "leaves": t[1] / t[0], "pass_rate": t[2] / t[0]}
-            for lv, t in sorted(totals.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])}
+            for lv, t in sorted(totals.items(), key=lambda kv: level_key(kv[0]))}
+
+
+def level_key(level: str) -> tuple:
+    """A logged level (a JSON key: "3", "hard") in order: numbers first, by value, then names."""
+    return (not level.isdigit(), int(level) if level.isdigit() else 0, level)
 
 
 def read_run(study: Study, folder: Path, name: str | None = None) -> tuple[str, dict]:
@@ -68,13 +76,44 @@ def read_run(study: Study, folder: Path, name: str | None = None) -> tuple[str, 
     label = f"{name or folder.name} ({run_cfg.get('method', '?')})"
     evals = [r for r in records if "eval" in r]
     key = next((k for r in evals for k in r if k.startswith("avg@")), None)
+    steps = [r for r in records if "eval" not in r]
     run = {"folder": str(folder), "config": run_cfg,
            "curve": [(r["step"], r[key]) for r in evals] if key else [], "curve_metric": key,
-           "levels": level_summary([r for r in records if "eval" not in r]), "checkpoints": {}}
+           "levels": level_summary(steps), "steps": step_rows(steps, tree_summary(folder)),
+           "checkpoints": {}}
     if study.opts["checkpoints"]:
         for ckpt in sorted((folder / "checkpoints").glob("step_*")):
             run["checkpoints"][int(ckpt.name.split("_")[1])] = score_checkpoint(study, folder, ckpt, run_cfg)
     return label, run
+
+
+# The per-step quantities compared across runs (steps.png, the table): metrics.jsonl's, then the tree logs'.
+STEP_KEYS = {"reward": "reward (all leaves)", "v_root": "V(root) (base responses)", "k_hat": "K̂ (mean)",
+             "b_hat": "B̂ (mean)", "leaves_per_prompt": "leaves / prompt", "clip_frac": "clip fraction",
+             "bonus": "Â − Â_base where Â_base > 0", "fork_position": "fork position f (tokens)"}
+
+
+def tree_summary(folder: Path) -> dict[int, dict]:
+    """{step: {"bonus", "fork_position"}} from RUN/trees (--log_trees_every): the mean diversity bonus Eq. 4
+    added (Â − Â_base over the trained blocks with Â_base > 0; 0 without one) and the mean fork position."""
+    out = {}
+    for step in tracking.tree_logs(folder)[0]:
+        try:
+            trees = tracking.read_trees(folder, step)
+        except (FileNotFoundError, ValueError):   # an empty or torn log: that step has no tree numbers
+            continue
+        blocks = [b for t in trees for b in t["blocks"] if b.get("advantage") is not None
+                  and (b.get("base_advantage") or 0) > 0]
+        forks = [f for t in trees for response in t.get("forks") or [] for f in response]
+        out[step] = {"bonus": sum(b["advantage"] - b["base_advantage"] for b in blocks) / len(blocks)
+                     if blocks else 0.0, "fork_position": sum(forks) / len(forks) if forks else None}
+    return out
+
+
+def step_rows(records: list[dict], trees: dict[int, dict]) -> list[dict]:
+    """One row per logged step: STEP_KEYS from its metrics record and its tree log (None where absent)."""
+    return [{"step": r["step"], **{k: r.get(k, trees.get(r["step"], {}).get(k)) for k in STEP_KEYS}}
+            for r in records]
 
 
 def read_config(path: Path) -> dict:
@@ -128,17 +167,21 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     o = study.opts
     plt = pyplot()
     figures = [study.out / "learning_curve.png", study.out / "leaf_count.png",
-               study.out / "passk_checkpoints.png"]
+               study.out / "passk_checkpoints.png", study.out / "steps.png"]
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for label, run in runs.items():
+    for label, run in runs.items():   # held-out accuracy where evaluated, else the training reward
         if run["curve"]:
-            ax.plot(*zip(*run["curve"]), "o-", label=f"{literal(label)} {run['curve_metric']}")
+            ax.plot(*zip(*run["curve"]), "o-", label=f"{literal(label)} held-out {run['curve_metric']}")
+        elif run["steps"]:
+            ax.plot([r["step"] for r in run["steps"]], [r["reward"] for r in run["steps"]], ".--",
+                    label=f"{literal(label)} training reward (no held-out evaluation)")
     ax.set_xlabel("step")
-    ax.set_ylabel("held-out accuracy (train.py eval)")
+    ax.set_ylabel("accuracy")
     legend_if_any(ax)
     fig.tight_layout()
     save_png(fig, figures[0], dpi=110)
-    levels = sorted({lv for run in runs.values() for lv in run["levels"]}, key=lambda x: (len(x), x))
+    steps_figure(plt, runs, figures[3])
+    levels = sorted({lv for run in runs.values() for lv in run["levels"]}, key=level_key)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(len(runs), 1)
     for j, (label, run) in enumerate(runs.items()):
@@ -166,6 +209,36 @@ def dynamics_figures(study: Study, runs: dict) -> list[Path]:
     return figures
 
 
+def steps_figure(plt, runs: dict, path: Path) -> None:
+    """steps.png: one panel per STEP_KEYS quantity, one line per run (K̂ and B̂ share a panel)."""
+    panels = [["reward"], ["v_root"], ["k_hat", "b_hat"], ["leaves_per_prompt"], ["clip_frac"], ["bonus"],
+              ["fork_position"]]
+    fig, axes = plt.subplots(2, 4, figsize=(15, 6.5))
+    for ax, keys in zip(axes.flat, panels):
+        for n, (label, run) in enumerate(runs.items()):
+            for key, style in zip(keys, ("o-", "s--")):
+                points = [(r["step"], r[key]) for r in run["steps"] if r[key] is not None]
+                if points:
+                    ax.plot(*zip(*points), style, color=f"C{n}", ms=3,
+                            label=literal(label) + (f" {STEP_KEYS[key]}" if len(keys) > 1 else ""))
+        ax.set_title(", ".join(STEP_KEYS[k] for k in keys), fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.tick_params(labelsize=7)
+        legend_if_any(ax)
+    axes.flat[-1].axis("off")
+    fig.tight_layout()
+    save_png(fig, path, dpi=100)
+
+
+def steps_table(runs: dict) -> str:
+    """The runs step by step, one row per run and step (STEP_KEYS)."""
+    keys = list(STEP_KEYS)
+    rows = [[label, r["step"], *(r[k] for k in keys)] for label, run in runs.items() for r in run["steps"]]
+    return "Per step (metrics.jsonl; Â bonus and fork position from the tree logs)\n\n" + markdown_table(
+        ["run", "step", "reward", "V(root)", "K̂", "B̂", "leaves", "clip", "Â bonus", "fork f"], rows)
+
+
 def run_dynamics(study: Study) -> None:
     t0 = time.perf_counter()
     o = study.opts
@@ -176,11 +249,12 @@ def run_dynamics(study: Study) -> None:
     figures = dynamics_figures(study, runs)
     rows = [[label, f"level {lv}", s["prompts"], s["leaves"], 100 * s["pass_rate"]]
             for label, run in runs.items() for lv, s in run["levels"].items()]
-    table = "Train-time leaves and PassRate per level (Fig. \"leaf count\")\n\n" + markdown_table(
-        ["run", "level", "prompts", "leaves / prompt", "PassRate (%)"], rows)
+    table = steps_table(runs) + "\nTrain-time leaves and PassRate per level (Fig. \"leaf count\")\n\n"
+    table += markdown_table(["run", "level", "prompts", "leaves / prompt", "PassRate (%)"], rows)
     rows = [[label, step, r["avg@k"], r["pass@k"]] for label, run in runs.items()
             for step, r in sorted(run["checkpoints"].items())]
-    table += f"\nCheckpoints on {o['bench']} (k = {o['k']})\n\n" + markdown_table(
-        ["run", "step", f"avg@{o['k']}", f"pass@{o['k']}"], rows)
+    if o["checkpoints"]:
+        table += f"\nCheckpoints on {o['bench']} (k = {o['k']})\n\n" + markdown_table(
+            ["run", "step", f"avg@{o['k']}", f"pass@{o['k']}"], rows)
     write_outputs(study, {"runs": runs, "figures": [str(f) for f in figures]}, table,
                   time.perf_counter() - t0)

@@ -587,3 +587,41 @@ def test_study_flags_and_files_are_one_line(tmp_path, capsys, argv, line):
                   + ["--scale", "tiny", "--out_dir", str(out)], "python -m studies")
     assert got.startswith("python -m studies: error: " + line.format(**names)), got
     assert folder_hash(out) == before
+
+
+def test_dynamics_compares_runs_step_by_step_without_held_out_evaluations(tmp_path, capsys):
+    """Two run folders with no held-out evaluation (a class's --preset teach runs before and after an
+    edit): the per-step table holds each run's metrics and its tree logs' diversity bonus and fork
+    positions, steps.png draws them, and learning_curve.png falls back to the training reward."""
+    def write_run(folder, rows, trees):
+        (folder / "trees").mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"method": "datpo"}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for step, logged in trees.items():
+            (folder / "trees" / f"step_{step:06d}.jsonl").write_text(
+                "".join(json.dumps(t) + "\n" for t in logged))
+
+    def step(n, reward, k_hat):
+        return {"step": n, "reward": reward, "v_root": reward / 2, "k_hat": k_hat, "b_hat": k_hat,
+                "leaves_per_prompt": 1 + 4 * k_hat, "clip_frac": 0.01 * n, "levels": {"hard": {
+                    "prompts": 2, "leaves": 3.0, "pass_rate": reward}}}
+    blocks = [{"advantage": 0.7, "base_advantage": 0.5}, {"advantage": -0.2, "base_advantage": -0.2},
+              {"advantage": 0.3, "base_advantage": 0.1}, {"advantage": None, "base_advantage": 0.4}]
+    adaptive, fixed = tmp_path / "teach", tmp_path / "teach-fixed"
+    write_run(adaptive, [step(1, 0.25, 1.5), step(2, 0.5, 1.0)],
+              {1: [{"blocks": blocks, "forks": [[1, 9], [4]]}, {"blocks": blocks[:2], "forks": [[]]}]})
+    write_run(fixed, [step(1, 0.25, 2.0), step(2, 0.5, 2.0)], {})
+    out = tmp_path / "dyn"
+    cli.main(["dynamics", "--runs", str(adaptive), str(fixed), "--checkpoints", "false", "--out_dir",
+              str(out)])
+    runs_ = json.loads((out / "result.json").read_text())["runs"]
+    first = runs_["teach (datpo)"]["steps"]
+    assert [r["k_hat"] for r in first] == [1.5, 1.0] and [r["clip_frac"] for r in first] == [0.01, 0.02]
+    assert first[0]["bonus"] == pytest.approx(((0.7 - 0.5) + (0.3 - 0.1) + (0.7 - 0.5)) / 3)   # Â_base > 0
+    assert first[0]["fork_position"] == pytest.approx((1 + 9 + 4) / 3)
+    assert first[1]["bonus"] is None and runs_["teach-fixed (datpo)"]["steps"][0]["k_hat"] == 2.0
+    table = (out / "table.md").read_text()
+    assert "| teach (datpo) | 1 | 0.250 | 0.125 | 1.5 | 1.5 | 7.0 | 0.010 | 0.200 | 4.7 |" in table
+    assert "Checkpoints on" not in table and "level hard" in table
+    for name in ("steps.png", "learning_curve.png"):
+        assert (out / name).stat().st_size > 10_000

@@ -1,6 +1,7 @@
 """docs/tour.py: the guided tour regenerated at tiny scale, every section there and every number it prints
 agreeing with the paper's formulas and with the project's functions recomputed from the page's own tables;
 and the committed docs/tour.md regenerated at demo scale and compared, byte for byte."""
+import ast
 import math
 import re
 import sys
@@ -53,8 +54,13 @@ def value(text: str) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tour") / "tour.md"
+def tour_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tour")
+
+
+@pytest.fixture(scope="module")
+def page(tour_dir):
+    out = tour_dir / "tour.md"
     real = R.compute_reward
     R.compute_reward = stand_in_reward     # the tiny random model never answers right: a hash grades it
     try:
@@ -62,6 +68,82 @@ def page(tmp_path_factory):
     finally:
         R.compute_reward = real
     return out.read_text(encoding="utf-8")
+
+
+def test_every_python_block_in_the_docs_parses():
+    """A student copies the code of the pages: every ```python block of docs/*.md and README.md parses."""
+    root = Path(__file__).resolve().parent.parent
+    blocks = 0
+    for path in sorted((root / "docs").glob("*.md")) + [root / "README.md"]:
+        text = path.read_text(encoding="utf-8")
+        for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+            line = text[:match.start()].count("\n") + 1
+            try:
+                ast.parse(match.group(1))
+            except SyntaxError as err:
+                pytest.fail(f"{path.name} line {line}: {err.msg}")
+            blocks += 1
+    assert blocks >= 8     # the tour's excerpts at least
+
+
+def test_excerpts_are_whole_statements():
+    """An excerpt cut inside a statement (a comprehension's first line, a for without its body) is
+    widened to whole statements; a function's docstring leaves no stray indentation."""
+    import train
+
+    text = tour.excerpt(train.train_step, "# ---- Phase 3", "train_trees = ").split("```python\n")[1]
+    assert text.rstrip("`\n").endswith("# AttnRL drops some")      # the comprehension's last line
+    loop = tour.excerpt(train.ppo_update, "for micro, new in forward.passes", "micro.loss = ")
+    assert "sums += torch.stack" in loop                           # the for's whole body
+    whole = tour.excerpt(T.adaptive_budget).split("```python\n")[1]
+    assert whole.splitlines()[1].startswith("    if not 0.0 <= v_root") and '"""' not in whole
+
+
+def test_the_tour_takes_train_py_flags(tmp_path):
+    """The tour's settings are train.py's flags over the tour's own (TOUR, SIZES), which set no algorithm
+    knob but the tiny scale's forks: an edit of config.py's defaults reaches the page."""
+    cfg, out = tour.tour_config(["--scale", "tiny", "--alpha_start", "0.4", "--b_max", "3", "--out",
+                                 str(tmp_path / "x.md")], str(tmp_path / "run"))
+    assert (cfg.alpha_start, cfg.b_max, cfg.n_base, cfg.fork, cfg.model) == (0.4, 3, 4, "sent-entropy",
+                                                                              "tiny-random")
+    assert out == tmp_path / "x.md" and cfg.set_by["b_max"] == "the command line"
+    assert tour.tour_config(["--fork", "random"], str(tmp_path))[0].fork == "random"
+    demo = tour.tour_config([], str(tmp_path))[0]
+    assert demo.model == "smollm2-135m" and demo.ppo_epochs == 2 and demo.prompts_per_step == 2
+    assert not {"fork", "adaptive", "alpha_start", "alpha_end", "alpha_scope"} & (set(tour.TOUR) |
+                                                                                 set(tour.SIZES["demo"]))
+
+
+def test_the_tour_draws_its_trees_and_names_both_root_values(page, tour_dir):
+    """The viewer's picture is written beside the page and shown in it; the two V(root)s are the N bases'
+    mean (section 3) and the mean of every leaf (section 5's rewards)."""
+    assert "![the step's trees](tour_tree.png)" in page
+    assert (tour_dir / "tour_tree.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = section(page, 6)
+    both = tables(text[text.index("**Two values of the root.**"):])[0]
+    budget = tables(section(page, 3))[0]
+    blocks = tables(section(page, 5))
+    for row, plan, tree_blocks in zip(both, budget, blocks):
+        assert row["V(root): N bases (Tree.v_root)"] == plan["V(root)"]
+        leaves = [float(b["reward"]) for b in tree_blocks if b["reward"] != "—"]
+        assert float(row["V̂_MC(root): all leaves (advantage.mc_root_value)"]) == pytest.approx(
+            sum(leaves) / len(leaves), abs=1e-4)
+        assert int(row["leaves"]) == len(leaves)
+
+
+def test_the_exercise_expects_eq_4_with_alpha_doubled(page):
+    """The exercise's expected Â with alpha_start doubled, from section 6's own Â_base and Div_sib (a rerun
+    with the flag gives exactly these: the rollout does not depend on α)."""
+    alpha = float(re.search(r"= (\d\.\d+) \(annealed", section(page, 6)).group(1))
+    scores = tables(section(page, 6))
+    expected = re.findall(r"prompt (\d+) block (\d+): Â (-?[\d.]+) → (-?[\d.]+) \(= (-?[\d.]+) \+ "
+                          r"([\d.]+) × ([\d.]+)\)", section(page, 9))
+    assert expected
+    for prompt, block, now, after, base, doubled, div in expected:
+        row = scores[int(prompt)][int(block)]
+        assert (row["Â"], row["Â_base"], row["Div_sib"]) == (now, base, div) and float(base) > 0
+        assert float(doubled) == pytest.approx(2 * alpha)
+        assert float(after) == pytest.approx(float(base) + 2 * alpha * float(div), abs=2e-4)
 
 
 def test_every_phase_of_algorithm_datpo_has_its_section(page):

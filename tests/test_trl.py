@@ -394,9 +394,20 @@ def test_completion_rows_and_their_table(smollm_tokenizer):
     assert table[2].startswith("| 0 | 1 | Q\\|1 | The answer is \\boxed{5} | 1.000 |")
 
 
-def test_completions_need_a_tracker():
-    with pytest.raises(ValueError, match="--log_completions_every sends completions to a tracker"):
-        C.make_config("tiny", log_completions_every=2)
+def test_completions_go_to_the_console_without_a_tracker(smollm_tokenizer, tmp_path, capsys):
+    """TRL's --log_completions with no --report_to: every leaf on the console, one heading and two lines
+    each (TRL prints its table too); a tracker gets the table instead."""
+    assert C.make_config("tiny", log_completions_every=2).report_to == ["none"]
+    rows = [{"tree": 0, "leaf": 2, "prompt": "x" * 100 + "What is 2 + 3?", "completion": "It is \\boxed{5}",
+             "reward": 1.0, "advantage": "+0.250 → +0.500"},
+            {"tree": 1, "leaf": 4, "prompt": "Q", "completion": "word " * 40, "reward": 0.0,
+             "advantage": "-"}]
+    tracking.Log(tmp_path).completions(3, rows)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("completions of step 3") and len(lines) == 1 + 2 * len(rows)
+    assert lines[1] == "  0, 2: 1, +0.250 → +0.500"
+    assert lines[2].endswith("What is 2 + 3? | It is \\boxed{5}") and lines[2].startswith("    …x")
+    assert lines[4].endswith("…") and len(lines[4]) == len("    Q | ") + 72
 
 
 def test_kl_beta_trains_against_the_frozen_initial_policy(tmp_path, monkeypatch):
@@ -421,6 +432,130 @@ def test_kl_beta_trains_against_the_frozen_initial_policy(tmp_path, monkeypatch)
     assert all(torch.equal(ref[k], v) for k, v in seen[0][1].items())          # the initial weights
     assert any(not torch.equal(ref[k], v) for k, v in seen[1][2].items())      # the policy moved, π_ref not
     assert json.loads((tmp_path / "kl" / "config.json").read_text())["kl_beta"] == 0.5
+    # TRL logs `kl` when β > 0: the mean k3 over the tokens the loss saw; 0 while θ = π_ref, > 0 once moved
+    steps = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["kl"] >= 0 for r in steps) and steps[-1]["kl"] > 0
     seen.clear()
     train.main(TINY + ["--out_dir", str(tmp_path / "plain")])
     assert seen[0][0] is None
+    assert "kl" not in json.loads((tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Round 2 (issue 41): TRL's Example 4 (prompt + task, no answer), verbatim prompts, level names, the
+# assistant's turn continued, a run resumed from another folder, TRL's names near the top of --help
+# ------------------------------------------------------------------------------------------------------
+TASK_REWARD = '''
+def task_reward(prompts, completions, task, **kwargs):
+    """TRL's multi-task example: each row says which task it is; a length score per task."""
+    scale = {"math": 10, "code": 20}
+    return [min(len(c), scale[t]) / scale[t] for c, t in zip(completions, task)]
+'''
+
+
+def test_example_4_rows_without_an_answer_train_under_reward_with_verbatim_prompts(tmp_path, capsys):
+    """TRL's multi-task dataset (`prompt` + `task`, no answer) trains under --reward; the held-out
+    evaluation of the same file grades the one row with an answer, and says so; --prompt_style verbatim
+    gives the model each prompt as written; level names ("hard") are levels; --log_completions without a
+    tracker prints the completions."""
+    rows = [{"prompt": "Solve 2 + 2, then stop.", "task": "math", "level": "hard"},
+            {"prompt": "Write a Python function that adds two numbers.", "task": "code", "level": "easy"},
+            {"prompt": "What is 3 + 4?", "answer": "7", "task": "math", "level": "hard"}]
+    data_file = tmp_path / "tasks.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "task_rewards.py").write_text(TASK_REWARD)
+    run = tmp_path / "run"
+    reward = f"{tmp_path / 'task_rewards.py'}:task_reward"
+    train.main(TINY + ["--train_data", str(data_file), "--eval_data", str(data_file), "--eval_every", "1",
+                       "--reward", reward, "--prompt_style", "verbatim", "--log_completions",
+                       "--log_trees_every", "1", "--prompts_per_step", "3",
+                       "--out_dir", str(run)])
+    err = capsys.readouterr().err
+    assert f"--eval_data {data_file}: 2 of 3 rows have no answer; the held-out evaluation grades the 1 " \
+           f"that have one" in err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval" in r]
+    assert evals and all(r["n_problems"] == 1 for r in evals)
+    (step,) = [r for r in records if "eval" not in r]
+    assert set(step["levels"]) == {"hard", "easy"} and step["reward_functions"]["task_reward"] > 0
+    trees = tracking.read_trees(run, 1)
+    assert sorted(t["prompt"] for t in trees) == sorted(r["prompt"] for r in rows)    # as written
+    assert sum(t["answer"] is None for t in trees) == 2
+    assert "completions of step 1" in err and err.count("\n    ") >= sum(t["leaves"] for t in trees)
+    # without --reward the same file is one line naming the row and --answer_column
+    with pytest.raises(ValueError, match=r"tasks\.jsonl line 1: missing answer field \(expected 'answer', "
+                                         r"'final_answer', or 'solution' with \\boxed\{\}, or name yours "
+                                         r"with --answer_column; rows without one train only under "
+                                         r"--reward\)"):
+        data.load_problems(str(data_file))
+
+
+def test_level_names_are_levels_in_order():
+    assert [data._parse_level(v, "f") for v in ("Level 3", "hard", " easy ", "?", "", 2, 4.0)] == \
+        [3, "hard", "easy", None, None, 2, 4]
+    problems = [{"level": lv} for lv in ("hard", 2, None, "easy", 1, 2)]
+    assert list(data.summarize(problems)["by_level"]) == [1, 2, "easy", "hard", None]
+    with pytest.raises(ValueError, match=r"f: level must be an int, 'Level N' or a name, got \[3\]"):
+        data._parse_level([3], "f")
+
+
+def test_an_assistant_last_prompt_is_continued_and_a_system_last_one_is_one_line(smollm_tokenizer, tmp_path):
+    """TRL's rule (trl.data_utils.apply_chat_template): a user message last gets the generation prompt, an
+    assistant message last is continued (its turn left open), any other last role is refused."""
+    tok = smollm_tokenizer
+    asked = [{"role": "user", "content": "What is 2 + 3?"}]
+    started = asked + [{"role": "assistant", "content": "Let me think. 2 + 3 ="}]
+    prompt = data.format_prompt(started, tok)
+    assert prompt == tok.apply_chat_template(started, tokenize=False, continue_final_message=True)
+    assert prompt.endswith("2 + 3 =") and prompt.startswith(data.format_prompt(asked, tok)[:-1].rsplit(
+        "<|im_start|>assistant", 1)[0])
+    assert data.format_prompt(asked, tok) == tok.apply_chat_template(asked, tokenize=False,
+                                                                     add_generation_prompt=True)
+    last_system = tmp_path / "system.jsonl"
+    last_system.write_text(json.dumps({"prompt": asked + [{"role": "system", "content": "Be brief."}],
+                                       "answer": "5"}) + "\n")
+    with pytest.raises(ValueError, match=r"system\.jsonl line 1: field 'prompt' ends with a 'system' "
+                                         r"message; expected the last message to be the user's "
+                                         r"\(answered\) or the assistant's \(continued\), as TRL requires"):
+        data.load_problems(str(last_system))
+    assert data.format_prompt("  Plain text, as written.\n", tok, style="verbatim") == \
+        "  Plain text, as written.\n"
+    with pytest.raises(ValueError, match="--few_shot adds a worked example"):
+        C.make_config("tiny", prompt_style="verbatim", few_shot=True)
+
+
+def test_a_run_resumes_from_another_working_folder(tmp_path, monkeypatch):
+    """Relative paths are stored resolved in config.json, so `--resume RUN` alone continues from anywhere;
+    a relative path an older run saved is the same file when it names it from here."""
+    from harness import runs
+
+    monkeypatch.setattr(R, "compute_reward", FI.stand_in_reward)
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    (home / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (home / "data" / "train.jsonl").write_text("".join(
+        json.dumps({"problem": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n" for a in range(6)))
+    monkeypatch.chdir(home)
+    train.main(TINY + ["--train_data", "data/train.jsonl", "--out_dir", "runs/mine"])
+    saved = json.loads((home / "runs" / "mine" / "config.json").read_text())
+    assert saved["train_data"] == str(home / "data" / "train.jsonl")
+    assert runs.config_changes({"train_data": "data/train.jsonl"}, {"train_data": saved["train_data"]}) == {}
+    monkeypatch.chdir(elsewhere)
+    train.main(["--resume", str(home / "runs" / "mine"), "--steps", "2"])
+    steps = [json.loads(line)["step"] for line in (home / "runs" / "mine" / "metrics.jsonl").open()]
+    assert steps == [1, 2] and not (elsewhere / "runs").exists()
+
+
+def test_help_lists_every_trl_name_near_the_top_with_its_translation_or_refusal():
+    text = cli.build_parser().format_help()
+    top = text[:text.index("\nmodel and data:")]
+    helps = flag_helps(top)
+    for alias in aliases.ALIASES:
+        if alias.source != "TRL":
+            assert f"--{alias.name} " not in text      # verl's names: docs/trl.md
+            continue
+        shown = helps[f"--{alias.name}"].strip()
+        if alias.field is None:
+            assert shown.startswith("refused: ") and ("use" in shown or "logged" in shown), alias.name
+        else:
+            assert f"--{alias.field}" in shown or alias.note in shown, alias.name
