@@ -359,10 +359,11 @@ _UNIT_SPELLINGS = {   # canonical name: spellings (a plural s / es is read too; 
     "degree": ("degree", "deg", "°"), "radian": ("radian", "rad"), "mph": ("mph",), "kph": ("kph",),
 }
 _UNIT_OF = {spelling: name for name, spellings in _UNIT_SPELLINGS.items() for spelling in spellings}
-# The unit at the end of an answer: \text{...} (\mathrm, \mbox, ...), words after a space, or a degree sign;
+# The unit at the end of an answer: \text{...} (\mathrm, \mbox, \textbf, ...: a text-mode wrapper; not
+# \mathbf or \mathit, which hold a variable), words after a space, or a degree sign;
 # then a power ^2, ^{3}, ².
 _UNIT_TAIL_RE = re.compile(
-    r"(?:\\(?:text|textrm|textnormal|mathrm|mbox|rm)\s*\{(?P<text>[^{}]*)\}"
+    r"(?:\\(?:text|textrm|textnormal|textit|textbf|textsf|mathrm|mbox|rm)\s*\{(?P<text>[^{}]*)\}"
     r"|(?<=[\s,~])(?P<words>[A-Za-z]+(?:\.?[ \t]+[A-Za-z]+)?\.?|[°¢€])"
     r"|(?P<degree>\^\s*\{?\s*\\circ\s*\}?|°))"
     r"\s*(?:\^\s*\{?\s*(?P<power>[23])\s*\}?|(?P<sup>[²³]))?$")
@@ -486,10 +487,22 @@ def _raise_timeout(signum, frame):
     raise _Timeout()
 
 
+def _drop_timeouts(hook):
+    """sys.unraisablehook while the alarm is armed: an alarm that lands in a finaliser (__del__, a weakref
+    callback: sympy and antlr objects freed mid-check) cannot stop the check there, and Python would print it
+    as "Exception ignored in ..." (under pytest: an error of the test). Drop it: the timer re-fires 0.1 s
+    later and stops the check itself. Any other unraisable exception goes to the hook as before."""
+    def drop(unraisable):
+        if not (isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, _Timeout)):
+            hook(unraisable)
+    return drop
+
+
 def _verify_with_alarm(pred: str, gold: str, timeout: float) -> bool | None:
     """math-verify under SIGALRM, None on timeout; main thread only."""
     _load_math_verify()
     old_handler = signal.signal(signal.SIGALRM, _raise_timeout)
+    old_hook, sys.unraisablehook = sys.unraisablehook, _drop_timeouts(sys.unraisablehook)
     try:
         try:
             signal.setitimer(signal.ITIMER_REAL, max(timeout, 0.01), 0.1)  # re-fires until disarmed
@@ -502,6 +515,7 @@ def _verify_with_alarm(pred: str, gold: str, timeout: float) -> bool | None:
         return False
     finally:
         signal.signal(signal.SIGALRM, old_handler)
+        sys.unraisablehook = old_hook
 
 
 # ---------------------------------------------------------------------------------------------------
