@@ -3,7 +3,7 @@ suite.
 
     python bench/sweep_parsers.py                      # 100,000 examples per target
     python bench/sweep_parsers.py --examples 2000      # a quick look
-    python bench/sweep_parsers.py --targets compute_reward extract_answer
+    python bench/sweep_parsers.py --targets compute_reward:60000 extract_answer
 
 The same generated text as tests/test_model_text.py (tests/model_text.py: boxes nested, cut off and repeated,
 \\text{}/\\mathrm{}/\\mbox{} empty and full, units, degrees, percent, dollars, powers, fractions, roots,
@@ -18,6 +18,7 @@ Targets and what each must do for any input:
   compute_reward (response, gold)    exactly 0.0 or 1.0, no exception, within the bound
   unmatchable_gold (gold)            str or None
   extract_choice (mcq.py)            one of the valid letters or None
+  mcq_rows (mcq.py)                  GPQA / MMLU-Pro problems, or a ValueError naming the row
   spans (tree.py)                    sentence_spans / step_spans partition the tokens in order
   to_problem (data.py)               a problem, or ValueError naming the row (a `solution` column too)
 Prints one table: examples, failures by kind, slowest call, and the seconds per 1,000 examples.
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import sys
 import time
 from pathlib import Path
@@ -54,6 +57,14 @@ def _spans_ok(text: str, cuts: list[int]) -> bool:
     return True
 
 
+def _mcq_rows(name: str, rows: list):
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):   # its note on a GPQA short of 198 questions
+            return mcq.problems(name, [(f"{name}.jsonl line {n}", row) for n, row in enumerate(rows, 1)])
+    except ValueError as err:
+        return "ValueError" if str(err).startswith(f"{name}.jsonl line ") else f"unnamed: {err}"
+
+
 def _to_problem(row: dict):
     try:
         return data.to_problem(row, "row 1")
@@ -74,6 +85,8 @@ TARGETS = {
                          lambda r: r is None or isinstance(r, str)),
     "extract_choice": (st.tuples(M.response(), st.integers(2, 10)), mcq.extract_choice,
                        lambda r: r is None or r in mcq.LETTERS),
+    "mcq_rows": (st.tuples(st.sampled_from(["gpqa", "mmlu-pro"]), st.lists(M.mcq_row(), max_size=3)),
+                 _mcq_rows, lambda r: r == "ValueError" or isinstance(r, list)),
     "spans": (st.tuples(M.response(), st.lists(st.integers(0, 4000), max_size=40)), _spans_ok, bool),
     "to_problem": (st.tuples(M.row()), _to_problem,
                    lambda r: r == "ValueError" or isinstance(r, dict) and isinstance(r["answer"], str)
@@ -81,12 +94,15 @@ TARGETS = {
 }
 
 
+CHUNK = 5000   # examples per hypothesis run: one run's bookkeeping grows with its examples
+
+
 def sweep(name: str, examples: int) -> dict:
     strategy, function, check = TARGETS[name]
     found = collections.defaultdict(list)   # kind -> inputs
     stats = {"examples": 0, "slowest": 0.0, "slowest_input": None}
 
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
+    @settings(max_examples=min(examples, CHUNK), database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def run(args):
@@ -110,7 +126,8 @@ def sweep(name: str, examples: int) -> dict:
             found[kind].append(args)
 
     start = time.perf_counter()
-    run()
+    while stats["examples"] < examples:
+        run()
     stats["seconds"] = time.perf_counter() - start
     stats["found"] = found
     return stats
@@ -120,11 +137,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=100_000, help="per target")
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS),
+                        help=f"of {', '.join(TARGETS)}; NAME:N sweeps N examples of that one")
     args = parser.parse_args(argv)
+    plan = [(t.partition(":")[0], int(t.partition(":")[2] or args.examples)) for t in args.targets]
+    unknown = [name for name, _ in plan if name not in TARGETS]
+    if unknown:
+        parser.error(f"unknown target(s) {', '.join(unknown)}; expected {', '.join(TARGETS)}")
     print(f"{'target':<18}{'examples':>10}{'failures':>10}{'slowest s':>11}{'s / 1k':>9}")
-    for name in args.targets:
-        stats = sweep(name, args.examples)
+    for name, examples in plan:
+        stats = sweep(name, examples)
         failures = sum(len(v) for v in stats["found"].values())
         print(f"{name:<18}{stats['examples']:>10}{failures:>10}{stats['slowest']:>11.2f}"
               f"{1000 * stats['seconds'] / max(stats['examples'], 1):>9.1f}", flush=True)

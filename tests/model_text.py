@@ -187,6 +187,16 @@ def row() -> st.SearchStrategy[dict]:
     return st.one_of(fields, with_solution, with_answer, with_solution, with_answer)
 
 
+def mcq_row() -> st.SearchStrategy[dict]:
+    """A GPQA or MMLU-Pro row of a user's file (mcq.py): the fields it reads, each there or not, any value."""
+    return st.fixed_dictionaries(
+        {}, optional={"question": value(), "options": st.one_of(st.lists(value(), max_size=12), value()),
+                      "answer": st.one_of(st.sampled_from(list("ABCDEFGHIJK") + ["a", " B ", ""]), value()),
+                      "category": value(), "Question": value(), "Correct Answer": value(),
+                      "Incorrect Answer 1": value(), "Incorrect Answer 2": value(),
+                      "Incorrect Answer 3": value()})
+
+
 def offsets_of(text: str, cuts: list[int]) -> list[tuple[int, int]]:
     """Token (start, end) spans of `text` cut at `cuts` (positions, any order, clipped), then one empty span
     for an EOS token: what tree.decode_with_offsets gives for sampled ids."""

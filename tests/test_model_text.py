@@ -162,16 +162,8 @@ def test_a_boxed_valid_letter_is_the_choice(before, index, form):
     assert mcq.extract_choice(text, index) is None   # not one of the first `index` letters
 
 
-_MCQ_ROW = st.fixed_dictionaries(
-    {}, optional={"question": M.value(), "options": st.one_of(st.lists(M.value(), max_size=12), M.value()),
-                  "answer": st.one_of(st.sampled_from(list("ABCDEFGHIJK") + ["a", " B ", ""]), M.value()),
-                  "category": M.value(), "Question": M.value(), "Correct Answer": M.value(),
-                  "Incorrect Answer 1": M.value(), "Incorrect Answer 2": M.value(),
-                  "Incorrect Answer 3": M.value()})
-
-
 @examples(80)
-@given(st.sampled_from(["gpqa", "mmlu-pro"]), st.lists(_MCQ_ROW, max_size=3))
+@given(st.sampled_from(["gpqa", "mmlu-pro"]), st.lists(M.mcq_row(), max_size=3))
 def test_any_multiple_choice_rows_are_problems_or_one_value_error_naming_the_row(name, rows):
     import mcq
 
