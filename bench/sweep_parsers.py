@@ -21,7 +21,8 @@ Targets and what each must do for any input:
   mcq_rows (mcq.py)                  GPQA / MMLU-Pro problems, or a ValueError naming the row
   spans (tree.py)                    sentence_spans / step_spans partition the tokens in order
   to_problem (data.py)               a problem, or ValueError naming the row (a `solution` column too)
-Prints one table: examples, failures by kind, slowest call, and the seconds per 1,000 examples.
+Prints one table: examples, failures by kind, slowest call (wall seconds: on a loaded machine a call can
+pass the bound by the time it was descheduled), and the seconds per 1,000 examples.
 """
 from __future__ import annotations
 
@@ -144,6 +145,7 @@ def main(argv=None) -> None:
     unknown = [name for name, _ in plan if name not in TARGETS]
     if unknown:
         parser.error(f"unknown target(s) {', '.join(unknown)}; expected {', '.join(TARGETS)}")
+    reward._load_math_verify()   # its imports (a second or two, once a process) are not a call's time
     print(f"{'target':<18}{'examples':>10}{'failures':>10}{'slowest s':>11}{'s / 1k':>9}")
     for name, examples in plan:
         stats = sweep(name, examples)
