@@ -28,7 +28,10 @@ PROPERTY = settings(derandomize=SCALE == 1, database=None, deadline=None,
 
 
 def examples(n: int) -> settings:
+    """PROPERTY with n examples (n x DATPO_PROPERTY_SCALE)."""
     return settings(PROPERTY, max_examples=n * SCALE)
+
+
 TIMEOUT = 0.5     # reward.TIMEOUT_SECONDS during these tests: an answer sympy chews on costs 0.5 s, not 3
 SLACK = 1.5       # seconds on top of it (a loaded 2-core machine)
 
