@@ -27,12 +27,14 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import threading
 from urllib.parse import urlparse
 
 import mcq
-from reward import TIMEOUT_SECONDS, extract_answer, unmatchable_gold
+import reward
+from reward import extract_answer, unmatchable_gold
 
 # -----------------------------------------------------------------------------
 # Prompts. The paper does not print its prompt; like the common math-RL setups it asks for the final
@@ -319,16 +321,26 @@ def answer_in_solution(text: str) -> str | None:
     (math_verify.parse(solution, extraction_mode="first_match")): its text, or None when it finds none. It
     reads prose ("It is 2." -> 2) and LaTeX ("$\\frac{1}{2}$"), but a bare expression only in part
     ("x^2 + 1" -> 1): bare answers belong in an `answer` column, taken as they are. Bounded by
-    reward.TIMEOUT_SECONDS on the main thread (math-verify's alarm works only there)."""
+    reward.TIMEOUT_SECONDS on the main thread (reward.call_with_alarm: math-verify's own alarm is lost when it
+    lands in a finaliser, and a parse then ran on: found by tests/test_model_text.py's sweep, issue 40)."""
     import math_verify
     import math_verify.parser
 
+    reward._load_math_verify()   # imported and warmed up outside any alarm
     math_verify.parser.TIMEOUT_WARNING_SHOWN = True   # the timeout is ours (None off the main thread)
-    main = threading.current_thread() is threading.main_thread()
+
+    def parse():
+        return math_verify.parse(text, extraction_mode="first_match", parsing_timeout=None)
+
     try:
-        parsed = math_verify.parse(text, extraction_mode="first_match",
-                                   parsing_timeout=int(TIMEOUT_SECONDS) if main else None)
-    except Exception:   # math-verify's own errors and timeouts: nothing read
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getitimer(signal.ITIMER_REAL)[0] == 0:   # never over a caller's own timer
+            parsed = reward.call_with_alarm(parse, reward.TIMEOUT_SECONDS)
+        else:
+            parsed = parse()
+    except Exception:   # math-verify's own errors: nothing read
+        return None
+    if parsed is reward.TIMED_OUT:
         return None
     found = parsed[-1] if len(parsed) >= 2 and isinstance(parsed[-1], str) else None
     return found.strip() if found and found.strip() else None

@@ -498,24 +498,37 @@ def _drop_timeouts(hook):
     return drop
 
 
-def _verify_with_alarm(pred: str, gold: str, timeout: float) -> bool | None:
-    """math-verify under SIGALRM, None on timeout; main thread only."""
-    _load_math_verify()
+TIMED_OUT = object()   # what call_with_alarm returns when the bound stopped the call
+
+
+def call_with_alarm(function, timeout: float):
+    """function() with a hard wall-clock bound of `timeout` seconds: its value, or TIMED_OUT. Main thread
+    only (SIGALRM). The alarm re-fires every 0.1 s until disarmed and raises a BaseException, so neither an
+    `except Exception` in a library nor an alarm landing in a finaliser (dropped: _drop_timeouts) lets the
+    call run on; math-verify's own timeout (signal.alarm, once, an Exception) can be lost either way."""
     old_handler = signal.signal(signal.SIGALRM, _raise_timeout)
     old_hook, sys.unraisablehook = sys.unraisablehook, _drop_timeouts(sys.unraisablehook)
     try:
         try:
             signal.setitimer(signal.ITIMER_REAL, max(timeout, 0.01), 0.1)  # re-fires until disarmed
-            return _math_verify_equal(pred, gold)
+            return function()
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _Timeout:  # also catches an alarm that lands inside the inner finally
-        return None
-    except Exception:  # a bug in a parser must cost one reward, not the training run
-        return False
+        return TIMED_OUT
     finally:
         signal.signal(signal.SIGALRM, old_handler)
         sys.unraisablehook = old_hook
+
+
+def _verify_with_alarm(pred: str, gold: str, timeout: float) -> bool | None:
+    """math-verify under SIGALRM, None on timeout; main thread only."""
+    _load_math_verify()
+    try:
+        verdict = call_with_alarm(lambda: _math_verify_equal(pred, gold), timeout)
+    except Exception:  # a bug in a parser must cost one reward, not the training run
+        return False
+    return None if verdict is TIMED_OUT else verdict
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -93,6 +93,41 @@ def test_jsonl_field_mapping():
     ]
 
 
+class _BusyFinaliser:
+    def __del__(self):
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:   # still in __del__ when the alarm fires
+            pass
+
+
+def test_reading_a_solution_without_a_box_is_bounded_by_the_grader_alarm(monkeypatch):
+    """The sweep found (issue 40): math-verify's own parse timeout (one signal.alarm, an Exception) was lost
+    when it landed in a finaliser, and a `solution` column's parse ran 9.5 s. The bound is now the grader's
+    re-firing alarm (reward.call_with_alarm), whatever the parse does."""
+    import sys
+
+    import math_verify
+
+    import reward
+
+    assert data.answer_in_solution("So it is 2.") == "2"   # TRL's reading of a solution without a box
+    monkeypatch.setattr(reward, "TIMEOUT_SECONDS", 0.2)
+
+    def slow_parse(text, **kwargs):
+        _BusyFinaliser()   # freed at once: its __del__ runs here, under the alarm
+        end = time.perf_counter() + 5
+        while time.perf_counter() < end:
+            pass
+        return []
+
+    monkeypatch.setattr(math_verify, "parse", slow_parse)
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    start = time.perf_counter()
+    assert data.answer_in_solution("So it is 2.") is None
+    assert time.perf_counter() - start < 0.2 + 0.3 + 1.5 and reported == []
+
+
 def test_json_list_with_question_answer_and_boxed_solution():
     problems = data.load_problems(fixture("good.json"))
     assert problems == [
