@@ -212,10 +212,12 @@ def _parse_level(value, where):
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*(?:level\s*)?(\d+|\?)\s*", value, flags=re.IGNORECASE)
+        # at most 6 digits: Python refuses to convert more than 4,300 (a ValueError naming no row)
+        m = re.fullmatch(r"\s*(?:level\s*)?(\d{1,6}|\?)\s*", value, flags=re.IGNORECASE)
         if m:
             return None if m.group(1) == "?" else int(m.group(1))
-    raise ValueError(f"{where}: level must be an int or 'Level N', got {value!r}")
+    shown = _shown(value) if isinstance(value, str) else repr(value)[:40]
+    raise ValueError(f"{where}: level must be an int or 'Level N', got {shown}")
 
 
 def _answer_text(value, where, field):
@@ -445,6 +447,9 @@ def read_rows(path):
                                      f"expected a list of objects") from None
             except UnicodeDecodeError as err:
                 raise not_utf8(path, name, err) from None
+            except ValueError as e:   # a number of more than 4,300 digits, which Python refuses
+                raise ValueError(f"{name}: unreadable JSON ({str(e).split(';')[0]}); expected a list of "
+                                 f"objects") from None
         if rows is None:
             yield from _json_lines(path, name)
             return
@@ -475,6 +480,9 @@ def _json_lines(path, name):
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object "
                                      f"per line") from None
+                except ValueError as e:   # a number of more than 4,300 digits, which Python refuses
+                    raise ValueError(f"{name} line {n}: unreadable JSON ({str(e).split(';')[0]}); expected "
+                                     f"one JSON object per line") from None
                 yield f"{name} line {n}", row
         except UnicodeDecodeError as err:
             raise not_utf8(path, name, err) from None

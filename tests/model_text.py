@@ -109,7 +109,7 @@ def extreme() -> st.SearchStrategy[str]:
     """Very long and very deep inputs: a piece repeated thousands of times, or nested hundreds deep."""
     piece = st.sampled_from(["1", "{", "}", "\\frac{", "x+", "(", "\\sqrt{", "^{", "9^", "\\boxed{", ",",
                              "\\", "\\text{}", "$", "\\left(", "10", "\\!", "\\,", "{,}", " "])
-    repeated = st.builds(lambda p, n: p * n, piece, st.integers(50, 4000))
+    repeated = st.builds(lambda p, n: p * n, piece, st.integers(50, 6000))   # > 4,300 digits: int() refuses
     nested = st.builds(lambda o, c, mid, n: o * n + mid + c * n,
                        st.sampled_from(["{", "(", "\\frac{1}{", "\\sqrt{", "x^{", "\\boxed{", "\\text{",
                                         "["]),
@@ -178,7 +178,8 @@ def row() -> st.SearchStrategy[dict]:
     solution = st.one_of(response(), st.builds(lambda a, b: f"{a} {b}", response(), gold().map(
         lambda g: f"#### {g}")))
     level = st.one_of(st.none(), st.integers(-2, 7), st.sampled_from(["Level 3", "Level ?", "level 10", "3",
-                                                                       " 5 ", "Level", "L3", "", "３"]))
+                                                                       " 5 ", "Level", "L3", "", "３",
+                                                                       "Level " + "9" * 5000]))
     with_solution = st.builds(lambda f, s, q, lv: {**f, "problem": q, "solution": s, "level": lv}, fields,
                               solution, st.text(min_size=1, max_size=30), level)
     with_answer = st.builds(lambda f, a, q, lv: {**f, "question": q, "answer": a, "level": lv}, fields,

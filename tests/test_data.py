@@ -93,6 +93,27 @@ def test_jsonl_field_mapping():
     ]
 
 
+@pytest.mark.parametrize("name,text,line", [
+    ("rows.jsonl", '{"problem": "q", "answer": 1}\n{"problem": "q", "answer": ' + "9" * 5000 + "}\n",
+     "rows.jsonl line 2: unreadable JSON (Exceeds the limit (4300 digits) for integer string conversion: "
+     "value has 5000 digits); expected one JSON object per line"),
+    ("rows.json", '[{"problem": "q", "answer": ' + "9" * 5000 + "}]",
+     "rows.json: unreadable JSON (Exceeds the limit (4300 digits) for integer string conversion: value has "
+     "5000 digits); expected a list of objects"),
+    ("rows.jsonl", '{"problem": "q", "answer": "1", "level": "Level ' + "9" * 5000 + '"}\n',
+     "rows.jsonl line 1: level must be an int or 'Level N', got 'Level " + "9" * 34 + "'... (5006 "
+     "characters)"),
+], ids=["jsonl number", "json number", "level"])
+def test_a_number_python_will_not_convert_is_one_line_naming_the_row(tmp_path, name, text, line):
+    # The property tests' class (issue 40): Python refuses to convert more than 4,300 digits, and that
+    # ValueError named no file or row.
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        data.read_file(str(path))
+    assert str(err.value) == f"{tmp_path.name}/{line}"
+
+
 class _BusyFinaliser:
     def __del__(self):
         end = time.perf_counter() + 0.3

@@ -252,7 +252,8 @@ def _file_text(kind: str, rows: list, junk: list[str]) -> str:
 
 @examples(60)
 @given(st.sampled_from([".jsonl", ".json", ".csv"]), st.lists(st.one_of(M.row(), M.value()), max_size=4),
-       st.lists(st.one_of(M.response(), st.text(max_size=20)), max_size=2), st.booleans(),
+       st.lists(st.one_of(M.response(), st.text(max_size=20), st.just('{"answer": ' + "9" * 5000 + "}")),
+                max_size=2), st.booleans(),
        st.sampled_from([b"", b"\xff", b"\xc3", b"\x00", b"\r\n"]))
 def test_any_data_file_gives_problems_or_one_value_error_naming_it(tmp_path_factory, kind, rows, junk, bom,
                                                                   tail):

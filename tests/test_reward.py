@@ -260,6 +260,15 @@ def test_extract_is_linear_on_many_unbalanced_boxes():
     assert time.perf_counter() - start < 1.0
 
 
+def test_a_joined_box_of_more_than_4300_digits_is_read_not_raised():
+    # The sweep found (issue 40): joining boxes compares plain numbers exactly, and Python refuses to convert
+    # more than 4,300 digits (ValueError out of compute_reward); such a part is not read as a number.
+    response = "\\boxed{1}, \\boxed{" + "1" * 5000 + "}"
+    assert reward.extract_answer(response) == "1, " + "1" * 5000
+    assert reward.compute_reward(response, "1") == 0.0
+    assert reward.is_equivalent("1" * 5000, "1" * 5000 + ".0") is False   # past MAX_ANSWER_CHARS: unread
+
+
 def test_many_chained_boxes_are_linear_and_wrong():
     """20,000 candidates in one phrase: wrong, and 10x the boxes cost about 10x the time (a ratio measured in
     one run, so a loaded machine does not fail it; quadratic work would be ~100x)."""
