@@ -25,7 +25,8 @@ single gold answer never equals, so a response cannot win by boxing many candida
 
 There is no numeric fallback that strips letters (the public reference code graded \\sqrt{2} as 2;
 here it is wrong). LaTeX mangled by a non-raw Python string ("\\boxed" typed as "\\x08oxed") is repaired.
-Answers never make these functions raise; the one error is a RuntimeError when a helper process (below)
+Answers never make these functions raise (tests/test_model_text.py drives them with generated text,
+tests/test_corpus.py with real model outputs); the one error is a RuntimeError when a helper process (below)
 cannot start at all, which is a broken environment.
 
 Bounding the time. A model can write anything inside a box (9^{9^{9^{9}}}, 10,000 characters, garbage
@@ -41,8 +42,9 @@ worker process. Three layers:
      (microseconds). A gold answer no response could match (longer than the bound, braces that no \\boxed{}
      can hold: unmatchable_gold) is refused or skipped when the data is loaded (data.py), so every gold
      answer that reaches training or evaluation scores 1 against a response that boxes it exactly.
-  2. On the main thread, math-verify runs in-process under our own SIGALRM (setitimer, re-firing every
-     0.1 s in case some library swallows the first exception). math-verify's own timeouts are off
+  2. On the main thread, math-verify runs in-process under our own SIGALRM (call_with_alarm: setitimer,
+     re-firing every 0.1 s in case some library swallows the first exception or it lands in a finaliser,
+     which Python cannot raise from: dropped there). math-verify's own timeouts are off
      (parsing_timeout=None, timeout_seconds=None): they call signal.alarm, which raises ValueError off
      the main thread, and they would bound parsing and comparing separately rather than the whole check.
   3. Off the main thread (thread pools) signals cannot be used, so the check is sent to a persistent
