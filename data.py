@@ -27,12 +27,14 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import threading
 from urllib.parse import urlparse
 
 import mcq
-from reward import TIMEOUT_SECONDS, evaluates, extract_answer, unmatchable_gold
+import reward
+from reward import evaluates, extract_answer, unmatchable_gold
 
 # -----------------------------------------------------------------------------
 # Prompts. The paper does not print its prompt; like the common math-RL setups it asks for the final
@@ -219,10 +221,13 @@ def _parse_level(value, where):
         return int(value)
     if isinstance(value, str):
         m = re.fullmatch(r"\s*(?:level\s*)?(\d+|\?)\s*", value, flags=re.IGNORECASE)
+        if m and len(m.group(1)) > 6:   # Python refuses to convert 4,300+ digits (a ValueError naming no row)
+            raise ValueError(f"{where}: level must be an int, 'Level N' or a name, got {_shown(value)}")
         if m:
             return None if m.group(1) == "?" else int(m.group(1))
         return value.strip() or None   # a name such as "hard" (an empty cell: no level)
-    raise ValueError(f"{where}: level must be an int, 'Level N' or a name, got {value!r}")
+    shown = repr(value)[:40]   # a list or dict of any size: the start of it
+    raise ValueError(f"{where}: level must be an int, 'Level N' or a name, got {shown}")
 
 
 def level_order(level) -> tuple:
@@ -339,16 +344,26 @@ def answer_in_solution(text: str) -> str | None:
     (math_verify.parse(solution, extraction_mode="first_match")): its text, or None when it finds none. It
     reads prose ("It is 2." -> 2) and LaTeX ("$\\frac{1}{2}$"), but a bare expression only in part
     ("x^2 + 1" -> 1): bare answers belong in an `answer` column, taken as they are. Bounded by
-    reward.TIMEOUT_SECONDS on the main thread (math-verify's alarm works only there)."""
+    reward.TIMEOUT_SECONDS on the main thread (reward.call_with_alarm: math-verify's own alarm is lost when it
+    lands in a finaliser, and a parse then ran on: found by tests/test_model_text.py's sweep, issue 40)."""
     import math_verify
     import math_verify.parser
 
+    reward._load_math_verify()   # imported and warmed up outside any alarm
     math_verify.parser.TIMEOUT_WARNING_SHOWN = True   # the timeout is ours (None off the main thread)
-    main = threading.current_thread() is threading.main_thread()
+
+    def parse():
+        return math_verify.parse(text, extraction_mode="first_match", parsing_timeout=None)
+
     try:
-        parsed = math_verify.parse(text, extraction_mode="first_match",
-                                   parsing_timeout=int(TIMEOUT_SECONDS) if main else None)
-    except Exception:   # math-verify's own errors and timeouts: nothing read
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getitimer(signal.ITIMER_REAL)[0] == 0:   # never over a caller's own timer
+            parsed = reward.call_with_alarm(parse, reward.TIMEOUT_SECONDS)
+        else:
+            parsed = parse()
+    except Exception:   # math-verify's own errors: nothing read
+        return None
+    if parsed is reward.TIMED_OUT:
         return None
     found = parsed[-1] if len(parsed) >= 2 and isinstance(parsed[-1], str) else None
     return found.strip() if found and found.strip() else None
@@ -451,6 +466,9 @@ def read_rows(path):
                                      f"expected a list of objects") from None
             except UnicodeDecodeError as err:
                 raise not_utf8(path, name, err) from None
+            except ValueError as e:   # a number of more than 4,300 digits, which Python refuses
+                raise ValueError(f"{name}: unreadable JSON ({str(e).split(';')[0]}); expected a list of "
+                                 f"objects") from None
         if rows is None:
             yield from _json_lines(path, name)
             return
@@ -481,6 +499,9 @@ def _json_lines(path, name):
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{name} line {n}: invalid JSON ({e.msg}); expected one JSON object "
                                      f"per line") from None
+                except ValueError as e:   # a number of more than 4,300 digits, which Python refuses
+                    raise ValueError(f"{name} line {n}: unreadable JSON ({str(e).split(';')[0]}); expected "
+                                     f"one JSON object per line") from None
                 yield f"{name} line {n}", row
         except UnicodeDecodeError as err:
             raise not_utf8(path, name, err) from None

@@ -105,6 +105,33 @@ def _field(row: dict, name: str, where: str):
     return value
 
 
+def _as_text(value, what: str, where: str) -> str:
+    """A text (a number is written as text), stripped; anything else is one line naming the row."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: {what} must be text, got {type(value).__name__}")
+    return str(value).strip()
+
+
+def _text(row: dict, name: str, where: str) -> str:
+    return _as_text(_field(row, name, where), f"field {name!r}", where)
+
+
+def _options(row: dict, where: str) -> list[str]:
+    """MMLU-Pro's `options`: a list of 2 to 10 texts."""
+    options = _field(row, "options", where)
+    if not isinstance(options, (list, tuple)) or not 2 <= len(options) <= len(LETTERS):
+        shown = f"a list of {len(options)}" if isinstance(options, (list, tuple)) else type(options).__name__
+        raise ValueError(f"{where}: field 'options' must be a list of 2 to {len(LETTERS)} options, got "
+                         f"{shown}")
+    return [_as_text(o, f"option {LETTERS[i]}", where) for i, o in enumerate(options)]
+
+
+def _object(row, where: str, fields: str) -> dict:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with {fields}, got {type(row).__name__}")
+    return row
+
+
 def _problem(question: str, options: list[str], gold: int, **extra) -> dict:
     return {"problem": format_question(question, options), "answer": LETTERS[gold], "level": None,
             "choices": options, **extra}
@@ -115,23 +142,25 @@ def gpqa_problems(rows, seed: int = SEED) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for where, row in rows:
-        options = [str(_field(row, name, where)).strip() for name in
+        row = _object(row, where, "Question, Correct Answer and Incorrect Answer 1-3")
+        options = [_text(row, name, where) for name in
                    ("Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")]
         order = list(range(4))
         rng.shuffle(order)
-        out.append(_problem(str(_field(row, "Question", where)), [options[i] for i in order], order.index(0),
+        out.append(_problem(_text(row, "Question", where), [options[i] for i in order], order.index(0),
                             category=row.get("High-level domain")))
     return out
 
 
 def mmlu_pro_problem(where: str, row: dict) -> dict:
-    options = [str(o).strip() for o in _field(row, "options", where)]
-    answer = str(_field(row, "answer", where)).strip()
+    row = _object(row, where, "question, options, answer and category")
+    options = _options(row, where)
+    answer = _text(row, "answer", where)
     if answer not in LETTERS[:len(options)]:
         raise ValueError(f"{where}: answer {answer!r} is not one of the {len(options)} option letters "
                          f"{LETTERS[:len(options)]}")
-    return _problem(str(_field(row, "question", where)), options, LETTERS.index(answer),
-                    category=str(_field(row, "category", where)))
+    return _problem(_text(row, "question", where), options, LETTERS.index(answer),
+                    category=_text(row, "category", where))
 
 
 def stratified_indices(categories: list[str], n: int, seed: int = SEED) -> list[int]:

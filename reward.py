@@ -25,7 +25,8 @@ single gold answer never equals, so a response cannot win by boxing many candida
 
 There is no numeric fallback that strips letters (the public reference code graded \\sqrt{2} as 2;
 here it is wrong). LaTeX mangled by a non-raw Python string ("\\boxed" typed as "\\x08oxed") is repaired.
-Answers never make these functions raise; the one error is a RuntimeError when a helper process (below)
+Answers never make these functions raise (tests/test_model_text.py drives them with generated text,
+tests/test_corpus.py with real model outputs); the one error is a RuntimeError when a helper process (below)
 cannot start at all, which is a broken environment.
 
 Bounding the time. A model can write anything inside a box (9^{9^{9^{9}}}, 10,000 characters, garbage
@@ -41,8 +42,9 @@ worker process. Three layers:
      (microseconds). A gold answer no response could match (longer than the bound, braces that no \\boxed{}
      can hold: unmatchable_gold) is refused or skipped when the data is loaded (data.py), so every gold
      answer that reaches training or evaluation scores 1 against a response that boxes it exactly.
-  2. On the main thread, math-verify runs in-process under our own SIGALRM (setitimer, re-firing every
-     0.1 s in case some library swallows the first exception). math-verify's own timeouts are off
+  2. On the main thread, math-verify runs in-process under our own SIGALRM (call_with_alarm: setitimer,
+     re-firing every 0.1 s in case some library swallows the first exception or it lands in a finaliser,
+     which Python cannot raise from: dropped there). math-verify's own timeouts are off
      (parsing_timeout=None, timeout_seconds=None): they call signal.alarm, which raises ValueError off
      the main thread, and they would bound parsing and comparing separately rather than the whole check.
   3. Off the main thread (thread pools) signals cannot be used, so the check is sent to a persistent
@@ -384,10 +386,11 @@ _UNIT_SPELLINGS = {   # canonical name: spellings (a plural s / es is read too; 
     "degree": ("degree", "deg", "°"), "radian": ("radian", "rad"), "mph": ("mph",), "kph": ("kph",),
 }
 _UNIT_OF = {spelling: name for name, spellings in _UNIT_SPELLINGS.items() for spelling in spellings}
-# The unit at the end of an answer: \text{...} (\mathrm, \mbox, ...), words after a space, or a degree sign;
+# The unit at the end of an answer: \text{...} (\mathrm, \mbox, \textbf, ...: a text-mode wrapper; not
+# \mathbf or \mathit, which hold a variable), words after a space, or a degree sign;
 # then a power ^2, ^{3}, ².
 _UNIT_TAIL_RE = re.compile(
-    r"(?:\\(?:text|textrm|textnormal|mathrm|mbox|rm)\s*\{(?P<text>[^{}]*)\}"
+    r"(?:\\(?:text|textrm|textnormal|textit|textbf|textsf|mathrm|mbox|rm)\s*\{(?P<text>[^{}]*)\}"
     r"|(?<=[\s,~])(?P<words>[A-Za-z]+(?:\.?[ \t]+[A-Za-z]+)?\.?|[°¢€])"
     r"|(?P<degree>\^\s*\{?\s*\\circ\s*\}?|°))"
     r"\s*(?:\^\s*\{?\s*(?P<power>[23])\s*\}?|(?P<sup>[²³]))?$")
@@ -439,7 +442,9 @@ def _units_differ(pred: str, gold: str) -> bool:
 
 
 def _plain_number(answer: str) -> Fraction | None:
-    if _PLAIN_NUMBER_RE.fullmatch(answer):
+    # the length first: Python refuses to convert more than 4,300 digits (ValueError), and _join_parts reads
+    # box contents of any length (the sweep found "\boxed{1}, \boxed{111...1}" raising, issue 40)
+    if len(answer) <= MAX_ANSWER_CHARS and _PLAIN_NUMBER_RE.fullmatch(answer):
         return Fraction(answer.replace(",", ""))
     return None
 
@@ -518,22 +523,48 @@ def _raise_timeout(signum, frame):
     raise _Timeout()
 
 
-def _verify_with_alarm(pred: str, gold: str, timeout: float) -> bool | None:
-    """math-verify under SIGALRM, None on timeout; main thread only."""
-    _load_math_verify()
+def _drop_timeouts(hook):
+    """sys.unraisablehook while the alarm is armed: an alarm that lands in a finaliser (__del__, a weakref
+    callback: sympy and antlr objects freed mid-check) cannot stop the check there, and Python would print it
+    as "Exception ignored in ..." (under pytest: an error of the test). Drop it: the timer re-fires 0.1 s
+    later and stops the check itself. Any other unraisable exception goes to the hook as before."""
+    def drop(unraisable):
+        if not (isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, _Timeout)):
+            hook(unraisable)
+    return drop
+
+
+TIMED_OUT = object()   # what call_with_alarm returns when the bound stopped the call
+
+
+def call_with_alarm(function, timeout: float):
+    """function() with a hard wall-clock bound of `timeout` seconds: its value, or TIMED_OUT. Main thread
+    only (SIGALRM). The alarm re-fires every 0.1 s until disarmed and raises a BaseException, so neither an
+    `except Exception` in a library nor an alarm landing in a finaliser (dropped: _drop_timeouts) lets the
+    call run on; math-verify's own timeout (signal.alarm, once, an Exception) can be lost either way."""
     old_handler = signal.signal(signal.SIGALRM, _raise_timeout)
+    old_hook, sys.unraisablehook = sys.unraisablehook, _drop_timeouts(sys.unraisablehook)
     try:
         try:
             signal.setitimer(signal.ITIMER_REAL, max(timeout, 0.01), 0.1)  # re-fires until disarmed
-            return _math_verify_equal(pred, gold)
+            return function()
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _Timeout:  # also catches an alarm that lands inside the inner finally
-        return None
-    except Exception:  # a bug in a parser must cost one reward, not the training run
-        return False
+        return TIMED_OUT
     finally:
         signal.signal(signal.SIGALRM, old_handler)
+        sys.unraisablehook = old_hook
+
+
+def _verify_with_alarm(pred: str, gold: str, timeout: float) -> bool | None:
+    """math-verify under SIGALRM, None on timeout; main thread only."""
+    _load_math_verify()
+    try:
+        verdict = call_with_alarm(lambda: _math_verify_equal(pred, gold), timeout)
+    except Exception:  # a bug in a parser must cost one reward, not the training run
+        return False
+    return None if verdict is TIMED_OUT else verdict
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -129,6 +129,7 @@ def _char_spans_to_token_spans(starts: list[int], offsets: list[tuple[int, int]]
     """
     if not offsets:
         return []
+    starts = np.asarray(starts)   # once: searchsorted on a list would convert it for every token (quadratic)
     sentence_of = []
     current = 0
     for begin, end in offsets:
@@ -146,6 +147,21 @@ def _char_spans_to_token_spans(starts: list[int], offsets: list[tuple[int, int]]
     return spans
 
 
+def _sentence_starts(text: str) -> list[int]:
+    """Where PySBD's sentences start in `text` (0 first). PySBD's own char_span=True looks each sentence up
+    from the start of the text, quadratic in the number of sentences (a degenerate "1. 1. 1. ..." of 12,000
+    characters took 3 s, the splitting itself 0.1 s); here each is found from where the one before it ended.
+    A sentence PySBD changed (not found as written) starts nothing, as in its char_span."""
+    starts, position = [0], 0
+    for sentence in _segmenter().processor(text).process():
+        sentence = sentence.strip()
+        found = text.find(sentence, position) if sentence else -1
+        if found >= 0:
+            starts.append(found)
+            position = found + len(sentence)
+    return sorted(set(starts))
+
+
 def sentence_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """PySBD sentences as token spans (start inclusive, end exclusive), covering every token once (App. D.1).
 
@@ -155,8 +171,7 @@ def sentence_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int,
     if not offsets:
         return []
     masked = _MATH.sub(lambda m: "x" * len(m.group()), text)
-    char_starts = (sorted({span.start for span in _segmenter().segment(masked)} | {0}) if masked.strip()
-                   else [0])
+    char_starts = _sentence_starts(masked) if masked.strip() else [0]
     return _char_spans_to_token_spans(char_starts, offsets, text)
 
 

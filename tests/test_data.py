@@ -96,6 +96,62 @@ def test_jsonl_field_mapping():
     ]
 
 
+@pytest.mark.parametrize("name,text,line", [
+    ("rows.jsonl", '{"problem": "q", "answer": 1}\n{"problem": "q", "answer": ' + "9" * 5000 + "}\n",
+     "rows.jsonl line 2: unreadable JSON (Exceeds the limit (4300 digits) for integer string conversion: "
+     "value has 5000 digits); expected one JSON object per line"),
+    ("rows.json", '[{"problem": "q", "answer": ' + "9" * 5000 + "}]",
+     "rows.json: unreadable JSON (Exceeds the limit (4300 digits) for integer string conversion: value has "
+     "5000 digits); expected a list of objects"),
+    ("rows.jsonl", '{"problem": "q", "answer": "1", "level": "Level ' + "9" * 5000 + '"}\n',
+     "rows.jsonl line 1: level must be an int, 'Level N' or a name, got 'Level " + "9" * 34 + "'... (5006 "
+     "characters)"),
+], ids=["jsonl number", "json number", "level"])
+def test_a_number_python_will_not_convert_is_one_line_naming_the_row(tmp_path, name, text, line):
+    # The property tests' class (issue 40): Python refuses to convert more than 4,300 digits, and that
+    # ValueError named no file or row.
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        data.read_file(str(path))
+    assert str(err.value) == f"{tmp_path.name}/{line}"
+
+
+class _BusyFinaliser:
+    def __del__(self):
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:   # still in __del__ when the alarm fires
+            pass
+
+
+def test_reading_a_solution_without_a_box_is_bounded_by_the_grader_alarm(monkeypatch):
+    """The sweep found (issue 40): math-verify's own parse timeout (one signal.alarm, an Exception) was lost
+    when it landed in a finaliser, and a `solution` column's parse ran 9.5 s. The bound is now the grader's
+    re-firing alarm (reward.call_with_alarm), whatever the parse does."""
+    import sys
+
+    import math_verify
+
+    import reward
+
+    assert data.answer_in_solution("So it is 2.") == "2"   # TRL's reading of a solution without a box
+    monkeypatch.setattr(reward, "TIMEOUT_SECONDS", 0.2)
+
+    def slow_parse(text, **kwargs):
+        _BusyFinaliser()   # freed at once: its __del__ runs here, under the alarm
+        end = time.perf_counter() + 5
+        while time.perf_counter() < end:
+            pass
+        return []
+
+    monkeypatch.setattr(math_verify, "parse", slow_parse)
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    start = time.perf_counter()
+    assert data.answer_in_solution("So it is 2.") is None
+    assert time.perf_counter() - start < 0.2 + 0.3 + 1.5 and reported == []
+
+
 def test_json_list_with_question_answer_and_boxed_solution():
     problems = data.load_problems(fixture("good.json"))
     assert problems == [
@@ -152,7 +208,9 @@ def test_bad_rows_in_json_list_and_answer_types(tmp_path):
     # Integers are exact answers (AIME files often store them so); a bad level is an error, not a None.
     path.write_text('[{"problem": "a", "answer": 204, "level": "Level 3"}]')
     assert data.load_problems(str(path)) == [{"problem": "a", "answer": "204", "level": 3}]
-    path.write_text('[{"problem": "a", "answer": "1", "level": "hard"}]')
+    path.write_text('[{"problem": "a", "answer": "1", "level": "hard"}]')   # a level's name (issue 41)
+    assert data.load_problems(str(path)) == [{"problem": "a", "answer": "1", "level": "hard"}]
+    path.write_text('[{"problem": "a", "answer": "1", "level": [3]}]')
     with pytest.raises(ValueError, match="item 1: level"):
         data.load_problems(str(path))
 

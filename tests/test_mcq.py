@@ -131,6 +131,30 @@ def test_bad_rows_and_missing_hub_are_clear_errors(tmp_path, monkeypatch):
         data.load_problems("gpqa")
 
 
+# Rows the property test found (tests/test_model_text.py, issue 40): `options` not a list of 2 to 10 texts
+# raised TypeError ('bool' object is not iterable) or an error naming no row, and a string was read as its
+# letters; a row that is not an object, or a field that is a list, is one line naming the row too.
+BAD_ROWS = [
+    ("mmlu-pro", {"options": False}, "field 'options' must be a list of 2 to 10 options, got bool"),
+    ("mmlu-pro", {"question": "q", "options": ["x"], "answer": "A", "category": "c"},
+     "field 'options' must be a list of 2 to 10 options, got a list of 1"),
+    ("mmlu-pro", {"question": "q", "options": "abcd", "answer": "A", "category": "c"},
+     "field 'options' must be a list of 2 to 10 options, got str"),
+    ("mmlu-pro", {"question": "q", "options": ["x", ["y"]], "answer": "A", "category": "c"},
+     "option B must be text, got list"),
+    ("mmlu-pro", [1, 2], "expected an object with question, options, answer and category, got list"),
+    ("gpqa", {"Question": "q", "Correct Answer": "a", "Incorrect Answer 1": "b", "Incorrect Answer 2": "c",
+              "Incorrect Answer 3": {"x": 1}}, "field 'Incorrect Answer 3' must be text, got dict"),
+]
+
+
+@pytest.mark.parametrize("name,row,why", BAD_ROWS)
+def test_a_malformed_row_is_one_line_naming_it(name, row, why):
+    with pytest.raises(ValueError) as err:
+        mcq.problems(name, [(f"{name}.jsonl line 3", row)])
+    assert str(err.value) == f"{name}.jsonl line 3: {why}"
+
+
 def test_grading_and_majority_vote_on_letters():
     problem = mcq.gpqa_problems([("row 1", _gpqa_rows(1)[0])], seed=0)[0]
     gold = problem["answer"]

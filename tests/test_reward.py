@@ -4,6 +4,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -261,6 +262,15 @@ def test_extract_is_linear_on_many_unbalanced_boxes():
     assert time.perf_counter() - start < 1.0
 
 
+def test_a_joined_box_of_more_than_4300_digits_is_read_not_raised():
+    # The sweep found (issue 40): joining boxes compares plain numbers exactly, and Python refuses to convert
+    # more than 4,300 digits (ValueError out of compute_reward); such a part is not read as a number.
+    response = "\\boxed{1}, \\boxed{" + "1" * 5000 + "}"
+    assert reward.extract_answer(response) == "1, " + "1" * 5000
+    assert reward.compute_reward(response, "1") == 0.0
+    assert reward.is_equivalent("1" * 5000, "1" * 5000 + ".0") is False   # past MAX_ANSWER_CHARS: unread
+
+
 def test_many_chained_boxes_are_linear_and_wrong():
     """20,000 candidates in one phrase: wrong, and 10x the boxes cost about 10x the time (a ratio measured in
     one run, so a loaded machine does not fail it; quadratic work would be ~100x)."""
@@ -388,6 +398,10 @@ UNIT_CASES = [
     ("36\\pi \\text{ cm}^2", "36\\pi\\text{ cm}^2", True),
     ("5 \\text{ people}", "5\\text{ students}", True),              # not units the grader knows: as today
     ("60 \\text{ miles per hour}", "60\\text{ mph}", True),
+    # tests/test_model_text.py found (issue 40): units in \textit / \textbf / \textsf were dropped unread
+    ("0\\textit{L}", "0\\textit{USD}", False),
+    ("5\\textbf{ cm}", "5 \\textsf{m}", False),
+    ("5\\textbf{ cm}", "5 \\text{ centimeters}", True),
 ]
 
 
@@ -477,6 +491,35 @@ def test_timeout_cuts_what_the_guards_miss():
     start = time.perf_counter()
     assert reward._verify_bounded("9^{9^{9^{9}}}", "5", 1.0) is False
     assert time.perf_counter() - start < 1.0 + SLACK
+
+
+class _BusyFinaliser:
+    def __del__(self):
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:   # still in __del__ when the alarm fires
+            pass
+
+
+def test_an_alarm_inside_a_finaliser_is_not_reported_and_the_check_still_stops(monkeypatch):
+    """tests/test_model_text.py found (issue 40): the alarm landed in a finaliser (a GC callback, an object
+    freed mid-check) and Python reported it as "Exception ignored in ..." (an error of the test under pytest).
+    It is dropped; the re-firing timer still stops the check."""
+    reward._load_math_verify()
+
+    def slow_check(pred, gold):
+        _BusyFinaliser()   # freed at once: its __del__ runs here, under the alarm
+        end = time.perf_counter() + 5
+        while time.perf_counter() < end:
+            pass
+        return True
+
+    monkeypatch.setattr(reward, "_math_verify_equal", slow_check)
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    start = time.perf_counter()
+    assert reward._verify_with_alarm("x", "y", 0.05) is None   # timed out
+    assert time.perf_counter() - start < 0.3 + 0.1 + SLACK
+    assert reported == [] and sys.unraisablehook == reported.append   # and the hook is given back
 
 
 def test_sigalrm_is_restored_and_a_pending_timer_is_left_alone():

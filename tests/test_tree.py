@@ -1,5 +1,6 @@
 """tree.py: budgets, forking strategies on hand-made arrays, sentence/step spans, blocks."""
 import random
+import time
 
 import numpy as np
 import pytest
@@ -223,6 +224,26 @@ def test_sentence_spans_with_real_tokenizer(smollm_tokenizer):
     # full stops inside $...$ and \[...\] end no sentence, so the first sentence runs to "= 6."
     assert sentences == ["We know $a = 2.5$ and \\[b = 3.5.\\] So a + b = 6.",
                          "Therefore the answer is \\boxed{6}."]
+
+
+def test_sentence_spans_are_linear_in_the_number_of_sentences():
+    """The sweep of tests/test_model_text.py's strategies found (issue 40): PySBD's char_span looks each
+    sentence up from the start of the text, quadratic in the sentences: a degenerate "1. 1. 1. ..." of 12,000
+    characters took 3 s. 10x the sentences must cost about 10x the time (a ratio in one run, so a loaded
+    machine does not fail it; quadratic work is ~100x), and the starts are PySBD's own."""
+    def seconds(n: int) -> float:
+        text = "Yes. " * n
+        start = time.process_time()
+        spans = T.sentence_spans(text, [(i, i + 5) for i in range(0, len(text), 5)])
+        elapsed = time.process_time() - start
+        assert spans == [(i, i + 1) for i in range(n)]   # one sentence a "Yes. "
+        return elapsed
+
+    small = min(seconds(400) for _ in range(3))
+    large = min(seconds(4000) for _ in range(2))
+    assert large < 30 * small + 0.05, (small, large)
+    for text in ["1. " * 50, "We add. Then $x = 1.5$ and so on! Mr. Smith agrees?\n\nDone"]:
+        assert T._sentence_starts(text) == sorted({s.start for s in T._segmenter().segment(text)} | {0})
 
 
 def test_step_spans_split_at_blank_lines():
