@@ -50,7 +50,7 @@ CHOICES = {
     "packed_attention": ATTENTION_KERNELS,
     "parallel": PARALLELS,
     "rollout_engine": ("engine", "generate"),
-    "decode_step": ("auto", "reference", "paged", "paged-eager"),
+    "decode_step": ("auto", "reference", "shared", "paged", "paged-eager"),
     "optimizer_dtype": OPTIMIZER_DTYPES,
     "lr_schedule": O.LR_SCHEDULES,
 }

@@ -92,7 +92,8 @@ class Config:
     max_kv_tokens: int = 0                  # engine: KV pool tokens; 0 = the step's prompts + max_batch_rows
                                             # × max_new_tokens (prefixes shared; rows that don't fit wait)
     compile_decode: bool = False            # engine: reference decode steps through torch.compile
-    decode_step: str = "auto"               # engine: auto (paged on CUDA) | reference | paged | paged-eager
+    decode_step: str = "auto"               # engine: auto (paged on CUDA, shared on CPU) | reference |
+                                            # shared | paged | paged-eager
     off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (offpolicy.py): step t+1's
                                             # base responses decode in step t's rollout; 0: on-policy
 

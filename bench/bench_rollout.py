@@ -60,7 +60,15 @@ import data  # noqa: E402
 import methods as M  # noqa: E402
 import models  # noqa: E402
 import rollout as R  # noqa: E402
+from bench import profile_rollout  # noqa: E402
+from bench.profile_rollout import Profile, profiled  # noqa: E402
 from engine.loop import decode_mode  # noqa: E402
+
+
+def clock() -> float:
+    """--clock: wall seconds (time.perf_counter) or this process's CPU seconds (time.process_time), for
+    the rollouts, the floor and the matmul limit alike."""
+    return profile_rollout.CLOCK[0]()
 
 
 def shape_config(shape: str, args, rows: int = 0) -> tuple[C.Config, int, dict]:
@@ -77,19 +85,27 @@ def shape_config(shape: str, args, rows: int = 0) -> tuple[C.Config, int, dict]:
 
 
 def run(model, tokenizer, prompts, answers, cfg, engine, seed, kwargs):
-    """engine: "engine", "generate", or "compiled" (the engine with --compile_decode)."""
+    """engine: "engine", "generate", or "compiled" (the engine with --compile_decode). The engine's decode
+    steps are timed from outside (bench/profile_rollout.py's wrappers): `step_s` the seconds of its decode
+    steps (forward, sampling, the rows' bookkeeping; no admission, prefill, planning or grading),
+    `forward_s` the decode forwards' alone."""
+    cfg = dataclasses.replace(cfg)
     cfg.rollout_engine, cfg.compile_decode = ("engine", True) if engine == "compiled" else (engine, False)
+    if engine.startswith("engine@"):                 # --baseline: the engine with another decode step
+        cfg.rollout_engine, cfg.decode_step = "engine", engine.split("@")[1]
     torch.manual_seed(seed)
-    start = time.perf_counter()
-    with models.autocast(next(model.parameters()).device, cfg.precision):
+    prof = Profile()
+    start = clock()
+    with models.autocast(next(model.parameters()).device, cfg.precision), profiled(prof):
         trees, stats = R.rollout_trees(model, tokenizer, prompts, answers, cfg, random.Random(seed), **kwargs)
-    wall = time.perf_counter() - start
+    wall = clock() - start
     tokens = stats.base_tokens + stats.branch_tokens
     return dict(wall=wall, tokens=tokens, tok_s=tokens / wall, ended=stats.ended_row_steps,
                 ms_step=wall * 1e3 / stats.decode_steps if stats.decode_steps else None,   # engine only
                 row_steps=stats.row_steps, kv=stats.peak_kv_bytes, recomputed=stats.recomputed_prefix_tokens,
                 branches=sum(1 for t in trees for b in t.blocks if b.branch),
-                shape=engine_shape(trees, stats))
+                shape=engine_shape(trees, stats), step_s=prof.decode_seconds, forward_s=prof.decode_forward,
+                batch_sizes=prof.batch_sizes)
 
 
 def engine_shape(trees, stats) -> tuple[float, float, int]:
@@ -122,12 +138,55 @@ def bare_forward_tokens_per_s(model, rows: int, context: int, repeats: int = 8) 
     cache.crop(-1)
     rates = []
     for _ in range(5):   # the median of 5 rounds: one round of 8 steps moved by ±2x on a shared CPU
-        start = time.perf_counter()
+        start = clock()
         for _ in range(repeats):
             model(input_ids=ids[:, -1:], use_cache=True, logits_to_keep=1, **{name: cache})
             cache.crop(-1)
-        rates.append(rows * repeats / (time.perf_counter() - start))
+        rates.append(rows * repeats / (clock() - start))
     return sorted(rates)[2]
+
+
+@torch.no_grad()
+def weight_matmul_tokens_per_s(model, rows: int, repeats: int = 3) -> float:
+    """Decode tokens per second that the model's weight matmuls alone allow at `rows` rows: every Linear
+    of the model (the lm_head included: sampling needs its logits) applied to a [rows, in] input, in the
+    weights' dtype, one pass per step; nothing else (no norms, rotary, attention, sampling). The median of 5
+    rounds of `repeats` passes. This is the limit of any decode step that computes the whole model."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
+    if head not in linears:
+        linears.append(head)
+    device, dtype = head.weight.device, head.weight.dtype
+    inputs = {w: torch.randn(rows, w, device=device, dtype=dtype) for w in {m.in_features for m in linears}}
+
+    def one_pass():
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+
+    one_pass()                                                                           # warm-up
+    rates = []
+    for _ in range(5):
+        start = clock()
+        for _ in range(repeats):
+            one_pass()
+        rates.append(rows * repeats / (clock() - start))
+    return sorted(rates)[2]
+
+
+def matmul_seconds_of_steps(model, batch_sizes: dict) -> float:
+    """The weight matmuls' seconds for a run's decode steps (batch_sizes: rows -> steps): each step's
+    rows at the limit weight_matmul_tokens_per_s measures, interpolated linearly between powers of two
+    (measured at 1, 2, 4, ..., up to the largest batch). What no decode step of that run could go below."""
+    top = max(batch_sizes)
+    points = sorted({min(2 ** i, top) for i in range(top.bit_length() + 1)})
+    per_step = {r: r / weight_matmul_tokens_per_s(model, r) for r in points}
+    total = 0.0
+    for rows, steps in batch_sizes.items():
+        hi = next(p for p in points if p >= rows)
+        lo = max([p for p in points if p <= rows], default=hi)
+        frac = 0.0 if hi == lo else (rows - lo) / (hi - lo)
+        total += steps * (per_step[lo] + frac * (per_step[hi] - per_step[lo]))
+    return total
 
 
 @torch.no_grad()
@@ -205,6 +264,13 @@ def main():
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="time in wall seconds, or in this process's CPU seconds (with --threads 1 on a "
+                             "shared machine, what other processes take does not count)")
+    parser.add_argument("--baseline", default="generate",
+                        choices=["generate", "reference", "shared", "paged", "paged-eager"],
+                        help="what the engine is compared with: HF generate, or the engine with this "
+                             "--decode_step (same prompts and seed)")
     parser.add_argument("--compile_decode", action="store_true",
                         help="compare the engine eager and with --compile_decode instead of "
                              "engine vs generate")
@@ -219,6 +285,7 @@ def main():
                              "time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    profile_rollout.CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     device = models.pick_device(args.device)
     if args.model in ("random-qwen2.5-3b", "random-qwen2.5-tiny"):
         from bench.gpu_smoke import QWEN25_3B, TINY, random_policy
@@ -231,7 +298,8 @@ def main():
     gpu = f" ({torch.cuda.get_device_name(device)}, torch {torch.__version__})" \
         if device.type == "cuda" else ""
     print(f"model {args.model}, device {device}{gpu}, {args.threads} threads, precision {args.precision}, "
-          f"decode step {args.decode_step}, load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"decode step {args.decode_step}, {args.clock} clock, load average {os.getloadavg()[0]:.2f}",
+          flush=True)
     seconds_per_token = {}
     jobs = [(s, rows) for s in args.shapes.split(",") for rows in (args.rows if s == "a" else [0])]
     for shape, rows in jobs:
@@ -241,7 +309,8 @@ def main():
         prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot)
                    for p in problems]
         answers = [p["answer"] for p in problems]
-        engines = ("compiled", "engine") if args.compile_decode else ("engine", "generate")
+        engines = ("compiled", "engine") if args.compile_decode else ("engine", "generate") \
+            if args.baseline == "generate" else ("engine", f"engine@{args.baseline}")
         engines = engines[:1] if args.engine_only else engines
         paged = decode_mode(cfg.decode_step, device) != "reference"
         if paged:
@@ -285,6 +354,18 @@ def main():
               f"{context:.0f} tokens: {floor:.1f} tokens/s; {engines[0]} {ours['tok_s']:.1f} tokens/s = "
               f"{ours['tok_s'] / floor:.2f} of it (row-steps counted from the trees {counted}, the engine's "
               f"{ours['row_steps']}); load average {os.getloadavg()[0]:.2f}", flush=True)
+        if ours["step_s"]:
+            limit = weight_matmul_tokens_per_s(model, max(1, round(rows)))
+            step, forward = ours["row_steps"] / ours["step_s"], ours["row_steps"] / ours["forward_s"]
+            steps_limit = ours["row_steps"] / matmul_seconds_of_steps(model, ours["batch_sizes"])
+            print(f"({shape}) the weight-matmul limit: {limit:.1f} tokens/s at the mean {rows:.1f} rows, "
+                  f"{steps_limit:.1f} over the run's own decode steps (each at its rows). {engines[0]}: "
+                  f"rollout {ours['tok_s']:.1f}, its decode steps {step:.1f}, their forwards {forward:.1f} "
+                  f"tokens/s. Ratios: rollout / eager floor {ours['tok_s'] / floor:.2f}; decode steps / "
+                  f"eager floor {step / floor:.2f}; eager floor / matmul limit {floor / limit:.2f}; decode "
+                  f"steps / matmul limit {step / limit:.2f} at the mean rows, {step / steps_limit:.2f} over "
+                  f"its steps; "
+                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
         if device.type == "cuda":
             step_rows = max(1, round(rows))
             try:

@@ -33,8 +33,11 @@ What it does differently from HF `generate` (engine/generate.py keeps that path 
 
 The parts:
   samples.py    Sample (the project's one response type), BranchRequest, BasesDone, PromptResult
-  kv.py         the reference-counted KV pool (pages of 1 token, or 16 for the paged step), the reference
+  kv.py         the reference-counted KV pool (pages of 1 token, or 64 for the paged step), the reference
                 attention function that reads it, the forward passes
+  shared.py     the CPU decode step (--decode_step shared, the default on CPU): each shared prefix (a
+                prompt, a base's first f tokens) read once per step, parts mixed by their log-sum-exp;
+                tokens drawn by inverse transform sampling (one random number per row)
   paged.py      the static-shape decode step (--decode_step paged, the default on CUDA): decode state on the
                 device, FlexAttention over the pool's pages through the block table, sampling on the device,
                 one host transfer per step, rows padded to buckets, one CUDA graph per bucket

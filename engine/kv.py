@@ -206,6 +206,18 @@ def decode_hidden(model, input_ids, position_ids, kv: StepKV) -> torch.Tensor:
 _COMPILED = []
 
 
+def compile_cache() -> str:
+    """Where torch.compile keeps what it built (inductor's kernels and graphs), so that the next process
+    loads them instead of compiling again: $TORCHINDUCTOR_CACHE_DIR when set, else the project's cache
+    (models.cache_dir(): $DATPO_CACHE or ~/.cache/datpo) / inductor. Set before the process's first
+    compile (inductor fixes its default, a folder under /tmp, at its first use)."""
+    import os
+
+    import models
+
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(models.cache_dir() / "inductor"))
+
+
 def compiled_decode():
     """decode_hidden through torch.compile(dynamic=True), built once per process: rows, context width and
     pool size change every step, so they are symbolic rather than a recompile each. The pool is written in
@@ -213,6 +225,7 @@ def compiled_decode():
     serves every step. Inductor needs a C++ compiler on CPU and Triton on CUDA. Measured on CPU only (no GPU
     here; docs/measurements.md), not tried under torchrun."""
     if not _COMPILED:
+        compile_cache()
         _COMPILED.append(torch.compile(decode_hidden, dynamic=True))
     return _COMPILED[0]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from engine import kv, paged
+from engine import kv, paged, shared
 from engine.kv import KVPool
 from engine.samples import BasesDone, BranchRequest, PromptResult, Sample
 from engine.scheduler import Backoff, DecodeRow, Scheduler
@@ -57,6 +57,7 @@ class EngineRun:
     rows_done: int = 0
     trees_done: int = 0
     next_id: int = 0                                      # of the next row created (trace events name rows)
+    prompt_lengths: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         count = len(self.prompts)
@@ -66,6 +67,7 @@ class EngineRun:
                                  f"the {count} prompts; got {len(samples)} "
                                  f"(lengths {[len(s.tokens) for s in samples]})")
         self.results = [PromptResult([None] * self.n) for _ in range(count)]
+        self.prompt_lengths = [len(p) for p in self.prompts]
         self.bases_left, self.rows_left = [self.n] * count, [self.n] * count
         self.base_rows = {p: [] for p in range(count)}
 
@@ -166,12 +168,15 @@ def draw(model, warp, hidden: torch.Tensor) -> tuple[list[int], list[float], lis
 
 def decode_mode(decode: str, device: torch.device) -> str:
     """--decode_step as this engine runs it: auto is the paged step on a CUDA GPU outside torchrun (its
-    graphs and compiled kernels were not tried under FSDP), the reference step elsewhere."""
+    graphs and compiled kernels were not tried under FSDP), the shared step on the CPU (engine/shared.py),
+    the reference step elsewhere."""
     if decode != "auto":
         return decode
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    cuda = torch.device(device).type == "cuda"
-    return "paged" if cuda and not distributed and not paged.DISABLED else "reference"
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "shared"
+    return "paged" if kind == "cuda" and not distributed and not paged.DISABLED else "reference"
 
 
 def paged_pool(model, max_kv_tokens: int, max_rows: int, param: torch.Tensor) -> kv.KVPool:
@@ -203,14 +208,16 @@ class Engine:
         self.trace = trace
         self.decode, self.decode_auto = decode_mode(decode, param.device), decode == "auto"
         self.static = None
-        if self.decode == "reference":
+        self.draw = shared.draw if self.decode == "shared" else draw
+        if self.decode in ("reference", "shared"):
             self.pool = kv.KVPool(model, max_kv_tokens, param.device, param.dtype)
         else:
             self.pool = paged_pool(model, max_kv_tokens, max_rows, param)
             mode = "compile" if compile_decode else \
                 "graph" if self.decode == "paged" and param.device.type == "cuda" else "eager"
             self.static = paged.StaticDecoder(model, self.pool, warp, self.stop_ids, max_rows, mode)
-        self.forward = kv.Forward(model, self.pool, compile_decode)    # --compile_decode: torch.compile
+        self.forward = (shared.Forward if self.decode == "shared" else kv.Forward)(model, self.pool,
+                                                                                  compile_decode)
         self.scheduler = Scheduler(self.pool, max_rows, backoff or Backoff())
         self.events: list[tuple] = []
         # given_tokens: tokens of given base responses fed to the model (run's given_bases)
@@ -236,6 +243,7 @@ class Engine:
         finished rows and trees (off when stderr is not a terminal)."""
         run = self.state = EngineRun(prompts, n, max_new_tokens, keep_hidden, given_bases or {}, self.pool,
                                      self.events)
+        self.forward.prompt_lengths = run.prompt_lengths
         self.scheduler.start(len(prompts))
         run.bar = tqdm(desc="rollout", unit="tok", leave=False, dynamic_ncols=True,
                        disable=None if progress else True)
@@ -375,7 +383,7 @@ class Engine:
     def _sample_next(self, rows: list[DecodeRow], hidden: torch.Tensor, place) -> None:
         """One token per row from its hidden state [rows, d]; a row that ends leaves now (never decoded
         again), the others go to place(row)."""
-        tokens, entropies, logprobs = draw(self.model, self.warp, hidden)
+        tokens, entropies, logprobs = self.draw(self.model, self.warp, hidden)
         for row, h, token, entropy, logprob in zip(rows, hidden, tokens, entropies, logprobs):
             self.state.sampled += 1
             if row.push(token, entropy, logprob, h, self.stop_ids):

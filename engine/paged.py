@@ -73,6 +73,8 @@ def compiled_flex():
     if not _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
+        kv.compile_cache()
+
         def paged_flex(*args, **kwargs):
             # a frame of its own: torch.compile caches per code object, and the update's compiled flex
             # (attention.compiled_flex, other settings) compiles flex_attention's own frame; sharing it made
@@ -238,6 +240,8 @@ class StaticDecoder:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         self.capture_failed: str | None = None
+        if mode == "compile":
+            kv.compile_cache()
         self.compiled = torch.compile(decode_step, fullgraph=True, dynamic=False) \
             if mode == "compile" else None
         self.steps = dict(eager=0, compiled=0, replayed=0, captured=0)

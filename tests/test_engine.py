@@ -76,11 +76,12 @@ def run_to_end(engine, prompts, n, max_new_tokens, branches=None, keep_hidden=No
 
 # ---- greedy: the same trees as HF generate, token for token --------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("budget", ["full", "remaining"])
-def test_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, budget):
+@pytest.mark.parametrize("budget,decode", [("full", "auto"), ("remaining", "reference")])
+def test_greedy_trees_equal_generate_trees(smollm_tokenizer, arch, budget, decode):
+    """Both CPU decode steps (auto: engine/shared.py; the reference, engine/kv.py), each branch budget."""
     tok = smollm_tokenizer
     model = tiny_model(arch, len(tok))
-    cfg = _cfg(top_k=1, branch_length=budget)
+    cfg = _cfg(top_k=1, branch_length=budget, decode_step=decode)
     ours, ours_stats = rollout(model, tok, cfg, "engine")
     ref, ref_stats = rollout(model, tok, cfg, "generate")
     assert tree_tokens(ours) == tree_tokens(ref)
@@ -569,13 +570,13 @@ def test_compiled_decode_step_gives_the_eager_engine_results(smollm_tokenizer):
     tok = smollm_tokenizer
     model = tiny_model("qwen2", len(tok))
     trees = {}
-    for compiled in (False, True):
-        cfg = _cfg(top_k=1, compile_decode=compiled)
+    for compiled in (False, True):     # the reference step (the shared one compiles to more graph variants)
+        cfg = _cfg(top_k=1, compile_decode=compiled, decode_step="reference")
         trees[compiled], stats = rollout(model, tok, cfg, "engine")
     assert tree_tokens(trees[True]) == tree_tokens(trees[False]) and stats.row_steps > 0
     assert kv._COMPILED and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1     # it did compile
     assert any(b.branch for t in trees[True] for b in t.blocks)
-    cfg = _cfg(temperature=0.7, top_k=40, compile_decode=True)
+    cfg = _cfg(temperature=0.7, top_k=40, compile_decode=True, decode_step="reference")
     sampled, _ = rollout(model, tok, cfg, "engine", seed=2)
     assert_recorded_distributions(model, R.Sampler.from_config(model, tok, cfg), sampled)
 

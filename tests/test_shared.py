@@ -1,0 +1,109 @@
+"""engine/shared.py (the CPU decode step) against independent paths: its attention against the reference
+attention (gather + SDPA) on the same pool, its sampling against the distribution it samples from (counted
+frequencies, hand-made edge cases). Its greedy trees against HF generate and its recorded H_t and log p
+against a full forward: tests/test_engine.py (the CPU default)."""
+import types
+
+import torch
+
+from engine import kv, shared
+from engine.loop import decode_mode
+from engine.scheduler import DecodeRow
+
+
+def fake_model(layers=1, heads=4, kv_heads=2, head_dim=16):
+    cfg = types.SimpleNamespace(num_key_value_heads=kv_heads, num_attention_heads=heads,
+                                hidden_size=heads * head_dim, num_hidden_layers=layers, head_dim=head_dim)
+    return types.SimpleNamespace(config=cfg)
+
+
+def test_shared_attention_equals_the_reference_attention():
+    """Two prompts (21 and 9 tokens); prompt A's base rows run on (one ended at 12 tokens, its branches at
+    forks 3, 3 and 7 read its first f tokens), prompt B's rows and a branch of B; every row has just been
+    extended by the slot of the token fed now. The output equals the reference attention's on the same pool
+    within float32 rounding, and the new keys/values land in each row's slot."""
+    torch.manual_seed(0)
+    pool = kv.KVPool(fake_model(), 400, "cpu", torch.float32)
+    pool.layers[0].normal_()
+    prompt_a, prompt_b = [], []
+    pool.extend(prompt_a, 21)
+    pool.extend(prompt_b, 9)
+    ended = pool.share([(prompt_a, 21)])[0]
+    pool.extend(ended, 12)
+    base_b = pool.share([(prompt_b, 9)])[0]
+    pool.extend(base_b, 6)
+    rows = [DecodeRow(0, 0, 0, None, pool.share([(prompt_a, 21)])[0], 99),          # a base row, own: 5
+            DecodeRow(1, 1, 1, None, pool.share([(prompt_b, 9)])[0], 99),           # a base row of B
+            DecodeRow(2, 0, 1, 3, pool.share([(ended, 24)])[0], 99),                # branches of A's base 1
+            DecodeRow(3, 0, 1, 7, pool.share([(ended, 28)])[0], 99),
+            DecodeRow(4, 0, 1, 3, pool.share([(ended, 24)])[0], 99),
+            DecodeRow(5, 1, 0, 4, pool.share([(base_b, 13)])[0], 99),               # a branch of B's base 0
+            DecodeRow(6, 0, 2, None, pool.share([(prompt_a, 21)])[0], 99)]          # A, none of its own yet
+    for row, n in zip(rows, [5, 2, 6, 0, 3, 1, 0]):
+        pool.extend(row.slots, n)
+    for row in rows:
+        pool.extend(row.slots, 1)
+    step = shared.step_kv(pool, rows, [21, 9], per_kv=2)
+    assert len(step.parts) == 3                                     # prompts, base prefixes, own tokens
+    assert step.parts[0].read.shape[0] == 2 and step.parts[1].read.shape == (2, 7)   # 2 prompts, 2 bases
+    query, key, value = torch.randn(len(rows), 4, 1, 16), torch.randn(len(rows), 2, 1, 16), \
+        torch.randn(len(rows), 2, 1, 16)
+    layer = types.SimpleNamespace(layer_idx=0)
+    before = pool.layers[0].clone()
+    out, _ = shared.shared_attention(layer, query, key, value, None, scaling=0.25, engine_kv=step)
+    written = pool.layers[0].clone()
+    slots = [row.slots[-1] for row in rows]
+    assert torch.equal(written[slots], torch.stack((key[:, :, 0], value[:, :, 0]), 1))
+    changed = (written != before).flatten(1).any(1).nonzero()[:, 0].tolist()
+    assert sorted(changed) == sorted(slots)
+    pool.layers[0].copy_(before)
+    ref, _ = kv.engine_attention(layer, query, key, value, None, scaling=0.25,
+                                 engine_kv=kv.step_kv(pool, [row.slots for row in rows], 1)[0])
+    assert out.shape == ref.shape == (len(rows), 1, 4, 16)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def sampler_model():
+    """lm_head is the identity: the hidden state is the row's scores."""
+    return types.SimpleNamespace(get_output_embeddings=lambda: torch.nn.Identity())
+
+
+def test_draw_samples_the_distribution_and_records_its_entropy_and_log_probs():
+    """20,000 draws of each of two rows: frequencies within 4.5 standard errors of softmax(scores); a token
+    of score −inf (masked by a warper) never drawn; H_t = −Σ p log p and log p of the drawn token as computed
+    by hand; a greedy (one-hot) row always gives its token; one transfer to the host."""
+    scores = torch.tensor([[2.0, 0.5, -1.0, float("-inf"), 0.0, 1.5],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    n = 20000
+    torch.manual_seed(0)
+    tokens, entropies, logprobs = shared.draw(sampler_model(), lambda s: s, scores.repeat_interleave(n, 0))
+    probs = torch.softmax(scores, -1)
+    drawn = torch.tensor(tokens).view(2, n)
+    for r in range(2):
+        freq = torch.bincount(drawn[r], minlength=6).double() / n
+        se = (probs[r].double() * (1 - probs[r].double()) / n).sqrt()
+        assert ((freq - probs[r]).abs() <= 4.5 * se + 1e-12).all(), (r, freq, probs[r])
+    assert (drawn[0] != 3).all()
+    entropy = [-(p[p > 0] * p[p > 0].log()).sum().item() for p in probs]
+    assert torch.allclose(torch.tensor(entropies).view(2, n), torch.tensor(entropy)[:, None].expand(2, n),
+                          atol=1e-5)
+    logp = torch.log_softmax(scores, -1)
+    assert torch.allclose(torch.tensor(logprobs), logp.repeat_interleave(n, 0)[torch.arange(2 * n), tokens],
+                          atol=1e-5)
+    one_hot = torch.full((3, 6), float("-inf"))
+    one_hot[torch.arange(3), torch.tensor([4, 0, 5])] = 0.0
+    assert shared.draw(sampler_model(), lambda s: s, one_hot)[0] == [4, 0, 5]
+
+
+def test_inverse_cdf_never_picks_a_token_of_probability_zero():
+    """u at 0 and just below 1: the first and the last token of nonzero probability, with zeros before,
+    between and after them; u in the middle: the token whose interval holds it."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0]] * 4)
+    u = torch.tensor([[0.0], [1 - 2**-53], [0.3], [0.75]], dtype=torch.float64)
+    assert shared.inverse_cdf(probs, u)[:, 0].tolist() == [1, 4, 3, 4]
+    assert shared.inverse_cdf(probs, torch.tensor([[0.2499]] * 4, dtype=torch.float64))[0, 0].item() == 1
+
+
+def test_the_cpu_default_is_the_shared_step():
+    assert decode_mode("auto", torch.device("cpu")) == "shared"
+    assert decode_mode("reference", torch.device("cpu")) == "reference"
