@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
 os.environ.update(threads.policy_env(sys.argv[1:], os.environ))
 import torch  # noqa: E402

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import threads  # noqa: E402
+from runtime import threads  # noqa: E402
 
 os.environ.update(threads.policy_env(["--threads", "2"], os.environ))   # the demo's threads, before torch
 
