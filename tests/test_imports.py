@@ -11,6 +11,7 @@
 Every import counts, at the top of a file or inside a function; the test-side fault injection
 (tests/inject.py) is imported by no file of the project; and no files import each other in a circle."""
 import ast
+import functools
 import subprocess
 from pathlib import Path
 
@@ -142,3 +143,44 @@ def test_the_checks_see_a_wrong_import_and_a_circle(tmp_path):
                      "harness.loop:7 imports evaluate (shell -> command)"]
     assert circles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert circles({"a": ["b"], "b": ["c"], "c": []}) == []
+
+
+
+@functools.lru_cache(maxsize=None)
+def defined_names(path: Path) -> frozenset[str]:
+    """The names a module's top level binds: defs, classes, assignments, imports (under if/try too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name.split(".")[0]) for a in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return frozenset(names)
+
+
+def unresolved(path: Path, known: dict[str, Path]) -> list[str]:
+    """`from M import N` of a project module M where N is neither a module M.N nor a name M binds."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in known:
+            bound = defined_names(known[node.module])
+            out += [f"{path.name}:{node.lineno} from {node.module} import {a.name}"
+                    for a in node.names if f"{node.module}.{a.name}" not in known and a.name not in bound]
+    return out
+
+
+def test_every_from_import_of_the_project_names_something_there(tmp_path):
+    """A file moved (issue 45: harness/threads.py -> runtime/threads.py) leaves no `from harness import
+    threads` behind in a script no test runs (bench/profile_rollout.py had one): every `from M import N` of a
+    project module, in every file of the project, names a module M.N or a name M binds. The check sees a
+    stale import and passes a good one."""
+    known = modules()
+    wrong = [line for path in known.values() for line in unresolved(path, known)]
+    assert not wrong, "imports of names that are not there:\n" + "\n".join(wrong)
+    script = tmp_path / "script.py"
+    script.write_text("from harness import threads\nfrom runtime import threads as t\n"
+                      "from reward import compute_reward, nothing_here\n")
+    assert unresolved(script, known) == ["script.py:1 from harness import threads",
+                                         "script.py:3 from reward import nothing_here"]
