@@ -138,9 +138,9 @@ def alpha_at(step: int, total_steps: int, start: float, end: float) -> float:
     return start + (end - start) * progress
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Baselines
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """GRPO: (r − mean) / (std + eps) within the group of G responses to one prompt (unbiased std, as
     torch.std; a group with equal rewards gets 0)."""
@@ -174,9 +174,9 @@ def treerl_advantages(parents: list[int | None], rewards: list[float | None]) ->
     return out
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Phase 3 of a training step: the numbers of every block of every tree (Alg. DATPO, App. E)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class BlockScore:
     """Phase 3's numbers for one block (App. E.1): what the update trains and what the tree log shows."""
@@ -197,9 +197,9 @@ def sibling_texts(tr: Tree) -> tuple[int, list[tuple[int, str]]]:
     return len(tr.blocks), [(i, b.text) for i, b in enumerate(tr.blocks) if counts[b.parent] > 1]
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The paper's estimates, or the authors' release's where its row asks (--preset release: release.py)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def block_values(tr: Tree, value_estimate: str = "paper") -> tuple[list[float], list[float]]:
     """(V(s_start), V(s_end)) of the tree's blocks: V̂_MC (App. E.1, mc_values), or the release's estimate
     with value_estimate "release" (release.tree_values)."""
@@ -245,9 +245,9 @@ def embed_blocks(embedder, trees: list[Tree], batch_size: int, sibling_groups: s
     return out
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Phase 3 of a training step: the numbers of every block of one tree (Alg. DATPO, App. E)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def score_tree(tr: Tree, method, alpha: float, embeddings, scope: str = "positive",
                value_estimate: str = "paper", sibling_groups: str = "paper") -> list[BlockScore]:
     """Phase 3 of one tree as Sec. 4.2 reads, one BlockScore per block: V at each block's start and end,

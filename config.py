@@ -37,7 +37,7 @@ import methods
 
 @dataclass
 class Config:
-    # ---- model and data ------------------------------------------------------------------------------
+    # ---- model and data --------------------------------------------------------------------------
     method: str = "datpo"                   # datpo | grpo | drgrpo | treerl | attnrl (Sec. 5.1 "Baselines"):
                                             # a methods.py row, which brings the settings that define it
     model: str = "Qwen/Qwen2.5-3B"          # HF name, local folder, or "smollm2-135m" (embedded, offline)
@@ -61,7 +61,7 @@ class Config:
     answer_column: str = ""                 # the gold answer's column; "" = answer, final_answer or solution
                                             # (its last \boxed{}, else the answer math-verify finds in it)
 
-    # ---- rollout and tree (Sec. 4.1, App. C/D) -------------------------------------------------------
+    # ---- rollout and tree (Sec. 4.1, App. C/D) ---------------------------------------------------
     n_base: int = 4                         # N base responses per prompt
     k_max: int = 3                          # K_max forking points per base response
     b_max: int = 4                          # B_max branches per forking point
@@ -75,7 +75,7 @@ class Config:
     group_size: int = 16                    # G for grpo / drgrpo (parallel sampling, App. F.2)
     attnrl_lambda: float = 0.9              # AttnRL dynamic batch size EMA weight λ (App. F.2)
 
-    # ---- sampling ------------------------------------------------------------------------------------
+    # ---- sampling --------------------------------------------------------------------------------
     temperature: float = 1.0                # of rollouts and evaluation (App. F.1: 1.0)
     top_p: float = 1.0                      # 1.0 = off (paper samples from the full distribution)
     top_k: int = 0                          # 0 = off
@@ -97,7 +97,7 @@ class Config:
     off_policy_steps: int = 0               # 1: AttnRL's one-step off-policy (offpolicy.py): step t+1's
                                             # base responses decode in step t's rollout; 0: on-policy
 
-    # ---- advantage (Sec. 4.2, App. E) ----------------------------------------------------------------
+    # ---- advantage (Sec. 4.2, App. E) ------------------------------------------------------------
     alpha_start: float = 0.2                # α of Eq. 4 (the sibling-diversity bonus) at the first step,
                                             # annealed linearly to --alpha_end
     alpha_end: float = 0.0                  # α at the last step (Table "alpha")
@@ -114,7 +114,7 @@ class Config:
     trust_remote_code: bool = False         # let --model / --embed_model folders run their own Python code
                                             # (HF auto_map); off: a model that needs it is refused in one line
 
-    # ---- update (App. F.2 "Training Hyperparameters") ------------------------------------------------
+    # ---- update (App. F.2 "Training Hyperparameters") --------------------------------------------
     lr: float = 5e-6                        # AdamW learning rate (App. F.2: 5e-6, constant)
     lr_schedule: str = "constant"           # after the warmup: constant (the paper) | linear | cosine decay
                                             # towards 0 at --steps; set per training step (optim.lr_at)
@@ -147,14 +147,14 @@ class Config:
                                             # peaks at 32 GB, not 68 GB (bench_update.memory_table)
     steps: int = 750                        # one pass over 12,000 problems at 16 per step
 
-    # ---- evaluation (Sec. 5.1) -----------------------------------------------------------------------
+    # ---- evaluation (Sec. 5.1) -------------------------------------------------------------------
     eval_data: str = "math500"              # held-out set, a --train_data source (App. F.1: MATH500)
     eval_every: int = 40                    # steps; 0 = never (authors' release: 40)
     eval_limit: int = 0                     # problems; 0 = all
     eval_k: int = 8                         # samples per problem for avg@k during training
     eval_max_new_tokens: int = 2048         # new tokens per evaluation sample (App. F.1: 2048)
 
-    # ---- run -----------------------------------------------------------------------------------------
+    # ---- run -------------------------------------------------------------------------------------
     seed: int = 0                           # data order, sampling, forks, mini-batches: a run repeats
     device: str = "auto"                    # where the model runs: auto | cpu | cuda | cuda:N
     threads: int = 0                        # torch CPU threads; 0 = torch default
@@ -189,13 +189,13 @@ class Config:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Presets. Two independent axes:
 #   --scale   how big a run is (model, data, lengths, batch sizes, steps): paper | demo | teach | tiny
 #   --preset  which row of the paper's tables to run (method, tree shape, forks, alpha, clip, ...)
 # `--preset demo`, `teach` and `tiny` are DATPO at that scale; `--preset treerl --scale demo` is TreeRL on
 # the CPU demo, `--preset treerl` (paper scale) is the paper's TreeRL row. Later flags override both.
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 SCALES: dict[str, dict] = {
     # The paper's runs on one A100: the dataclass defaults.
     "paper": {},

@@ -28,11 +28,11 @@ import advantage
 import tree
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Advantages and training paths, per method (the formulas live in advantage.py and tree.py). An advantage
 # function gets the tree and Phase 3's shared numbers (advantage.score_tree): Â_base per block (Eq. 3) and
 # Div_sib per block (Eq. 10; None when the step embedded nothing), α and --alpha_scope.
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def datpo_rule(tr: tree.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
     """Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) (Sec. 4.2, Eq. 4)."""
     return advantage.diversity_bonus(base, diversity, alpha, scope)
@@ -64,9 +64,9 @@ def branched_paths(tr: tree.Tree) -> list[list[int]]:
     return [p for p in leaf_paths(tr) if len(p) > 1]
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The table
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 TREE_BASELINE = dict(n_base=6, k_max=2, b_max=2)        # App. F.2: TreeRL's and AttnRL's papers' (6, 2, 2)
 
 

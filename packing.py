@@ -45,9 +45,9 @@ from engine.generate import left_pad
 from runtime import distributed, oom
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # What the update trains
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class TrainTree:
     """One prompt's tree as the update sees it: per block its parent, tokens, advantage Â(b) and weight.
@@ -129,9 +129,9 @@ def token_advantages(trees: list[TrainTree], device) -> torch.Tensor:
                         dtype=torch.float32, device=device)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Mini-batches: counted in blocks (App. F.2), re-shuffled every epoch, normaliser per mini-batch
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 Unit = tuple[int, tuple[int, ...]]     # (tree index, trained blocks of that tree in this mini-batch)
 
 
@@ -198,9 +198,9 @@ def loss_normaliser(trees: list[TrainTree], units: list[Unit], loss_norm: str, m
     return float(sum(trees[t].weights[b] * len(trees[t].tokens[b]) for t, bs in units for b in bs))
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Splitting trees into micro-batches sized in tokens
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class Item:
     """Blocks of one tree that travel together: a whole subtree when it fits, else one block alone."""
@@ -289,9 +289,9 @@ def micro_batches(trees: list[TrainTree], units: list[Unit], max_tokens: int) ->
     return bins
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Packing: tokens, position ids, the tree mask as subtree ends, targets
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class Packed:
     """One packed sequence and its targets. Target j is token `target_ids[j]`, predicted by the hidden state
@@ -378,9 +378,9 @@ def pad_packed(packed: Packed, length: int, pad_id: int = 0) -> Packed:
                   packed.target_ids, packed.target_gidx, packed.target_weights)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Log-probs of a packed sequence: one forward under the tree mask (its kernels: attention.py), fp32 logits
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def fp32_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
     """Logits computed in fp32 at least (autocast off; a float64 model keeps float64): bf16 logits are
     rounded to 8 bits before any upcast (|Δ log p| up to ~0.1 at logits of a few tens), which would put that
@@ -516,10 +516,10 @@ def torchrun_logprobs(model, ids, mask, positions, pred_index, targets, chunk: i
     return torch.cat(parts) if parts else logits.new_zeros(0)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The rows layout: every trained chain of blocks as its own left-padded row with its whole context
 # (the simple path, and the oracle the packed layout is tested against)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class Row:
     """One training sequence: context + targets; `gidx`/`weights` per target token."""
@@ -588,9 +588,9 @@ def row_logprobs(model, rows: list[Row], pad_id: int, device) -> list[torch.Tens
     return [logp[i, keep - r.n_targets:] for i, r in enumerate(rows)]
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One interface for both layouts
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class MicroBatch:
     """One forward/backward: a packed sequence or a list of rows, and per target its flat token index and

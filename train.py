@@ -61,9 +61,9 @@ from harness import cli, loop
 from runtime import distributed, faults
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The loop
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def train(cfg: config.Config) -> Path:
     """Run (or resume) training: load the policy, build AdamW, then one train_step per step. Returns the
     run folder."""
@@ -131,9 +131,9 @@ class StepResult:
     ahead_bases: list | None = None
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One step of Algorithm DATPO
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def train_step(learner: Learner, batch: offpolicy.Batch, step: int, rng: random.Random) -> StepResult:
     """One step of Algorithm DATPO (App. E.3) — or of the method's baseline (methods.py) — on `batch`, this
     process's prompts q ~ Q (prompts.py), at `step` (0-based)."""
@@ -188,9 +188,9 @@ def tree_rollouts(learner: Learner, batch: offpolicy.Batch, step: int, rng: rand
     return trees, stats, ahead[0] if ahead else None
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Phase 3 → 4: what the update trains
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def train_tree(tr: tree.Tree, adv: list[float], method: methods.Method) -> packing.TrainTree:
     """The tree with one advantage per block. DATPO and the parallel baselines train every tree token once
     (weight 1). TreeRL/AttnRL train root-to-leaf paths (App. E.4; the row's `paths`): a block counts once
@@ -206,9 +206,9 @@ def train_tree(tr: tree.Tree, adv: list[float], method: methods.Method) -> packi
                              paths, behaviour)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Phase 4: the clipped token-level objective over packed trees (packing.py)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def clipped_objective(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
                       clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) (Eq. DATPO; DAPO's decoupled clip) and a mask of the

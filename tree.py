@@ -36,9 +36,9 @@ import numpy as np
 FORK_STRATEGIES = ("random", "fixed-seg", "atb", "tok-entropy", "sent-entropy")
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Difficulty-adaptive budget (Sec. 4.1)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def adaptive_budget(v_root: float, k_max: int, b_max: int) -> tuple[int, int]:
     """(K̂, B̂) = (⌈K_max(1−V)⌉, ⌈B_max(1−V)⌉), Eq. (1)-(2). V = 1 expands nothing.
 
@@ -82,9 +82,9 @@ def attnrl_expansion(rewards: list[float], rng) -> list[int]:
     return sorted(chosen)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Token offsets, sentences and steps
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
     """Decode generated ids to text and give each token its (start, end) character span in that text.
 
@@ -183,9 +183,9 @@ def step_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int
     return _char_spans_to_token_spans(sorted(set(char_starts)), offsets, text)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Forking-point selection (App. D, Algorithm "Forking Points Selection")
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _top_positions(scores: list[float], positions: list[int], k: int) -> list[int]:
     """The k positions with the highest score; ties go to the earlier position (stable)."""
     order = sorted(range(len(positions)), key=lambda i: (-scores[i], positions[i]))
@@ -291,9 +291,9 @@ def atb_tokens(k: int, lo: int, hi: int, spans, step_scores, quantile: float = 0
     return chosen + [a for a in starts if a not in chosen][: k - len(chosen)]
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Branch length (App. F.2 "maximum generation length of 1024 tokens")
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 BRANCH_LENGTHS = ("full", "remaining")
 
 
@@ -315,9 +315,9 @@ def max_path_tokens(max_new_tokens: int, length: str = "full") -> int:
     return max_new_tokens - 1 + branch_limit(max_new_tokens, max_new_tokens - 1, length)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Blocks (Sec. 4.2, App. C.2)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class Block:
     """A contiguous run of generated tokens between two forks (or a fork and the end of a trajectory)."""
