@@ -12,8 +12,10 @@ and an unknown flag or a bad value is one line that says what is valid.
 
 Where a value comes from, lowest to highest (a later one wins the field):
 
-    Config's default  <  the scale's row (SCALES)  <  the method's settings (methods.py)  <  the preset's
-    row (ROWS)  <  --config FILE or --resume RUN (a run's config.json: every field)  <  the command line
+    Config's default  <  the scale's row (SCALES)  <  the method's settings (methods.py)
+      <  the preset's row (ROWS)
+      <  --config FILE or --resume RUN (a run's config.json: every field)
+      <  the command line
 
 The method sits above the scale so that TreeRL stays (6, 2, 2) with tok-entropy forks at any scale.
 Ablations: edit a default in `Config` below; it reaches every run whose rows leave that field alone
@@ -22,9 +24,9 @@ says so at start, one line per field ("b_max = 3 in config.py → 2 from scale d
 harness/edits.py). Three recipes on `--preset teach`, what each shows in minutes (README
 "Ablations"):
 
-    adaptive: bool = False          K̂, B̂ stay (K_max, B_max): easy prompts grow full trees (Sec. 4.1)
-    fork: str = "random"            forks anywhere, not at the starts of high-entropy sentences (App. D)
-    alpha_start: float = 0.4        twice the diversity bonus on every block with Â_base > 0 (Eq. 4)
+    adaptive: bool = False    K̂, B̂ stay (K_max, B_max): easy prompts grow full trees (Sec. 4.1)
+    fork: str = "random"      forks anywhere, not at the starts of high-entropy sentences (App. D)
+    alpha_start: float = 0.4  twice the diversity bonus on every block with Â_base > 0 (Eq. 4)
 """
 from __future__ import annotations
 
@@ -72,8 +74,8 @@ class Config:
     n_base: int = 4                         # N base responses per prompt
     k_max: int = 3                          # K_max forking points per base response
     b_max: int = 4                          # B_max branches per forking point
-    adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉; False:
-                                            # (K_max, B_max)
+    adaptive: bool = True                   # K̂ = ⌈K_max(1−V)⌉, B̂ = ⌈B_max(1−V)⌉;
+                                            # False: (K_max, B_max)
     fork: str = "sent-entropy"              # forking strategy (App. D, Alg. "Forking Points
                                             # Selection")
     fork_keeps_token: bool = True           # x_f = [q; τ_{1:f}]: the branch samples after the
@@ -235,7 +237,8 @@ class Config:
 
 # --------------------------------------------------------------------------------------------------
 # Presets. Two independent axes:
-#   --scale   how big a run is (model, data, lengths, batch sizes, steps): paper | demo | teach | tiny
+#   --scale   how big a run is (model, data, lengths, batch sizes, steps):
+#             paper | demo | teach | tiny
 #   --preset  which row of the paper's tables to run (method, tree shape, forks, alpha, clip, ...)
 # `--preset demo`, `teach` and `tiny` are DATPO at that scale; `--preset treerl --scale demo` is
 # TreeRL on the CPU demo, `--preset treerl` (paper scale) is the paper's TreeRL row. Later flags
@@ -249,8 +252,9 @@ SCALES: dict[str, dict] = {
     # GRPO loop lr 1e-5 was steady, 3e-5 peaked early then drifted).
     "demo": dict(
         model="smollm2-135m", train_data="arith-train", eval_data="arith-test", few_shot=True,
-        prompt_style="chat", embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2, max_new_tokens=64,
-        max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64, micro_batch_size=16,
+        prompt_style="chat", embed_model="all-minilm-l6-v2", n_base=4, k_max=2, b_max=2,
+        max_new_tokens=64, max_prompt_tokens=512, prompts_per_step=8, mini_batch_size=64,
+        micro_batch_size=16,
         max_tokens_per_micro_batch=2048,   # ~2.5 demo trees: forwarded/unique ≤ 1.05
                                            # (bench/bench_update.py)
         gen_batch_size=64, branch_chunk_size=64, ppo_epochs=1, lr=1e-5, steps=24, eval_every=24,
@@ -261,33 +265,35 @@ SCALES: dict[str, dict] = {
     # Tests: a tiny random model, a handful of tokens. Token-entropy forks: a random model's text
     # has no sentences to speak of.
     "tiny": dict(
-        model="tiny-random", train_data="arith-train", eval_data="arith-test", embed_model="all-minilm-l6-v2",
-        prompt_style="chat",
+        model="tiny-random", train_data="arith-train", eval_data="arith-test",
+        embed_model="all-minilm-l6-v2", prompt_style="chat",
         n_base=2, k_max=2, b_max=2, fork="tok-entropy", group_size=4, max_new_tokens=12,
         max_prompt_tokens=512, prompts_per_step=2, mini_batch_size=8, micro_batch_size=4,
         max_tokens_per_micro_batch=256, gen_batch_size=8, branch_chunk_size=8,
-        ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2, eval_max_new_tokens=12,
-        save_every=1, precision="fp32", device="cpu", gradient_checkpointing=False,
+        ppo_epochs=1, lr=1e-3, steps=2, eval_every=0, eval_limit=4, eval_k=2,
+        eval_max_new_tokens=12, save_every=1, precision="fp32", device="cpu",
+        gradient_checkpointing=False,
     ),
 }
 # A class: the demo made small enough to see an ablation in minutes on 2 cores (README "Ablations"):
 # 4 prompts a step, 4 steps, every tree logged (python -m harness.viz), 16 held-out problems before
 # and after; mini-batches of 16 blocks, so a step takes a few AdamW steps and the clip acts. It sets
 # no algorithm knob (fork, adaptive, alpha_*, ...): edits of Config's defaults take effect on it.
-SCALES["teach"] = dict(SCALES["demo"], max_new_tokens=48, prompts_per_step=4, mini_batch_size=16, steps=4,
-                       eval_every=4, eval_limit=16, eval_k=2, eval_max_new_tokens=48, save_every=0,
-                       log_trees_every=1)
+SCALES["teach"] = dict(SCALES["demo"], max_new_tokens=48, prompts_per_step=4, mini_batch_size=16,
+                       steps=4, eval_every=4, eval_limit=16, eval_k=2, eval_max_new_tokens=48,
+                       save_every=0, log_trees_every=1)
 
 # Rows of the paper's tables: algorithm settings only (the scale comes from SCALES). A row that
 # names a method gets that method's own settings first (methods.py: TreeRL's forks and (6, 2, 2),
 # GRPO's clip-higher, ...), so `--preset treerl` and `--method treerl` are the same run.
 ROWS: dict[str, dict] = {
     # Table "main results" (Sec. 5.2)
-    "paper": {},                                                        # DATPO (4,3,4), sent-entropy, α 0.2→0
+    "paper": {},                        # DATPO (4,3,4), sent-entropy, α 0.2→0
     # "The paper as run": the paper plus every behaviour of the authors' release that is not a bug
     # (docs/decisions.md, release.py). Where the paper is silent the defaults already follow the
     # release (prompt, bf16, branch length).
-    "release": dict(value_estimate="release", sibling_groups="release", mini_batch_grouping="blocks"),
+    "release": dict(value_estimate="release", sibling_groups="release",
+                    mini_batch_grouping="blocks"),
     "grpo": dict(method="grpo"),
     "drgrpo": dict(method="drgrpo"),
     "treerl": dict(method="treerl"),
@@ -350,7 +356,8 @@ def layers(preset: str = "paper", scale: str | None = None, method: str | None =
     at_paper = row_values.pop("at_paper_scale", {})     # a row's sizes that only make sense at
                                                         # paper scale
     method = method or row_values.get("method", Config.method)
-    defining = methods.METHODS[method].settings if method in methods.METHODS else {}   # else: validate says
+    defining = (methods.METHODS[method].settings if method in methods.METHODS
+                else {})   # else: validate says
     return [(f"scale {scale}", SCALES[scale]), (f"method {method} (methods.py)", defining),
             (f"preset {row}", row_values),
             (f"preset {row} at paper scale", at_paper if scale == "paper" else {})]
