@@ -10,15 +10,16 @@ preset's row and your flags. A new method or ablation is one more row.
   rollout     "tree": N base responses, then forks and branches (Algorithm "Tree Rollout");
               "parallel": G independent responses per prompt (cfg.group_size), no forks (GRPO)
   expand      which base responses get forks: None = all; AttnRL picks them (tree.attnrl_expansion)
-  paths       how the loss weighs tokens: None = every tree token once (Eq. DATPO); a function giving the
-              trained root-to-leaf paths = TreeRL/AttnRL's flattening (App. E.4): a token counts
-              once per path through it
-  embeds      DATPO's sibling-diversity bonus α·Div_sib: α is annealed and blocks are embedded (Sec. 4.2)
+  paths       how the loss weighs tokens: None = every tree token once (Eq. DATPO); a function
+              giving the trained root-to-leaf paths = TreeRL/AttnRL's flattening (App. E.4):
+              a token counts once per path through it
+  embeds      DATPO's sibling-diversity bonus α·Div_sib: α is annealed and blocks are embedded
+              (Sec. 4.2)
   filters     drop trees whose leaves all share one reward before the update (AttnRL)
   dynamic_batch  AttnRL's dynamic prompt batch size (prompts.attnrl_batch_size)
-  settings    the config values that define the method: forking strategy, (N, K, B), adaptive or fixed
-              (K̂, B̂), clip, loss normaliser, off-policy. DATPO's are config.py's defaults
-              (App. F.2).
+  settings    the config values that define the method: forking strategy, (N, K, B), adaptive
+              or fixed (K̂, B̂), clip, loss normaliser, off-policy. DATPO's are config.py's
+              defaults (App. F.2).
 """
 from __future__ import annotations
 
@@ -35,22 +36,26 @@ import tree
 # block (Eq. 3) and Div_sib per block (Eq. 10; None when the step embedded nothing), α and
 # --alpha_scope.
 # --------------------------------------------------------------------------------------------------
-def datpo_rule(tr: tree.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+def datpo_rule(tr: tree.Tree, base: list[float], diversity, alpha: float,
+               scope: str) -> list[float]:
     """Â(b) = Â_base(b) + 1[Â_base > 0]·α·Div_sib(b) (Sec. 4.2, Eq. 4)."""
     return advantage.diversity_bonus(base, diversity, alpha, scope)
 
 
-def grpo_rule(tr: tree.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+def grpo_rule(tr: tree.Tree, base: list[float], diversity, alpha: float,
+              scope: str) -> list[float]:
     """(r − mean) / std over the G parallel responses (GRPO)."""
     return advantage.grpo_advantages(tr.rewards)
 
 
-def drgrpo_rule(tr: tree.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+def drgrpo_rule(tr: tree.Tree, base: list[float], diversity, alpha: float,
+                scope: str) -> list[float]:
     """r − mean over the G parallel responses (Dr.GRPO)."""
     return advantage.drgrpo_advantages(tr.rewards)
 
 
-def treerl_rule(tr: tree.Tree, base: list[float], diversity, alpha: float, scope: str) -> list[float]:
+def treerl_rule(tr: tree.Tree, base: list[float], diversity, alpha: float,
+                scope: str) -> list[float]:
     """TreeRL's process advantage per segment (also AttnRL's)."""
     return advantage.treerl_advantages(tr.parents, tr.rewards)
 
@@ -96,7 +101,8 @@ class Method:
         if self.rollout == "parallel":
             return cfg.group_size, (lambda v: (0, 0)), None
         if cfg.adaptive:
-            return cfg.n_base, (lambda v: tree.adaptive_budget(v, cfg.k_max, cfg.b_max)), self.expand
+            return (cfg.n_base, (lambda v: tree.adaptive_budget(v, cfg.k_max, cfg.b_max)),
+                    self.expand)
         return cfg.n_base, (lambda v: (cfg.k_max, cfg.b_max)), self.expand
 
     def longest_response(self, cfg) -> int:
@@ -123,15 +129,17 @@ class Method:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
-    #      name       advantages    how it rolls out and trains; settings: what defines it (App. F.2)
+    #      name       advantages    how it rolls out and trains; settings: what defines it
+    #                               (App. F.2)
     Method("datpo",   datpo_rule,   embeds=True),           # settings: config.py's defaults,
                                                             # (4, 3, 4) etc.
-    Method("grpo",    grpo_rule,    rollout="parallel", settings=dict(clip_high=0.28)),   # clip-higher
+    Method("grpo",    grpo_rule,    rollout="parallel",
+           settings=dict(clip_high=0.28)),                  # clip-higher
     Method("drgrpo",  drgrpo_rule,  rollout="parallel", settings=dict(loss_norm="constant")),
     Method("treerl",  treerl_rule,  paths=leaf_paths,
            settings=dict(fork="tok-entropy", adaptive=False, **TREE_BASELINE)),
-    Method("attnrl",  treerl_rule,  paths=branched_paths, expand=tree.attnrl_expansion, filters=True,
-           dynamic_batch=True,
+    Method("attnrl",  treerl_rule,  paths=branched_paths, expand=tree.attnrl_expansion,
+           filters=True, dynamic_batch=True,
            settings=dict(fork="atb", adaptive=False, off_policy_steps=1, **TREE_BASELINE)),
 ]}
 
