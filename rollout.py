@@ -4,21 +4,22 @@ Paper: Sec. 3.2 and App. C (Algorithm "Tree Rollout"), Sec. 4.1 (difficulty-adap
 App. D (forking strategies).
 
 One call of `rollout_trees`, for a batch of prompts:
-  Bases     N base responses per prompt; every token comes with H_t and log p(token) under the distribution
-            it was sampled from (after temperature/top-k/top-p): an engine.Sample each.
-  Budget    the moment a prompt's N bases have ended (the engine yields BasesDone): their rewards → V(root) =
-            their mean → (K̂, B̂) (tree.adaptive_budget, or fixed (K, B)), and tree.select_forks on
-            each response (plan_prompt → tree.ForkPlan).
+  Bases     N base responses per prompt; every token comes with H_t and log p(token) under the
+            distribution it was sampled from (after temperature/top-k/top-p): an engine.Sample each.
+  Budget    the moment a prompt's N bases have ended (the engine yields BasesDone): their rewards →
+            V(root) = their mean → (K̂, B̂) (tree.adaptive_budget, or fixed (K, B)), and
+            tree.select_forks on each response (plan_prompt → tree.ForkPlan).
   Branches  B̂ branches from each fork (engine.Engine.grow): they join the running batch.
-  Blocks    tree.base_blocks + one terminal block per branch → a tree.Tree per prompt (response_blocks).
+  Blocks    tree.base_blocks + one terminal block per branch → a tree.Tree per prompt
+            (response_blocks).
 The blocks carry H_t and log p of their tokens (tree.Block.entropies / .logprobs), so a later update
 can tell the behaviour policy's log-probs from its own (one-step off-policy).
 
 Two engines behind one interface (cfg.rollout_engine; Sampler):
-  engine    (default) engine/: one decode loop for all prompts; rows leave when they end, a prompt's branches
-            start the moment its bases end; prefixes are shared in a slot pool.
-  generate  engine/generate.py: HF `generate`, group by group; the reference path and the test oracle
-            (greedy decoding gives the same trees token for token).
+  engine    (default) engine/: one decode loop for all prompts; rows leave when they end, a
+            prompt's branches start the moment its bases end; prefixes are shared in a slot pool.
+  generate  engine/generate.py: HF `generate`, group by group; the reference path and the test
+            oracle (greedy decoding gives the same trees token for token).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class Sampler:
     def from_config(cls, model, tokenizer, cfg, backoff: engine.Backoff | None = None) -> "Sampler":
         return cls(model, stop_token_ids(tokenizer, model), tokenizer.pad_token_id,
                    cfg.temperature, cfg.top_k, cfg.top_p, cfg.rollout_engine,
-                   cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size), cfg.max_kv_tokens,
+                   cfg.max_batch_rows or max(cfg.gen_batch_size, cfg.branch_chunk_size),
+                   cfg.max_kv_tokens,
                    compile_decode=cfg.compile_decode, backoff=backoff or engine.Backoff(),
                    decode=cfg.decode_step)
 
@@ -104,8 +106,9 @@ class Sampler:
         them take turns."""
         capacity = self.max_kv_tokens or \
             (min(self.max_rows, rows) + n) * max_new_tokens + sum(map(len, prompt_ids))
-        return engine.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity, trace=trace,
-                        compile_decode=self.compile_decode, backoff=self.backoff, decode=self.decode)
+        return engine.Engine(self.model, self.stop_ids, self.warp, self.max_rows, capacity,
+                             trace=trace, compile_decode=self.compile_decode, backoff=self.backoff,
+                             decode=self.decode)
 
 
 @torch.no_grad()
@@ -118,7 +121,8 @@ def sample_base(sampler: Sampler, prompt_ids: list[list[int]], n: int, max_new_t
     if sampler.engine != "engine":
         return generate.generate_bases(sampler, prompt_ids, n, max_new_tokens, keep_cache)
     decoder = sampler.make_engine(prompt_ids, max_new_tokens, len(prompt_ids) * n, n)
-    for _ in decoder.run(prompt_ids, n, max_new_tokens, progress=False):   # callers draw their own bars
+    # callers draw their own bars
+    for _ in decoder.run(prompt_ids, n, max_new_tokens, progress=False):
         pass                                                              # no branches
     samples = [s for res in decoder.results for s in res.bases]
     return BaseBatch([p for p in prompt_ids for _ in range(n)], [s.tokens for s in samples],
@@ -164,26 +168,28 @@ def choose_forks(strategy: str, k: int, tokenizer, model, prompt_ids, tokens, en
         else:
             spans = tree.step_spans(text, offsets)
             scores = atb.step_scores(model, prompt_ids, tokens, spans, gap=cfg.atb_gap)
-    return tree.select_forks(strategy, k, entropies, spans=spans, rng=rng, min_dist=cfg.fork_min_dist,
-                          step_scores=scores, quantile=cfg.atb_quantile, keep_token=cfg.fork_keeps_token)
+    return tree.select_forks(strategy, k, entropies, spans=spans, rng=rng,
+                             min_dist=cfg.fork_min_dist, step_scores=scores,
+                             quantile=cfg.atb_quantile, keep_token=cfg.fork_keeps_token)
 
 
-def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int], bases: list[engine.Sample],
-                rewards: list[float]) -> tree.ForkPlan:
+def plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids: list[int],
+                bases: list[engine.Sample], rewards: list[float]) -> tree.ForkPlan:
     """One prompt's tree plan once its N base responses are graded (Sec. 4.1): V(root) = their mean
     reward, (K̂, B̂) = budget(V(root)), and the forks of each response that the method expands."""
     n = len(bases)
     v_root = sum(rewards) / n
     k_hat, b_hat = budget(v_root)
     chosen = set(range(n)) if expand is None else set(expand(rewards, rng))
-    forks = [choose_forks(cfg.fork, k_hat, tokenizer, model, prompt_ids, bases[j].tokens, bases[j].entropies,
-                          rng, cfg) if b_hat > 0 and j in chosen else [] for j in range(n)]
+    forks = [choose_forks(cfg.fork, k_hat, tokenizer, model, prompt_ids, bases[j].tokens,
+                          bases[j].entropies, rng, cfg) if b_hat > 0 and j in chosen else []
+             for j in range(n)]
     return tree.ForkPlan(v_root, k_hat, b_hat, forks)
 
 
 def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg, rng: random.Random,
-                  method: methods.Method | None = None, levels: list | None = None, progress: bool = True,
-                  bases: list | None = None, ahead: list[str] | None = None,
+                  method: methods.Method | None = None, levels: list | None = None,
+                  progress: bool = True, bases: list | None = None, ahead: list[str] | None = None,
                   backoff: engine.Backoff | None = None, score=None):
     """Trees for a batch of prompts (Algorithm "Tree Rollout", adaptive per Sec. 4.1).
 
@@ -227,26 +233,27 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
         tokens = [s.tokens for s in done.samples]
         rewards[p] = score(p, tokens) if score else \
             grade_responses(tokenizer, tokens, [answers[p]] * n, cfg.answer_fallback)
-        plans[p] = plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids[p], done.samples,
-                               rewards[p])
+        plans[p] = plan_prompt(cfg, budget, expand, rng, tokenizer, model, prompt_ids[p],
+                               done.samples, rewards[p])
         clock.planned(t0)
         decoder.grow(p, branch_requests(plans[p], cfg))
     clock.end = time.perf_counter()
-    stats = engine_stats(decoder, len(prompt_ids), bool(bases), clock) if sampler.engine == "engine" \
-        else generate_stats(decoder, clock)
+    stats = (engine_stats(decoder, len(prompt_ids), bool(bases), clock)
+             if sampler.engine == "engine" else generate_stats(decoder, clock))
 
     t0 = time.perf_counter()
-    trees = [tree_of(tokenizer, prompts[i], prompt_ids[i], answers[i], result, rewards[i], plans[i], cfg,
-                     levels[i] if levels else None, (lambda ids, i=i: score(i, [ids])[0]) if score else None)
+    trees = [tree_of(tokenizer, prompts[i], prompt_ids[i], answers[i], result, rewards[i], plans[i],
+                     cfg, levels[i] if levels else None,
+                     (lambda ids, i=i: score(i, [ids])[0]) if score else None)
              for i, result in enumerate(decoder.results[:len(prompt_ids)])]
-    stats.seconds_branches += time.perf_counter() - t0    # grading the branches is part of growing
-                                                          # them
+    # grading the branches is part of growing them
+    stats.seconds_branches += time.perf_counter() - t0
     ahead_bases = [result.bases for result in decoder.results[len(prompt_ids):]]
     return (trees, stats) if ahead is None else (trees, stats, ahead_bases)
 
 
-def rollout_engine(sampler: Sampler, cfg, prompt_ids: list[list[int]], ahead_ids: list[list[int]], n: int,
-                   expandable: bool) -> engine.Engine | generate.GenerateEngine:
+def rollout_engine(sampler: Sampler, cfg, prompt_ids: list[list[int]], ahead_ids: list[list[int]],
+                   n: int, expandable: bool) -> engine.Engine | generate.GenerateEngine:
     """The engine cfg.rollout_engine names, sized for every row the trees (and the next step's
     bases) can have: N(1 + K_max·B_max) per prompt when a prompt can branch, N per next-step
     prompt."""
@@ -274,8 +281,9 @@ def tree_of(tokenizer, prompt: str, prompt_ids: list[int], answer: str, result: 
     for j, (base, forks) in enumerate(zip(result.bases, plan.forks)):
         blocks += response_blocks(tokenizer, j, base, rewards[j], forks,
                                   {f: result.branches[(j, f)] for f in forks}, grade, len(blocks))
-    return tree.Tree(prompt=prompt, prompt_ids=prompt_ids, answer=answer, blocks=blocks, v_root=plan.v_root,
-                  k_hat=plan.k_hat, b_hat=plan.b_hat, forks=plan.forks, level=level)
+    return tree.Tree(prompt=prompt, prompt_ids=prompt_ids, answer=answer, blocks=blocks,
+                     v_root=plan.v_root, k_hat=plan.k_hat, b_hat=plan.b_hat, forks=plan.forks,
+                     level=level)
 
 
 @dataclass
@@ -303,10 +311,13 @@ def engine_stats(decoder: engine.Engine, current: int, given: bool, clock: Clock
     results, ahead_results = decoder.results[:current], decoder.results[current:]
     stats = RolloutStats(seconds_forks=clock.forks, seconds_branches=clock.end - clock.last_planned,
                          seconds_base=clock.last_planned - clock.start - clock.forks)
-    stats.base_tokens = 0 if given else sum(len(s.tokens) for res in results for s in res.bases)   # sampled
-    stats.branch_tokens = sum(len(s.tokens) for res in results for per in res.branches.values() for s in per)
+    stats.base_tokens = (0 if given else
+                         sum(len(s.tokens) for res in results for s in res.bases))   # sampled
+    stats.branch_tokens = sum(len(s.tokens) for res in results for per in res.branches.values()
+                              for s in per)
     stats.oom_retries = decoder.stats["oom_retries"]
-    stats.row_steps, stats.ended_row_steps = decoder.stats["row_steps"], decoder.stats["ended_row_steps"]
+    stats.row_steps, stats.ended_row_steps = (decoder.stats["row_steps"],
+                                              decoder.stats["ended_row_steps"])
     stats.peak_kv_bytes = decoder.pool.peak * decoder.pool.bytes_per_token
     stats.decode_steps = decoder.stats["decode_steps"]
     stats.ahead_row_steps = sum(len(s.tokens) - 1 for res in ahead_results for s in res.bases)
@@ -319,14 +330,16 @@ def generate_stats(decoder: generate.GenerateEngine, clock: Clock) -> RolloutSta
     """The reference path's counts: its phases run one after the other, group by group."""
     c = decoder.counters
     return RolloutStats(base_tokens=c["base_tokens"], branch_tokens=c["branch_tokens"],
-                        recomputed_prefix_tokens=c["recomputed_prefix_tokens"], oom_retries=c["oom_retries"],
+                        recomputed_prefix_tokens=c["recomputed_prefix_tokens"],
+                        oom_retries=c["oom_retries"],
                         seconds_base=decoder.seconds["base"], seconds_forks=clock.forks,
                         seconds_branches=decoder.seconds["branches"], row_steps=c["row_steps"],
                         ended_row_steps=c["ended_row_steps"], peak_kv_bytes=c["peak_kv_bytes"])
 
 
 def response_blocks(tokenizer, j: int, base: engine.Sample, reward: float, forks: list[int],
-                    branches: dict[int, list[engine.Sample]], grade, first_index: int) -> list[tree.Block]:
+                    branches: dict[int, list[engine.Sample]], grade,
+                    first_index: int) -> list[tree.Block]:
     """The blocks of one base response's subtree (App. C): the response cut at its forks
     (tree.base_blocks; the last block carries its reward) followed, fork by fork,
     by one terminal block per branch.
@@ -344,9 +357,9 @@ def response_blocks(tokenizer, j: int, base: engine.Sample, reward: float, forks
         grown = branches.get(f, [])
         texts = tokenizer.batch_decode([s.tokens for s in grown], skip_special_tokens=True)
         for s, text in zip(grown, texts):
-            blocks.append(tree.Block(parent=ends_at[f], token_ids=s.tokens, entropies=s.entropies, text=text,
-                                  reward=grade(base.tokens[:f] + s.tokens), base=j, start=f, branch=True,
-                                  logprobs=s.logprobs))
+            blocks.append(tree.Block(parent=ends_at[f], token_ids=s.tokens, entropies=s.entropies,
+                                     text=text, reward=grade(base.tokens[:f] + s.tokens), base=j,
+                                     start=f, branch=True, logprobs=s.logprobs))
     return blocks
 
 
@@ -360,4 +373,5 @@ def grade_responses(tokenizer, token_lists: list[list[int]], answers: list[str],
 
 def grader(tokenizer, answer: str, fallback: bool):
     """ids -> reward of the decoded response (reward.compute_reward)."""
-    return lambda ids: compute_reward(tokenizer.decode(ids, skip_special_tokens=True), answer, fallback)
+    return lambda ids: compute_reward(tokenizer.decode(ids, skip_special_tokens=True), answer,
+                                      fallback)
