@@ -6,12 +6,13 @@ A tree is two parallel lists (see tree.py): `parents[i]` is the block that block
 inner blocks).
 
 DATPO (Sec. 4.2, App. E.1):
-  mc_values          V_MC(s) = mean reward of all terminal blocks descending from s (Eq. "Monte Carlo State
-                     Value"); V(after a terminal block) = 0; V̂_MC(root) = mean over every terminal
-                     block (mc_root_value).
-  base_advantages    Â_base(b) = r(b) + V(s_end) − V(s_start)                                  (Eq. 3)
-  sibling_diversity  Div_sib(b) = 1 − mean cos(e_b, e_b') over b' with the same start state  (Eq. 10)
-  diversity_bonus    Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)                     (Eq. 4)
+  mc_values          V_MC(s) = mean reward of all terminal blocks descending from s
+                     (Eq. "Monte Carlo State Value"); V(after a terminal block) = 0;
+                     V̂_MC(root) = mean over every terminal block (mc_root_value).
+  base_advantages    Â_base(b) = r(b) + V(s_end) − V(s_start)  (Eq. 3)
+  sibling_diversity  Div_sib(b) = 1 − mean cos(e_b, e_b') over b' with the same start state
+                     (Eq. 10)
+  diversity_bonus    Â(b) = Â_base(b) + 1[Â_base(b) > 0] · α · Div_sib(b)  (Eq. 4)
   alpha_at           α linearly annealed from start to end over the run (Table "alpha")
 Baselines (Sec. 5.1, App. F.2):
   grpo_advantages    (r − mean) / std within a group (GRPO)
@@ -20,12 +21,14 @@ Baselines (Sec. 5.1, App. F.2):
                      [(V(s) − V(root)) + (V(s) − V(parent(s)))] / √|L(s)|,
                      V = mean leaf reward below
 Phase 3 of a training step (train.train_step), over tree.Tree objects:
-  embed_blocks       the blocks' sentence embeddings, once per step for the whole batch (Div_sib's e_b)
-  score_tree         one BlockScore per block, in the paper's order: V(s_start), V(s_end) → Â_base (Eq. 3) →
-                     Div_sib (Eq. 10) → the advantage the method trains (Eq. 4 for DATPO) — the
-                     numbers the update uses and the tree log writes as they are. block_values,
-                     embedding_texts and block_diversity take the paper's estimates, or the authors'
-                     release's (release.py) where its row (--preset release) asks for them.
+  embed_blocks       the blocks' sentence embeddings, once per step for the whole batch
+                     (Div_sib's e_b)
+  score_tree         one BlockScore per block, in the paper's order: V(s_start), V(s_end) → Â_base
+                     (Eq. 3) → Div_sib (Eq. 10) → the advantage the method trains (Eq. 4 for DATPO)
+                     — the numbers the update uses and the tree log writes as they are.
+                     block_values, embedding_texts and block_diversity take the paper's estimates,
+                     or the authors' release's (release.py) where its row (--preset release) asks
+                     for them.
 Two values of the root (mc_root_value says which the paper uses where): V(root) of Sec. 4.1, the
 mean of the N base responses (tree.Tree.v_root: it sets K̂ and B̂), and V̂_MC(root), the mean of
 every leaf (Eq. 3).
@@ -55,12 +58,13 @@ def _leaf_rewards(parents: list[int | None], rewards: list[float | None]) -> lis
         if below[i] is None:
             if rewards[i] is not None:
                 if children[i]:
-                    raise ValueError(f"block {i} has a reward (terminal) but also children {children[i]}")
+                    raise ValueError(f"block {i} has a reward (terminal) but also children "
+                                     f"{children[i]}")
                 below[i] = [float(rewards[i])]
             else:
                 if not children[i]:
-                    raise ValueError(f"block {i} has no reward and no children: every path must end in a "
-                                     f"terminal block")
+                    raise ValueError(f"block {i} has no reward and no children: every path must "
+                                     f"end in a terminal block")
                 below[i] = [r for c in children[i] for r in collect(c, depth + 1)]
         return below[i]
 
@@ -80,7 +84,8 @@ def mc_root_value(rewards: list[float | None]) -> float:
     return float(np.mean(terminal)) if terminal else 0.0
 
 
-def mc_values(parents: list[int | None], rewards: list[float | None]) -> tuple[list[float], list[float]]:
+def mc_values(parents: list[int | None],
+              rewards: list[float | None]) -> tuple[list[float], list[float]]:
     """(V(s_start), V(s_end)) of every block, by Monte-Carlo averaging (App. E.1).
 
     The state at the end of an inner block is a forking point: its value averages every terminal
@@ -90,12 +95,14 @@ def mc_values(parents: list[int | None], rewards: list[float | None]) -> tuple[l
     """
     below = _leaf_rewards(parents, rewards)
     v_mc_root = mc_root_value(rewards)
-    v_end = [0.0 if rewards[i] is not None else float(np.mean(below[i])) for i in range(len(parents))]
+    v_end = [0.0 if rewards[i] is not None else float(np.mean(below[i]))
+             for i in range(len(parents))]
     v_start = [v_mc_root if p is None else v_end[p] for p in parents]
     return v_start, v_end
 
 
-def base_advantages(rewards: list[float | None], v_start: list[float], v_end: list[float]) -> list[float]:
+def base_advantages(rewards: list[float | None], v_start: list[float],
+                    v_end: list[float]) -> list[float]:
     """Â_base(b) = r(b) + V(s_end) − V(s_start), r(b) = 0 for an inner block (Sec. 4.2, Eq. 3)."""
     return [(r or 0.0) + e - s for r, s, e in zip(rewards, v_start, v_end)]
 
@@ -191,7 +198,7 @@ class BlockScore:
     v_start: float              # V(s_start): the value of the state the block starts from
                                 # (V(root) at the prompt)
     v_end: float                # V(s_end): 0 after a terminal block
-    base_advantage: float       # Â_base(b) = r(b) + V(s_end) − V(s_start)                         (Eq. 3)
+    base_advantage: float       # Â_base(b) = r(b) + V(s_end) − V(s_start)  (Eq. 3)
     div_sib: float | None       # Div_sib(b) (Eq. 10); None when this step embedded no blocks
     advantage: float | None     # Â(b) by the method's formula; None when the tree is not trained
 
@@ -247,7 +254,8 @@ def embed_blocks(embedder, trees: list[Tree], batch_size: int, sibling_groups: s
     out: list[np.ndarray | None] = [None] * len(trees)
     if not wanted:
         return out
-    vectors = embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False)
+    vectors = embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True,
+                              show_progress_bar=False)
     for t, n in enumerate(rows):
         out[t] = np.zeros((n, vectors.shape[1]), dtype=np.float32)
     for (t, row), v in zip(wanted, vectors):
@@ -265,8 +273,8 @@ def score_tree(tr: Tree, method, alpha: float, embeddings, scope: str = "positiv
     method trains (`method`: its methods.py row; DATPO's is Eq. 4, diversity_bonus; None when the
     method does not train this tree, e.g. AttnRL's filter). value_estimate / sibling_groups
     "release": the authors' release's estimates where its row (--preset release) asks for them."""
-    v_start, v_end = block_values(tr, value_estimate)                          # V(s): V̂_MC, App. E.1
-    base = base_advantages(tr.rewards, v_start, v_end)                         # Â_base, Eq. 3
+    v_start, v_end = block_values(tr, value_estimate)                        # V(s): V̂_MC, App. E.1
+    base = base_advantages(tr.rewards, v_start, v_end)                       # Â_base, Eq. 3
     div = None if embeddings is None else block_diversity(tr, embeddings, sibling_groups)   # Eq. 10
     adv = method.advantages(tr, base, div, alpha, scope) if method.trainable(tr) else None  # Eq. 4
     return [BlockScore(v_start[i], v_end[i], base[i], None if div is None else div[i],
