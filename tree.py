@@ -5,10 +5,10 @@ Paper map:
   adaptive_budget      Sec. 4.1, Eq. (1)-(2): K̂ = ⌈K_max(1−V(root))⌉, B̂ = ⌈B_max(1−V(root))⌉
   ForkPlan             Sec. 4.1: one prompt's V(root), K̂, B̂ and forks (rollout.plan_prompt)
   attnrl_expansion     the AttnRL baseline's adaptive sampling (which base responses get branches)
-  select_forks         App. D, Algorithm "Forking Points Selection" (random, fixed-seg, ATB, tok-entropy,
-                       sent-entropy) and App. D.4 (distance-forced tok-entropy); one function each:
-                       random_forks, fixed_segment_forks, tok_entropy_tokens, sent_entropy_tokens,
-                       atb_tokens
+  select_forks         App. D, Algorithm "Forking Points Selection" (random, fixed-seg, ATB,
+                       tok-entropy, sent-entropy) and App. D.4 (distance-forced tok-entropy); one
+                       function each: random_forks, fixed_segment_forks, tok_entropy_tokens,
+                       sent_entropy_tokens, atb_tokens
   sentence_spans       App. D.1: PySBD sentences aligned to tokens through the offset mapping
   step_spans           App. D.1 (ATB): steps delimited by blank lines (their FCI scores: atb.py)
   branch_limit, max_path_tokens
@@ -20,15 +20,15 @@ Paper map:
 
 Conventions (used by rollout.py and advantage.py):
   * A response is a list of generated token ids (EOS included when the model stopped).
-  * A fork at position f (1 ≤ f ≤ n−1) is the prefix length a branch keeps: it continues [q;
-    response[:f]] and samples token f on (0-indexed). By default (the paper's x_f = [q; τ_{1:f}])
-    the chosen token — the high-entropy token, the first token of the chosen sentence or step — is
-    response[f−1] and stays in the prefix; select_forks(keep_token=False) resamples it instead
-    (f = its index). f = 0 would only be another base response, and f = n would leave nothing of the
-    base response after the fork: neither is a fork.
+  * A fork at position f (1 ≤ f ≤ n−1) is the prefix length a branch keeps: it continues
+    [q; response[:f]] and samples token f on (0-indexed). By default (the paper's
+    x_f = [q; τ_{1:f}]) the chosen token — the high-entropy token, the first token of the chosen
+    sentence or step — is response[f−1] and stays in the prefix; select_forks(keep_token=False)
+    resamples it instead (f = its index). f = 0 would only be another base response, and f = n
+    would leave nothing of the base response after the fork: neither is a fork.
   * A tree is a flat list of Blocks; `parent` is the index of the block whose end state this block
-    starts from (None = the prompt). Blocks with a reward are terminal
-    (they end a root-to-leaf path).
+    starts from (None = the prompt). Blocks with a reward are terminal (they end a root-to-leaf
+    path).
 """
 from __future__ import annotations
 
@@ -226,7 +226,8 @@ def select_forks(strategy: str, k: int, entropies, spans=None, rng=None, min_dis
         return []
     k = min(k, n - 1)
     shift = 1 if keep_token else 0                   # f = t + shift
-    lo, hi = 1 - shift, n - 1 - shift                # candidate tokens t: lo ≤ t ≤ hi  ⇔  1 ≤ f ≤ n−1
+    lo, hi = 1 - shift, n - 1 - shift                # candidate tokens t: lo ≤ t ≤ hi
+                                                     # ⇔  1 ≤ f ≤ n−1
     if strategy == "random":
         return random_forks(n, k, rng)
     if strategy == "fixed-seg":
@@ -290,7 +291,8 @@ def atb_tokens(k: int, lo: int, hi: int, spans, step_scores, quantile: float = 0
     give the chosen tokens (each step's first token);
     too few candidates → the earliest other steps."""
     if spans is None or step_scores is None or len(spans) != len(step_scores):
-        raise ValueError("select_forks('atb') needs spans (steps) and one step_scores value per step")
+        raise ValueError("select_forks('atb') needs spans (steps) and one step_scores value "
+                         "per step")
     if not spans:
         return []
     scores = np.asarray(step_scores, dtype=float)
@@ -408,20 +410,23 @@ def split_at_forks(n: int, forks: list[int]) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def base_blocks(base: int, token_ids: list[int], entropies: list[float], reward: float, forks: list[int],
-                first_index: int, logprobs: list[float] | None = None) -> tuple[list[Block], dict[int, int]]:
+def base_blocks(base: int, token_ids: list[int], entropies: list[float], reward: float,
+                forks: list[int], first_index: int, logprobs: list[float] | None = None
+                ) -> tuple[list[Block], dict[int, int]]:
     """Cut one base response at its forks. Returns its blocks (the last is terminal, carrying the
     response's reward) and, for each fork f, the index of the block that ends at f — the parent of
     f's branches. logprobs (optional): the response's per-token generation-time log-probs,
     cut like its entropies."""
     if logprobs is not None and len(logprobs) != len(token_ids):
-        raise ValueError(f"base_blocks: {len(logprobs)} log-probs for {len(token_ids)} tokens of base {base}")
+        raise ValueError(f"base_blocks: {len(logprobs)} log-probs for {len(token_ids)} tokens of "
+                         f"base {base}")
     blocks, ends_at = [], {}
     for j, (a, b) in enumerate(split_at_forks(len(token_ids), forks)):
         parent = None if j == 0 else first_index + j - 1
         last = b == len(token_ids)
-        blocks.append(Block(parent=parent, token_ids=list(token_ids[a:b]), entropies=list(entropies[a:b]),
-                            reward=reward if last else None, base=base, start=a,
+        blocks.append(Block(parent=parent, token_ids=list(token_ids[a:b]),
+                            entropies=list(entropies[a:b]), reward=reward if last else None,
+                            base=base, start=a,
                             logprobs=None if logprobs is None else list(logprobs[a:b])))
         ends_at[b] = first_index + j
     return blocks, ends_at
