@@ -11,18 +11,20 @@ mid-response forks that is not the token before it in the packed order, so targe
 through `pred_index`, never a plain shift.
 
 Paper map:
-  TrainTree, path_multiplicity   Sec. 4.2 / App. E (block advantages); App. E.4 (TreeRL/AttnRL flatten
-                                 root-to-leaf paths: a token counts once per path through it)
-  minibatches, loss_normaliser   App. F.2: mini-batches counted in contiguous blocks (64 in the paper),
-                                 re-shuffled every PPO epoch; Eq. DATPO's 1/Σ|b| normaliser
+  TrainTree, path_multiplicity   Sec. 4.2 / App. E (block advantages); App. E.4
+                                 (TreeRL/AttnRL flatten root-to-leaf paths: a token counts once
+                                 per path through it)
+  minibatches, loss_normaliser   App. F.2: mini-batches counted in contiguous blocks (64 in the
+                                 paper), re-shuffled every PPO epoch; Eq. DATPO's 1/Σ|b| normaliser
                                  (Dr.GRPO: constant)
   split_items, micro_batches, pack, packed_logprobs
-                                 the forward of Eq. DATPO's ratio π_θ(b_t | s, b_<t) for every block
-                                 token
+                                 the forward of Eq. DATPO's ratio π_θ(b_t | s, b_<t) for every
+                                 block token
   target_logprobs, gather_logprobs
                                  the lm_head projection (fp32) and the update's one log-softmax
-  unit_rows, row_logprobs        the same log-probs from one left-padded row per trained chain of blocks (the
-                                 simple layout, and the oracle the packed one is tested against)
+  unit_rows, row_logprobs        the same log-probs from one left-padded row per trained chain of
+                                 blocks (the simple layout, and the oracle the packed one is tested
+                                 against)
   Forward.passes, logprobs_no_grad
                                  the update's micro-batches with their log-probs under autograd
                                  (out-of-memory halving, torchrun's share, each backward), and
@@ -132,7 +134,8 @@ def token_offsets(trees: list[TrainTree]) -> list[list[int]]:
 
 def token_advantages(trees: list[TrainTree], device) -> torch.Tensor:
     """Â(b) of each token of every block b, in the flat token order of token_offsets."""
-    return torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens) for _ in toks],
+    return torch.tensor([a for tr in trees for a, toks in zip(tr.advantages, tr.tokens)
+                         for _ in toks],
                         dtype=torch.float32, device=device)
 
 
@@ -147,8 +150,8 @@ def minibatches(trees: list[TrainTree], size: int, grouping: str, rng) -> list[l
     """One epoch's mini-batches, freshly shuffled (App. F.2 counts mini-batches in blocks; the
     release re-shuffles every PPO epoch).
 
-    trees:  whole trees, shuffled at the tree level, added to a mini-batch while that brings its block count
-            closer to `size` — a tree's shared tokens are forwarded once per mini-batch.
+    trees:  whole trees, shuffled at the tree level, added to a mini-batch while that brings its
+            block count closer to `size` — a tree's shared tokens are forwarded once per mini-batch.
     blocks: random trained blocks, `size` per mini-batch, as the release does — a block's ancestors
             are forwarded again as context in every mini-batch that holds one of its descendants.
     """
@@ -184,8 +187,9 @@ def loss_normaliser(trees: list[TrainTree], units: list[Unit], loss_norm: str, m
     """The denominator of one mini-batch's loss, from its units alone (so a multi-device run can
     all-reduce it).
 
-    token:    Σ over trained blocks of weight·|b| — Eq. DATPO's 1/Σ|b| (DAPO's token-level loss); with the
-              path multiplicities of TreeRL/AttnRL it is the token count of their flattened paths.
+    token:    Σ over trained blocks of weight·|b| — Eq. DATPO's 1/Σ|b| (DAPO's token-level loss);
+              with the path multiplicities of TreeRL/AttnRL it is the token count of their
+              flattened paths.
     constant: Dr.GRPO's length-unbiased constant, sequences × the longest a sequence can be:
               blocks × max_new_tokens (for the parallel baselines a block is a response: G·L_max per
               prompt); for the flattened methods, their trained paths ending in the
@@ -200,7 +204,8 @@ def loss_normaliser(trees: list[TrainTree], units: list[Unit], loss_norm: str, m
                 total += len(bs) * max_new_tokens
             else:
                 ends = set(bs)
-                total += sum(p[-1] in ends for p in trees[t].paths) * (max_path_tokens or max_new_tokens)
+                total += (sum(p[-1] in ends for p in trees[t].paths)
+                          * (max_path_tokens or max_new_tokens))
         return float(total)
     if loss_norm != "token":
         raise ValueError(f"loss_norm must be 'token' or 'constant', got {loss_norm!r}")
@@ -329,17 +334,18 @@ def pack(trees: list[TrainTree], items: list[Item], offsets: list[list[int]]) ->
 
     A prompt p0 p1, a base response a0 a1 | c0 forked after a1, one branch b0 b1 there (3 blocks):
 
-        key →        p0 p1 a0 a1 c0 b0 b1      query q sees key k iff k ≤ q < subtree_end[k]
-        query p0     ■                         (the branch never sees the base's c0: not its ancestor)
+        key →        p0 p1 a0 a1 c0 b0 b1    query q sees key k iff k ≤ q < subtree_end[k]
+        query p0     ■                       (the branch never sees the base's c0: not its ancestor)
               p1     ■  ■
               a0     ■  ■  ■
               a1     ■  ■  ■  ■
               c0     ■  ■  ■  ■  ■
               b0     ■  ■  ■  ■  ·  ■
               b1     ■  ■  ■  ■  ·  ■  ■
-        position_ids 0  1  2  3  4  4  5       b0 is the 5th token of its own root-to-leaf sequence
+        position_ids 0  1  2  3  4  4  5     b0 is the 5th token of its own root-to-leaf sequence
         subtree_end  7  7  7  7  5  7  7
-        pred_index   targets a0 a1 c0 b0 b1 are predicted at p1 a0 a1 a1 b0 (b0 from a1, not from c0)
+        pred_index   targets a0 a1 c0 b0 b1 are predicted at p1 a0 a1 a1 b0
+                     (b0 from a1, not from c0)
     """
     out = Packed()
     needed = needed_blocks(trees, items)
@@ -483,7 +489,8 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     targets = torch.tensor(packed.target_ids, device=device)
     inner = distributed.unwrap(model)
     mask = attention.tree_attention_mask(inner, ends, kernel)
-    extra = {"tree_buckets": attention.tree_buckets(packed.subtree_end, device)} if kernel == "tree" else {}
+    extra = ({"tree_buckets": attention.tree_buckets(packed.subtree_end, device)}
+             if kernel == "tree" else {})
     with attention.kernel_backend(inner, kernel):
         if distributed.active():   # torchrun: the model's own forward,
                                    # where DDP's and FSDP2's hooks are
@@ -494,7 +501,8 @@ def packed_logprobs(model, packed: Packed, device, kernel: str = "dense", chunk:
     # whole sequence's (plus, per chunk, an fp32 copy of the lm_head weight: ≈ 1.2 GB for
     # Qwen2.5-3B, transient); under autograd each chunk is recomputed in the backward (activation
     # checkpointing), so only the hidden states stay alive
-    head, grad, parts = inner.get_output_embeddings(), torch.is_grad_enabled() and hidden.requires_grad, []
+    head, grad, parts = (inner.get_output_embeddings(),
+                         torch.is_grad_enabled() and hidden.requires_grad, [])
     for s in range(0, len(targets), chunk):
         args = (head, hidden.index_select(0, pred_index[s:s + chunk]), targets[s:s + chunk])
         parts.append(checkpoint(target_logprobs, *args, use_reentrant=False) if grad
@@ -605,7 +613,8 @@ def row_logprobs(model, rows: list[Row], pad_id: int, device) -> list[torch.Tens
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     keep = max(r.n_targets for r in rows)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                   logits_to_keep=keep + 1).logits[:, :-1].float()          # predicts the last `keep` tokens
+                   logits_to_keep=keep + 1).logits[:, :-1].float()   # predicts the last `keep`
+                                                                     # tokens
     logp = gather_logprobs(logits, ids[:, -keep:])
     return [logp[i, keep - r.n_targets:] for i, r in enumerate(rows)]
 
@@ -629,8 +638,8 @@ class MicroBatch:
                                             # Forward.passes runs its backward
 
 
-def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: list[list[int]], layout: str,
-                         max_tokens: int, rows_per_micro: int) -> list[MicroBatch]:
+def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: list[list[int]],
+                         layout: str, max_tokens: int, rows_per_micro: int) -> list[MicroBatch]:
     """A mini-batch's micro-batches: packed sequences of at most `max_tokens` tokens, or rows
     (sorted by length, less padding) `rows_per_micro` at a time."""
     if layout == "packed":
@@ -646,7 +655,8 @@ def layout_micro_batches(trees: list[TrainTree], units: list[Unit], offsets: lis
     out = []
     for i in range(0, len(rows), rows_per_micro):
         chunk = rows[i:i + rows_per_micro]
-        out.append(MicroBatch([g for r in chunk for g in r.gidx], [w for r in chunk for w in r.weights],
+        out.append(MicroBatch([g for r in chunk for g in r.gidx],
+                              [w for r in chunk for w in r.weights],
                               sum(len(r.ids) for r in chunk), rows=chunk))
     return out
 
@@ -682,7 +692,8 @@ class Forward:
     checkpointing recomputes the forward there."""
 
     def __init__(self, policy, cfg, pad_id: int, device, trees: list[TrainTree]):
-        self.policy, self.pad_id, self.device, self.precision = policy, pad_id, device, cfg.precision
+        self.policy, self.pad_id, self.device, self.precision = (policy, pad_id, device,
+                                                                 cfg.precision)
         self.trees, self.offsets = trees, token_offsets(trees)
         self.model = distributed.unwrap(policy)             # the HF model inside a DDP wrapper
         self.packed = cfg.train_layout == "packed"
@@ -692,7 +703,8 @@ class Forward:
         self._backend = contextlib.nullcontext()
 
     def __enter__(self) -> "Forward":
-        self._backend = attention.kernel_backend(self.model, self.kernel if self.packed else "dense")
+        self._backend = attention.kernel_backend(self.model,
+                                                 self.kernel if self.packed else "dense")
         self._backend.__enter__()
         return self
 
@@ -706,7 +718,8 @@ class Forward:
             micros = layout_micro_batches(self.trees, units, self.offsets, "packed", size,
                                           self.rows_per_micro)
         else:
-            micros = layout_micro_batches(self.trees, units, self.offsets, "rows", self.max_tokens, size)
+            micros = layout_micro_batches(self.trees, units, self.offsets, "rows", self.max_tokens,
+                                          size)
         for micro in micros:
             micro.at = torch.tensor(micro.gidx, device=self.device)
             micro.weight = torch.tensor(micro.weights, dtype=torch.float32, device=self.device)
@@ -721,8 +734,8 @@ class Forward:
         micro-batches half the size (one process only: under torchrun every rank must run the same
         collectives). torchrun: this rank's share (distributed.deal). Once the mini-batch is
         through, its trained and forwarded tokens are added to `counts`."""
-        for attempt in oom.Halving(self.size, "the update's micro-batches", counts, reset=optimizer.zero_grad,
-                                   retry=not distributed.active()):
+        for attempt in oom.Halving(self.size, "the update's micro-batches", counts,
+                                   reset=optimizer.zero_grad, retry=not distributed.active()):
             with attempt:
                 optimizer.zero_grad(set_to_none=True)
                 sums.zero_()
@@ -744,7 +757,8 @@ def micro_logprobs(forward: Forward, micro: MicroBatch) -> torch.Tensor:
         if micro.packed is not None:
             return packed_logprobs(forward.policy, micro.packed, forward.device, forward.kernel,
                                    bucket_tokens=forward.max_tokens).float()
-        return torch.cat(row_logprobs(forward.policy, micro.rows, forward.pad_id, forward.device)).float()
+        return torch.cat(row_logprobs(forward.policy, micro.rows, forward.pad_id,
+                                      forward.device)).float()
 
 
 def logprobs_no_grad(forward: Forward, minibatches: list[list[Unit]], what: str, counts: dict
@@ -761,13 +775,13 @@ def logprobs_no_grad(forward: Forward, minibatches: list[list[Unit]], what: str,
     forward.policy.eval()
     with torch.no_grad(), distributed.full_params(forward.policy):
         for units in minibatches:
-            oom.halving_retry(lambda size: fill_logprobs(forward, units, size, out, have), forward.size, what,
-                              counts, retry=not distributed.active())
+            oom.halving_retry(lambda size: fill_logprobs(forward, units, size, out, have),
+                              forward.size, what, counts, retry=not distributed.active())
     return distributed.merge_shares(out, have)
 
 
-def fill_logprobs(forward: Forward, units: list[Unit], size: int, out: torch.Tensor, have: torch.Tensor
-                  ) -> None:
+def fill_logprobs(forward: Forward, units: list[Unit], size: int, out: torch.Tensor,
+                  have: torch.Tensor) -> None:
     """One mini-batch's log-probs (no grad) written into `out` at their token offsets, in
     micro-batches of `size`, this rank's share under torchrun; `have` marks them."""
     for micro in distributed.mine(forward.micro_batches(units, size)):
