@@ -362,7 +362,8 @@ def update_record(counts: dict, trees: list[packing.TrainTree], ppo_epochs: int,
 
 
 def main(argv: list[str] | None = None) -> Path:
-    cfg = cli.parse_args(argv, description=__doc__.splitlines()[0])
+    # --help's description: the docstring's first paragraph, as one line
+    cfg = cli.parse_args(argv, description=" ".join(__doc__.split("\n\n")[0].split()))
     return train(cfg)
 
 
