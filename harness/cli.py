@@ -75,6 +75,8 @@ class Refuse(argparse.Action):
 # --------------------------------------------------------------------------------------------------------
 # One line of help per field, from config.py's comments
 # --------------------------------------------------------------------------------------------------------
+# config.py's sections of the algorithm's knobs (Sec. 4, App. C-F), which --help lists first
+PAPER_SECTIONS = ("rollout and tree", "advantage", "update")
 SECTION = re.compile(r"#\s*-{3,}\s*(.+?)\s*-{3,}\s*$")
 
 
@@ -144,8 +146,9 @@ def new_parser(description: str) -> OneLineParser:
 
 def build_parser(description: str = "DATPO training", defaults: dict | None = None, own=None,
                  saved_config: bool = False) -> argparse.ArgumentParser:
-    """The command line: --preset/--scale, every Config field grouped by config.py's sections, and TRL's/
-    verl's names (harness/aliases.py). `defaults`: the values --help shows (a preset's; default: the
+    """The command line: --preset/--scale, every Config field grouped by config.py's sections (the
+    paper's first, PAPER_SECTIONS), and TRL's/verl's names (harness/aliases.py; TRL's listed after the
+    paper's sections). `defaults`: the values --help shows (a preset's; default: the
     dataclass's). `own(parser)`: a script's own flags, added first so that its --help shows them first.
     `saved_config`: --config FILE too (train.py: parse_args)."""
     parser = new_parser(description)
@@ -165,15 +168,18 @@ def build_parser(description: str = "DATPO training", defaults: dict | None = No
                               "them; not with --preset/--scale). To continue a run: --resume RUN alone")
     run.add_argument("--debug", action="store_true", default=None,
                      help="show the Python traceback of an error (faults.main_guard removes this flag first)")
-    # TRL's names next, each with what it becomes here or why it is refused (filled by add_foreign_names)
+    hints = typing.get_type_hints(Config)
+    docs = field_docs()
+    section_of = {f.name: docs.get(f.name, ("other", ""))[0] for f in dataclasses.fields(Config)}
+    sections = list(dict.fromkeys(section_of.values()))          # config.py's order
+    # --help lists the paper's knobs first (PAPER_SECTIONS), then TRL's names, each with what it becomes
+    # here or why it is refused (filled by add_foreign_names), then the other sections
+    groups = {s: parser.add_argument_group(s) for s in sections if s.startswith(PAPER_SECTIONS)}
     trl = parser.add_argument_group("TRL's names: accepted as ours, or refused saying what to use (verl's: "
                                     "docs/trl.md)")
-    hints = typing.get_type_hints(Config)
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    docs = field_docs()
+    groups.update({s: parser.add_argument_group(s) for s in sections if s not in groups})
     for f in dataclasses.fields(Config):
-        section = docs.get(f.name, ("other", ""))[0]
-        group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
+        group = groups[section_of[f.name]]
         group.add_argument(f"--{f.name}", **field_kwargs(f.name, hints[f.name]),
                            help=field_help(f.name, values.get(f.name)))
     add_foreign_names(parser, hints, trl)

@@ -250,7 +250,9 @@ def test_help_lines_come_from_config_comments_grouped_by_section():
     assert docs["method"][0] == "model and data" and docs["seed"][0] == "run"
     assert set(docs) == {f for f in C.Config.__dataclass_fields__}
     text = cli.build_parser().format_help()
-    titles = ["model and data:", "rollout and tree", "sampling:", "advantage", "update", "evaluation", "run:"]
+    # the preset, the paper's sections (App. F.2's knobs), TRL's names, then the rest in config.py's order
+    titles = ["preset:", "rollout and tree", "advantage", "update", "TRL's names", "model and data:",
+              "sampling:", "evaluation", "run:"]
     assert [text.index("\n" + t) for t in titles] == sorted(text.index("\n" + t) for t in titles)
     assert "--fork_min_dist FLOAT" in text and "[positive | all]" in text      # choices not in the comment
 
