@@ -323,7 +323,9 @@ class Run:
         log_completions(self, run.step, result)
         log.write(record)
         nonfinite_guard(self, run, record)
-        reward_guard.check_step(self.reward_errors, failed, run.step, last_checkpoint(self.run_dir))
+        # more than --max_reward_error_share of the step's responses failed in one function: one line
+        reward_guard.check_step(self.reward_errors, failed, run.step, self.run_dir,
+                                last_checkpoint(self.run_dir))
         self.bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
                              leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{record['loss']:.3f}")
         stopping = D.any_rank(self.stop.requested)   # torchrun: every rank stops at the same step

@@ -156,12 +156,14 @@ def failures(counts: dict[str, list[int]]) -> int:
     return sum(failed for failed, _ in counts.values())
 
 
-def check_step(errors: RewardErrors, counts: dict[str, list[int]], step: int, last_checkpoint: str) -> None:
+def check_step(errors: RewardErrors, counts: dict[str, list[int]], step: int, run_dir: Path,
+               last_checkpoint: str) -> None:
     """After the step's metrics line: ShareExceeded when one function failed on more than the share of the
     step's responses. The step's update is not saved; the line names the checkpoint to resume from."""
-    errors.check(counts, f"responses of step {step}",
-                 f"the run stopped after step {step} without saving it (last checkpoint: {last_checkpoint}): "
-                 f"fix the function and continue with --resume")
+    then = f"fix the function and continue with --resume {run_dir}" if last_checkpoint != "none" else \
+        "fix the function and start the run again"
+    errors.check(counts, f"responses of step {step}", f"the run stopped after step {step} without saving it "
+                 f"(last checkpoint: {last_checkpoint}): {then}")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_more_than_the_share_failing_stops_the_run_with_one_line(program_name, t
     assert lines[-1].endswith(
         f"responses of step 1 (50.0% > --max_reward_error_share 0.05), each with its traceback in "
         f"{run}/reward_errors.jsonl; the run stopped after step 1 without saving it (last checkpoint: "
-        f"none): fix the function and continue with --resume; expected a grader that returns 0 or 1 for "
+        f"none): fix the function and start the run again; expected a grader that returns 0 or 1 for "
         f"every response (this one has a bug: please report it with that file)")
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*"))
 
