@@ -226,6 +226,9 @@ def check_fractions(cfg) -> None:
     if not 0 <= cfg.kl_beta <= 100:
         raise ValueError(f"--kl_beta: got {cfg.kl_beta}, expected 0 <= beta <= 100 (0: no KL penalty; TRL's "
                          f"GRPO used 0.04)")
+    if not 0 <= cfg.max_reward_error_share <= 1:
+        raise ValueError(f"--max_reward_error_share: got {cfg.max_reward_error_share}, expected a fraction "
+                         f"in [0, 1] (0: stop at the first reward call that raises; 1: never stop)")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ValueError(f"--warmup_ratio: got {cfg.warmup_ratio}, expected a fraction of --steps in [0, 1)")
 

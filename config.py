@@ -213,6 +213,10 @@ class Config:
     guard_weights: bool = True              # undo an update that makes a weight or the logits
                                             # non-finite (guards.WeightGuard: a host copy of the
                                             # state per step)
+    max_reward_error_share: float = 0.05    # a reward call that raises scores 0
+                                            # (RUN/reward_errors.jsonl); stop when one function
+                                            # fails on more than this share of a step's responses
+                                            # (a benchmark's samples) (reward_guard.py)
     stop_timeout: float = 0.0               # s after SIGTERM/SIGINT to give up the step in
                                             # progress; 0 = wait
     parallel: str = "fsdp"                  # under torchrun: fsdp | hsdp (FSDP2 fully_shard) | ddp

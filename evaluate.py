@@ -49,7 +49,7 @@ import config as C
 import data
 import mcq
 import models
-from harness import cli, eval_files, guards, measured, preflight, signals, tracking
+from harness import cli, eval_files, guards, measured, preflight, reward_guard, signals, tracking
 from harness.journal import Journal, Stopped
 from reward import compute_reward, extract_answer, is_equivalent
 from runtime import distributed as D
@@ -160,6 +160,8 @@ def score_records(records: list[dict], k: int) -> dict:
             levels[record["level"]].append(bool(record["correct"]))
     if levels:
         result["avg_by_level"] = {lv: _mean(levels[lv]) for lv in sorted(levels, key=data.level_order)}
+    # samples whose grading raised (harness/reward_guard.py): scored 0, counted
+    result["reward_errors"] = sum(bool(rec.get("reward_error")) for rec in records)
     if all("tokens" in rec for rec in records):
         result["mean_tokens"] = _mean(rec["tokens"] for rec in records)
         result["truncated"] = _mean(float(not rec["stopped"]) for rec in records)  # hit max_new_tokens
@@ -178,9 +180,22 @@ def grade(response: str, problem: dict, answer_fallback: bool = False) -> tuple[
             compute_reward(response, problem["answer"], answer_fallback) == 1.0)
 
 
+def guarded_grade(errors: reward_guard.RewardErrors, response: str, problem: dict,
+                  answer_fallback: bool) -> dict:
+    """grade's answer and verdict as a record's fields; a grader that raises makes it (None, False) and adds
+    "reward_error" (the function and the exception; its traceback goes to reward_errors.jsonl)."""
+    name = "mcq.grade" if mcq.is_multiple_choice(problem) else reward_guard.GRADER
+    graded, failure = errors.attempt(name, grade, (response, problem, answer_fallback), [response],
+                                     problem.get("answer"))
+    if failure is None:
+        return {"answer": graded[0], "correct": graded[1]}
+    return {"answer": None, "correct": False, "reward_error": {"function": name, "error": failure}}
+
+
 def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: int | None = None,
                       runs: int = 1, progress: bool = True, desc: str = "eval",
-                      journal: Journal | None = None, stop: signals.GracefulStop | None = None) -> dict:
+                      journal: Journal | None = None, stop: signals.GracefulStop | None = None,
+                      errors: reward_guard.RewardErrors | None = None) -> dict:
     """Sample k responses per problem in each of `runs` runs, grade them, score them (score_records).
 
     Sampling follows cfg (temperature, top_k, top_p, precision, gen_batch_size; prompts from cfg.prompt_style
@@ -190,6 +205,9 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     journal: samples are appended to it as each generate call finishes, and the calls it already holds are
     skipped (its RNG state restored), so an interrupted evaluation rerun ends with an uninterrupted one's
     records. stop: after a signal, Stopped is raised once the current call's samples are saved.
+    errors: where a grader's exception is recorded (harness/reward_guard.py; default: counted only); such a
+    sample scores 0 and its record says so ("reward_error"); more than cfg.max_reward_error_share of the
+    samples failing ends the evaluation with one line (reward_guard.ShareExceeded).
     """
     import torch
     from tqdm import tqdm
@@ -201,6 +219,7 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     if k < 1 or runs < 1:
         raise ValueError(f"evaluate_problems: need k >= 1 and runs >= 1, got k={k}, runs={runs}")
     max_new_tokens = max_new_tokens or cfg.eval_max_new_tokens
+    errors = errors or reward_guard.RewardErrors(None, cfg.max_reward_error_share)
     sampler = Sampler.from_config(model, tokenizer, cfg)
     prompts = [data.format_prompt(p["problem"], tokenizer, cfg.prompt_style, cfg.few_shot) for p in problems]
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]  # as rollout.py does
@@ -236,12 +255,11 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
                     new = []
                     for row, (tokens, text) in enumerate(zip(rows, texts)):
                         problem = problems[group[row // n]]  # rows are prompt-major, n per prompt
-                        answer, correct = grade(text, problem, cfg.answer_fallback)
                         new.append({
                             "index": group[row // n], "run": run, "sample": done + row % n,
                             "problem": problem["problem"], "gold": problem["answer"],
-                            "level": problem.get("level"),
-                            "response": text, "answer": answer, "correct": correct,
+                            "level": problem.get("level"), "response": text,
+                            **guarded_grade(errors, text, problem, cfg.answer_fallback),   # answer, correct
                             "tokens": len(tokens), "stopped": bool(tokens) and tokens[-1] in sampler.stop_ids,
                         })
                     records += new
@@ -256,6 +274,9 @@ def evaluate_problems(model, tokenizer, problems, cfg, k: int, max_new_tokens: i
     # in the order one process writes them
     records = sorted(D.gather_lists(records), key=lambda r: (r["run"], r["index"], r["sample"]))
     seconds = time.perf_counter() - start
+    reward_guard.check_samples(errors, records, desc, f"its samples are saved in {journal.path}; once the "
+                               f"grader is fixed, evaluate.py --rescore {journal.path} regrades them"
+                               if journal else "evaluation stopped")
     result = score_records(records, k)
     result.update(seconds=seconds, max_new_tokens=max_new_tokens, records=records,
                   oom_retries=oom_counts["oom_retries"])
@@ -399,11 +420,16 @@ def rescore_file(path, answer_fallback: bool = False) -> tuple[str, dict]:
     if why:
         raise ValueError(why)
     records = [record for _, record in numbered]
+    errors = reward_guard.RewardErrors(None, 1.0)   # counted: result["reward_errors"]
     for record in records:
-        if "answer" not in record:
-            record["answer"] = extract_answer(record["response"], answer_fallback)
-        if "correct" not in record:
-            record["correct"] = compute_reward(record["response"], record["gold"], answer_fallback) == 1.0
+        if record.pop("reward_error", None):   # its grader raised when it was sampled: graded again
+            record.pop("answer", None), record.pop("correct", None)
+        if "answer" not in record or "correct" not in record:
+            graded = guarded_grade(errors, record["response"], {"answer": record["gold"]}, answer_fallback)
+            record.setdefault("answer", graded["answer"])
+            record["correct"] = record.get("correct", graded["correct"])
+            if "reward_error" in graded:
+                record["reward_error"] = graded["reward_error"]
     sizes = defaultdict(int)
     for record in records:
         sizes[(record["index"], record["run"])] += 1
@@ -754,12 +780,14 @@ def evaluate_benchmark(model, tokenizer, problems: list[dict], cfg, out: Path, p
     bench, samples = planned["bench"], eval_files.samples_path(out, planned["bench"])
     journal = None if D.active() else Journal(samples, extra={"bench": bench}, settings=planned)
     kept = f"the samples saved before in {samples.name} are kept; a rerun continues from them"
+    errors = reward_guard.RewardErrors(out / reward_guard.FILE, cfg.max_reward_error_share)
+    errors.where = {"bench": bench}   # a grader's failures: OUT/reward_errors.jsonl
     try:
         stop_after = "after the current batch of samples"
         with eval_files.write_errors(samples, kept), signals.GracefulStop(stop_after) as stop:
             result = evaluate_problems(model, tokenizer, problems, cfg, planned["k"],
                                        planned["max_new_tokens"], planned["runs"], desc=bench,
-                                       journal=journal, stop=stop if journal else None)
+                                       journal=journal, stop=stop if journal else None, errors=errors)
             if D.is_main() and journal is None:
                 eval_files.write_jsonl(samples, [{"bench": bench, **r} for r in result["records"]])
     except Stopped as saved:

@@ -207,8 +207,9 @@ def rollout_trees(model, tokenizer, prompts: list[str], answers: list[str], cfg,
     get their N base responses sampled in the same running batch, returned as a third value (Samples
     per prompt). backoff: what running out of memory taught earlier steps' engines (kept by the
     caller). score: (prompt's index, token id lists of its completions) -> their rewards, in place
-    of the binary grader (reward.compute_reward against answers[i]): --reward's functions
-    (harness/custom_reward.scorer). Returns (trees, stats[, ahead_bases]).
+    of the binary grader (reward.compute_reward against answers[i]): training passes the harness's
+    (harness/reward_guard.scorer: the grader or --reward's functions, a call that raises scores 0).
+    Returns (trees, stats[, ahead_bases]).
     """
     n, budget, expand = (method or methods.method_of(cfg)).rollout_shape(cfg)
     sampler = Sampler.from_config(model, tokenizer, cfg, backoff)

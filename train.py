@@ -79,7 +79,7 @@ def train(cfg: config.Config) -> Path:
         optimizer = optim.build_optimizer(model.parameters(), cfg)  # AdamW (App. F.2; optim.py)
         learner = Learner(cfg, model, tokenizer, optimizer, run.load_embedder(), policy,
                           weights_ok=run.weights_ok,     # the weight guard (harness/guards.py)
-                          # --reward; None: reward.compute_reward
+                          # the grader or --reward, each call guarded
                           reward=run.reward_scorer(tokenizer),
                           # π_ref for --kl_beta > 0 (kl.py); None
                           reference=run.load_reference())
@@ -111,8 +111,9 @@ class Learner:
     # checked after every optimizer step; False ends the update
     # (the harness's weight guard restores it)
     weights_ok: Callable[[], bool] = lambda: True
-    reward: Callable | None = None   # --reward: (problem indices, step) -> a batch's scorer;
-                                     # None: the grader, reward.compute_reward
+    reward: Callable | None = None   # (batch, step) -> its scorer: the grader or --reward, each
+                                     # call guarded (harness/reward_guard.py); None:
+                                     # reward.compute_reward
     reference: torch.nn.Module | None = None   # --kl_beta > 0: π_ref, the frozen initial policy
                                                # (kl.py)
     # rollout sizes after running out of memory, kept from step to step
@@ -205,7 +206,7 @@ def tree_rollouts(learner: Learner, batch: offpolicy.Batch, step: int, rng: rand
             distributed.rollout_rng(rng, cfg.seed, step),
             method=learner.method, levels=batch.levels, progress=distributed.is_main(),
             bases=batch.bases, ahead=batch.ahead_prompts, backoff=learner.backoff,
-            score=learner.reward(batch.indices, step) if learner.reward else None)
+            score=learner.reward(batch, step) if learner.reward else None)
     for tr in trees:
         tr.policy_lag = batch.lag(step)
     return trees, stats, ahead[0] if ahead else None

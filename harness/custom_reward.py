@@ -41,6 +41,12 @@ values. So for a tree method the weights must be >= 0 and sum to at most 1 (func
 a non-finite value, a value that is not a number or a list of the wrong length is a UserError naming the
 function and the value (exit 2). Held-out evaluation always grades correctness with reward.compute_reward.
 
+A function that raises an Exception does not end the run either (harness/reward_guard.py): each completion
+of that call gets 0 from it (the other functions' values stand; none is skipped, since a tree's V(s) is a mean
+over all its leaves, Sec. 4.2), written with its traceback to RUN/reward_errors.jsonl and counted in
+metrics.jsonl (reward_errors); more than --max_reward_error_share of a step's responses failing in one
+function stops the run with one line naming it.
+
 Reward code cannot end the run by itself: SystemExit or KeyboardInterrupt raised in it (a sys.exit, an
 argparse at import) is a RewardExit line naming the function (exit 2), and a run that had finished steps
 since its last checkpoint writes one at the last finished step first (harness/loop.py). A stop signal's
@@ -119,6 +125,7 @@ class Rewards:
     warned: set = field(default_factory=set)
     metrics: dict = field(default_factory=dict)          # log_metric: name -> [sum, count] this step
     extras: dict = field(default_factory=dict)           # log_extra: (prompt, ids) -> {column: value}
+    errors: object = None   # harness/reward_guard.RewardErrors: a call that raises gives 0 (None: it raises)
 
     def __call__(self, problem: dict, texts: list[str], token_lists: list[list[int]], step: int,
                  seen=None) -> list[float]:
@@ -142,7 +149,7 @@ class Rewards:
                       **{name: [copy.deepcopy(row.get(name)) for _ in range(n)] for name in self.columns}}
             if f.takes_logging:
                 kwargs.update(log_extra=self.log_extra(f, keys), log_metric=self.log_metric(f))
-            values = checked_values(f, call_reward(f, kwargs), n, prompt)
+            values = checked_values(f, self.call(f, kwargs, texts, problem["answer"]), n, prompt)
             for i, value in enumerate(values):
                 if value is None:
                     continue
@@ -155,6 +162,15 @@ class Rewards:
             say(f"--reward: every function returned None for a completion of {shown(prompt)}; its reward "
                 f"is 0 (said once)")
         return [self.bounded_value(total, part, prompt) for total, part in zip(totals, parts)]
+
+    def call(self, f: RewardFunction, kwargs: dict, texts: list[str], gold):
+        """f's values for one call (call_reward). Under the run's guard (harness/reward_guard.py) an Exception
+        it raises gives each completion 0 from f, recorded and counted, and the other functions' values
+        stand: no completion is skipped, since a tree's V(s) needs every leaf's reward (Sec. 4.2)."""
+        if self.errors is None:
+            return call_reward(f, kwargs)
+        values, failure = self.errors.attempt(f.spec, call_reward, (f, kwargs), texts, gold)
+        return [0.0] * len(texts) if failure else values
 
     def log_extra(self, f: RewardFunction, keys: list[tuple]) -> Callable:
         """TRL's log_extra(column, values) for one call: a value per completion, kept for the step's

@@ -370,7 +370,7 @@ def replace_earlier(out: Path, settings: dict, benches: list[str] | None, earlie
     """--overwrite true: delete the earlier evaluation's files (benches None: all of them; else those
     benchmarks' samples, and results.json rewritten without them) before sampling starts."""
     doomed = [out / "results.json", *(out / f for f in FIGURES), *out.glob("samples_*.jsonl"),
-              *out.glob("samples_*.jsonl.state")] if benches is None else \
+              *out.glob("samples_*.jsonl.state"), out / "reward_errors.jsonl"] if benches is None else \
         [p for b in benches for p in (samples_path(out, b), state_path(samples_path(out, b)))]
     doomed = [p for p in doomed if p.exists()]
     with write_errors(out, "the earlier evaluation is partly deleted"):

@@ -11,7 +11,8 @@ to the Learner where it builds it, in sight:
   load_policy        the policy (cfg.model, or the checkpoint resumed) and its tokenizer, checked
   load_embedder      Div_sib's sentence embedder, or None when α is 0 all run
   load_reference     π_ref for --kl_beta > 0 (kl.py), or None
-  reward_scorer      --reward's functions as the rollout's scorer, or None (the grader)
+  reward_scorer      the rollout's scorer: the grader or --reward's functions, each call guarded
+                     (harness/reward_guard.py: an exception scores 0, RUN/reward_errors.jsonl)
   weights_ok         the weight guard's check after each optimizer step
   prompt_stream      the training prompts (prompts.PromptStream), each one checked to fit
   start              the checkpoint's optimizer and trainer state, the log, config.json, the weight guard
@@ -46,7 +47,7 @@ import data
 import kl
 import methods as M
 import models
-from harness import custom_reward, edits, guards, preflight, runs, signals, tracking
+from harness import custom_reward, edits, guards, preflight, reward_guard, runs, signals, tracking
 from harness.journal import Stopped
 from harness.tracking import Log
 from prompts import PromptStream
@@ -126,6 +127,7 @@ class Run:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.run_dir, self.log, self.checkpoint, self.state, self.replace = open_run(cfg, self._stack)
+        self.reward_errors = reward_guard.run_errors(self.run_dir, cfg)   # RUN/reward_errors.jsonl
         for line in edits.notes(cfg):   # a default edited in config.py: in effect, or what set it instead
             self.log.say(line)
         self.run = RunState(rng=random.Random(cfg.seed))
@@ -215,9 +217,10 @@ class Run:
         return kl.freeze(model)
 
     def reward_scorer(self, tokenizer):
-        """--reward's functions as the rollout's scorer (custom_reward.scorer: (problem indices, step) -> a
-        batch's scorer); None without --reward: the grader, reward.compute_reward."""
-        return functools.partial(custom_reward.scorer, self.reward, tokenizer) if self.reward else None
+        """The rollout's scorer, (batch, step) -> the batch's scorer (reward_guard.scorer): the grader,
+        reward.compute_reward, or --reward's functions (custom_reward.scorer), every call guarded: an
+        exception scores 0, is written to RUN/reward_errors.jsonl and counted (end_step)."""
+        return functools.partial(reward_guard.scorer, self.reward, tokenizer, self.cfg, self.reward_errors)
 
     def weights_ok(self) -> bool:
         """The weight guard's check after each optimizer step: False (on every rank, when any rank finds a
@@ -308,8 +311,9 @@ class Run:
         cfg, run, log = self.cfg, self.run, self.log
         self.guard.undo_if_broken(result.update, self.policy, result.trees[0].prompt_ids)
         run.step += 1
+        failed = self.reward_errors.take()   # {function: [calls that raised, graded]} this step
         record = {**tracking.step_record(run.step, result, run.prompts, self.t_step), **lr,
-                  **custom_reward.step_means(self.reward)}
+                  **custom_reward.step_means(self.reward), "reward_errors": reward_guard.failures(failed)}
         if self.resume_changes:   # the first step after a resume that changed settings says which
             record["resumed_with_changes"], self.resume_changes = self.resume_changes, {}
         run.bad_steps_in_a_row = record["bad_steps_in_a_row"] = (
@@ -319,6 +323,9 @@ class Run:
         log_completions(self, run.step, result)
         log.write(record)
         nonfinite_guard(self, run, record)
+        # more than --max_reward_error_share of the step's responses failed in one function: one line
+        reward_guard.check_step(self.reward_errors, failed, run.step, self.run_dir,
+                                last_checkpoint(self.run_dir))
         self.bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
                              leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{record['loss']:.3f}")
         stopping = D.any_rank(self.stop.requested)   # torchrun: every rank stops at the same step
@@ -535,11 +542,16 @@ def nonfinite_guard(s: Run, run: RunState, record: dict) -> None:
         s.log.say(f"step {run.step}: the update made a weight or the policy's logits non-finite; weights and "
                   f"optimizer state restored to before it ({run.bad_steps_in_a_row} step(s) in a row)")
     if run.bad_steps_in_a_row >= s.cfg.max_bad_steps:
-        last = models.resolve_checkpoint(str(s.run_dir))
         raise faults.NonFiniteStop(
             f"stopped at step {run.step}: {run.bad_steps_in_a_row} steps in a row had non-finite losses, "
             f"gradient norms or weights (--max_bad_steps {s.cfg.max_bad_steps}); last good checkpoint: "
-            f"{last if last != str(s.run_dir) else 'none'}; expected a lower --lr or a check of the data")
+            f"{last_checkpoint(s.run_dir)}; expected a lower --lr or a check of the data")
+
+
+def last_checkpoint(run_dir: Path) -> str:
+    """The run's newest checkpoint, or 'none'."""
+    last = models.resolve_checkpoint(str(run_dir))
+    return last if last != str(run_dir) else "none"
 
 
 def log_trees(s: Run, step: int, result) -> None:
@@ -626,11 +638,13 @@ def run_eval(s: Run, label: str, step: int, stop: signals.GracefulStop, write: b
     if not stopped:
         model.eval()
         try:
+            errors = reward_guard.RewardErrors(s.run_dir / reward_guard.FILE, cfg.max_reward_error_share)
+            errors.where = {"step": step, "eval": label}   # the grader's failures, beside the training's
             with D.full_params(model):     # sharded over ranks and gathered under torchrun
                 result = s.evaluate(
                     model, s.tokenizer, s.eval_problems, cfg, k=cfg.eval_k,
                     max_new_tokens=cfg.eval_max_new_tokens, desc=f"eval {label}",
-                    stop=None if D.active() else stop)
+                    stop=None if D.active() else stop, errors=errors)
         except Stopped:   # at a safe point: the samples of its finished generate calls are dropped
             stopped = True
     if stopped:
@@ -642,7 +656,8 @@ def run_eval(s: Run, label: str, step: int, stop: signals.GracefulStop, write: b
         return None
     record = {"step": step, "eval": label, "data": cfg.eval_data, f"avg@{cfg.eval_k}": result["avg@k"],
               f"pass@{cfg.eval_k}": result["pass@k"], "n_problems": result["n_problems"],
-              "n_samples": result["n_samples"], "seconds": result["seconds"]}
+              "n_samples": result["n_samples"], "reward_errors": result["reward_errors"],
+              "seconds": result["seconds"]}
     if write:
         log.write(record)
     se = math.sqrt(max(result["avg@k"] * (1 - result["avg@k"]), 1e-12) / max(result["n_samples"], 1))

@@ -170,7 +170,7 @@ class RunLock:
 RESUME_MAY_CHANGE = frozenset({
     "steps", "eval_every", "save_every", "log_trees_every", "report_to", "threads", "out_dir", "resume",
     "overwrite", "max_bad_steps", "allow_config_change", "keep_checkpoints", "stop_timeout", "guard_weights",
-    "gradient_checkpointing",
+    "gradient_checkpointing", "max_reward_error_share",
 })
 
 

@@ -6,8 +6,12 @@
   DATPO_CRASH_AT="name:n[:SIGNAL]" the n-th time the named point is reached the process signals itself
                                    (default SIGKILL: a preemption or a power loss): install_crash_points(spec,
                                    patch) wraps the functions the points name.
+  DATPO_REWARD_RAISE_AT="site:n"   every n-th call of the grader at `site` (train: the rollout's, eval:
+                                   evaluation's) raises AttributeError, as the grader of issue 40 did
+                                   on an empty \\text{}: install_reward_raise(spec, patch). (A --reward
+                                   function that raises is a reward file of the test's own.)
 
-    python tests/inject.py evaluate.py ARGS   # the command with $DATPO_OOM_AT and $DATPO_CRASH_AT installed
+    python tests/inject.py evaluate.py ARGS   # the command with the three variables' faults installed
 
 A site or a point wraps one function from outside (raise_once, crash_after), so neither the algorithm's files
 nor the harness carry a test hook. `patch` is setattr, or pytest's monkeypatch.setattr so the test undoes it.
@@ -192,12 +196,52 @@ def install_crash_points(spec: str | None = None, patch: Callable = setattr) -> 
     return names
 
 
+# --------------------------------------------------------------------------------------------------------
+# A grader that raises: DATPO_REWARD_RAISE_AT
+# --------------------------------------------------------------------------------------------------------
+def raise_every(owner, name: str, n: int, patch: Callable = setattr) -> None:
+    """Wrap owner.name: its n-th, 2n-th, ... call raises AttributeError (the grader's crash of issue 40:
+    `'NoneType' object has no attribute 'replace'`); the others run the real function."""
+    real = getattr(owner, name)
+    calls = []
+
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) % n == 0:
+            raise AttributeError("'NoneType' object has no attribute 'replace' (injected by "
+                                 "DATPO_REWARD_RAISE_AT)")
+        return real(*args, **kwargs)
+
+    patch(owner, name, wrapper)
+
+
+REWARD_SITES = {"train": ("rollout", "compute_reward"), "eval": ("evaluate", "compute_reward")}
+
+
+def install_reward_raise(spec: str | None = None, patch: Callable = setattr) -> list[str]:
+    """DATPO_REWARD_RAISE_AT="train:n,eval:m" (default $DATPO_REWARD_RAISE_AT): every n-th call of that
+    site's grader raises (raise_every). Returns the sites installed; an unknown one is one UserError line."""
+    spec = os.environ.get("DATPO_REWARD_RAISE_AT", "") if spec is None else spec
+    items = [item.strip().split(":") for item in spec.split(",") if item.strip()]
+    unknown = [parts[0] for parts in items if parts[0] not in REWARD_SITES or len(parts) != 2
+               or not parts[1].isdigit() or int(parts[1]) < 1]
+    if unknown:
+        raise UserError(f"DATPO_REWARD_RAISE_AT={spec}: unknown site(s) {', '.join(unknown)}; expected "
+                        f"SITE:N with SITE one of {', '.join(REWARD_SITES)} and N >= 1")
+    for site_name, every in items:
+        module, function = REWARD_SITES[site_name]
+        raise_every(importlib.import_module(module), function, int(every), patch)
+    return [parts[0] for parts in items]
+
+
 if __name__ == "__main__":   # python tests/inject.py train.py|evaluate.py ARGS
     script, argv = sys.argv[1], sys.argv[2:]
     sys.argv = [script, *argv]   # the command's own name in its lines; its thread policy reads argv
     command = importlib.import_module(Path(script).stem)
     install()
     install_crash_points()
+    install_reward_raise()
     from runtime import faults
 
     faults.main_guard(command.main, argv)
