@@ -481,7 +481,7 @@ def test_a_full_disk_at_a_figure_keeps_the_previous_one(evaluated, tmp_path, cap
     (b"[]", "config.json: a JSON list, expected an object"),
     (b'{"prompt_style": "ch\xffat"}', "config.json line 1: not UTF-8 text (byte 0xff)"),
     (b'{"prompt_style": "bogus"}', "config.json sets prompt_style 'bogus' (--prompt_style: got 'bogus', "
-                                   "expected one of release, chat, plain)"),
+                                   "expected one of release, chat, plain, verbatim)"),
     (b'{"few_shot": "false"}', "config.json sets few_shot 'false' (few_shot must be a bool)"),
 ], ids=["torn", "list", "non-utf8", "bad-value", "wrong-kind"])
 def test_a_torn_run_config_is_one_line_naming_it(run_and_model, capsys, content, expected):
