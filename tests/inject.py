@@ -33,14 +33,15 @@ from runtime.faults import UserError  # noqa: E402
 
 
 def raise_once(owner, name: str, site: str, patch: Callable = setattr,
-               when: Callable | None = None) -> None:
+               when: Callable | None = None, fired: list | None = None) -> None:
     """Wrap owner.name: its first call for which when(*args, **kwargs) holds (default: any) raises
     torch.OutOfMemoryError; later calls run the real function. patch(owner, name, wrapper) installs it
-    (setattr, or pytest's monkeypatch.setattr so the test undoes it)."""
+    (setattr, or pytest's monkeypatch.setattr so the test undoes it). `fired`: a list shared by several
+    wrappers of one site, so the site raises once whichever of them runs first."""
     import torch
 
     real = getattr(owner, name)
-    fired = []
+    fired = [] if fired is None else fired
 
     @functools.wraps(real)
     def wrapper(*args, **kwargs):
@@ -50,6 +51,16 @@ def raise_once(owner, name: str, site: str, patch: Callable = setattr,
         return real(*args, **kwargs)
 
     patch(owner, name, wrapper)
+
+
+def raise_once_in_decode(site: str, patch: Callable, when: Callable) -> None:
+    """The engine's decode forward, whichever step runs it: the reference step's (kv.Forward) and the CPU's
+    shared step (engine/shared.Forward, its own decode), one OOM between them."""
+    from engine import kv, shared
+
+    fired: list = []
+    for forward in (kv.Forward, shared.Forward):
+        raise_once(forward, "decode", site, patch, when=when, fired=fired)
 
 
 # site -> the installer of its wrapper: (patch) -> None. Each wraps the stage function the site names and
@@ -92,9 +103,9 @@ def _decode_with(branches: bool) -> Callable:
 def _oom_at_base(patch: Callable) -> None:
     """The engine's decode forward of several base rows (its row budget halves); the generate path's base
     call of a group (the base phase's degradation is the engine's: the error goes up)."""
-    from engine import generate, kv
+    from engine import generate
 
-    raise_once(kv.Forward, "decode", "base", patch, when=_decode_with(branches=False))
+    raise_once_in_decode("base", patch, when=_decode_with(branches=False))
     raise_once(generate.GenerateEngine, "bases", "base", patch)
 
 
@@ -102,9 +113,9 @@ def _oom_at_base(patch: Callable) -> None:
 def _oom_at_branches(patch: Callable) -> None:
     """The engine's decode forward of several rows some of which are branches (its row budget halves); the
     generate path's branch chunk (it is retried at half the size)."""
-    from engine import generate, kv
+    from engine import generate
 
-    raise_once(kv.Forward, "decode", "branches", patch, when=_decode_with(branches=True))
+    raise_once_in_decode("branches", patch, when=_decode_with(branches=True))
     raise_once(generate, "branch_chunk", "branches", patch)
 
 
