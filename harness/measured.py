@@ -43,7 +43,12 @@ def _file_hash(path: str, size: int, mtime_ns: int) -> str:
 def files_hash(folder: Path) -> str | None:
     """SHA-256 over the weight files of a model folder (names and contents, in name order); None when it
     holds none. A file's hash is remembered for its size and modification time within this process."""
-    files = sorted({p for pattern in WEIGHT_PATTERNS for p in Path(folder).glob(pattern) if p.is_file()})
+    return listed_hash(sorted({p for pattern in WEIGHT_PATTERNS for p in Path(folder).glob(pattern)
+                               if p.is_file()}))
+
+
+def listed_hash(files: list[Path]) -> str | None:
+    """SHA-256 over files' names and contents, in the order given; None for no files."""
     if not files:
         return None
     digest = hashlib.sha256()
@@ -82,16 +87,9 @@ def checkpoint_hash(folder: Path) -> str | None:
     """SHA-256 over a checkpoint's files (names and contents, in name order) — its weights, the model's
     config and generation config, the tokenizer — but not its trainer state (optimizer moments: they change
     no score); None for a folder with no files."""
-    files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name != "trainer_state.pt") \
-        if Path(folder).is_dir() else []
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for path in files:
-        info = path.stat()
-        digest.update(f"{path.name}\0{_file_hash(str(path.resolve()), info.st_size, info.st_mtime_ns)}\0"
-                      .encode())
-    return "sha256:" + digest.hexdigest()
+    return listed_hash(sorted(p for p in Path(folder).iterdir()
+                              if p.is_file() and p.name != "trainer_state.pt")
+                       if Path(folder).is_dir() else [])
 
 
 def of_evaluation(cfg, model: str, problems: list[dict], k: int, max_new_tokens: int, **extra) -> dict:
