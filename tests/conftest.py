@@ -17,6 +17,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, threads.usable_cores() // workers))
 
 
+# optionalhook: the hook is xdist's; pytest without xdist (the device image) would refuse to start
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject.toml): one worker per core this process may use — its affinity mask, capped by a
     cgroup CPU quota (runtime/threads.usable_cores) — not xdist's count of the host's cores (a 2-CPU

@@ -141,3 +141,15 @@ def test_carried_packages_import_from_the_assets_folder_alone(tmp_path):
                          timeout=60, env={**os.environ, "DATPO_CACHE": str(tmp_path), "PYTHONPATH": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "carried ['It is 5. ', 'Then 6.']"
+
+
+def test_the_tests_start_without_xdist_as_the_device_s_engine_part_runs_them():
+    """The device image has no pytest-xdist, and gpu_check.sh's engine part runs pytest with `-p no:xdist
+    -o addopts=""`. tests/conftest.py implements xdist's worker-count hook: pytest without xdist refused to
+    start on it ("unknown hook", no test ran; the rehearsal found it). The same command here must collect
+    and pass a test file."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "-o", "addopts=", "tests/test_style.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
