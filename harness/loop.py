@@ -324,8 +324,10 @@ class Run:
         log.write(record)
         nonfinite_guard(self, run, record)
         # more than --max_reward_error_share of the step's responses failed in one function: one line
-        reward_guard.check_step(self.reward_errors, failed, run.step, self.run_dir,
-                                last_checkpoint(self.run_dir))
+        # (the checkpoint folder is listed only for a step with failures)
+        if record["reward_errors"]:
+            reward_guard.check_step(self.reward_errors, failed, run.step, self.run_dir,
+                                    last_checkpoint(self.run_dir))
         self.bar.set_postfix(reward=f"{record['reward']:.2f}", v_root=f"{record['v_root']:.2f}",
                              leaves=f"{record['leaves_per_prompt']:.1f}", loss=f"{record['loss']:.3f}")
         stopping = D.any_rank(self.stop.requested)   # torchrun: every rank stops at the same step
