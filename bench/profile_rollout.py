@@ -27,6 +27,10 @@ per generated token and DATPO / GRPO of it, decode steps, prefill tokens, host t
 (engine/paged.to_host, the engine's one device → host copy per step), the seconds inside the model's
 forward (decode and prefill; the paged step's compiled call holds its sampling too) and outside it. The
 host's CPU, load average and threads are printed with the table.
+
+Then the decode steps alone, split in two factors (decompose): DATPO / GRPO seconds per decoded token =
+(DATPO's steps over what GRPO's steps cost at the same rows in flight: a tree step's premium) × (GRPO's
+price at DATPO's rows over its own: the rows in flight), with a table of milliseconds per step by rows.
 """
 import argparse
 import collections
@@ -68,6 +72,7 @@ class Profile:
         self.decode_seconds = 0.0                # decode steps (forward, sampling, the rows' bookkeeping)
         self.batch_sizes = collections.Counter() # rows of each decode step -> steps
         self.planning = collections.Counter()    # fork planning's parts
+        self.per_step = []                       # (rows, seconds, forward seconds) of each decode step
         self.engine = None                       # the rollout's engine
         self._rows, self._tail = [], False       # the decode step in progress: its rows, whether in the tail
 
@@ -78,6 +83,7 @@ class Profile:
         self.decode_forward += forward
         self.decode_seconds += seconds
         self.batch_sizes[len(rows)] += 1
+        self.per_step.append((len(rows), seconds, forward))
         if self._tail:
             self._add("tail", seconds, len(rows), len(rows))
             return
@@ -245,6 +251,45 @@ def table(results: dict, new_tokens: int, clock: str) -> None:
           f"{(a['wall'] / a['tokens']) / (b['wall'] / b['tokens']):.2f})", flush=True)
 
 
+
+def step_cost(steps: list[tuple]) -> tuple[float, float]:
+    """(a, b) of the least-squares line seconds = a + b · rows over decode steps (rows, seconds, ...): a
+    step's fixed cost (the weights read once, whatever the rows) and each row's."""
+    n = len(steps)
+    mr = sum(r for r, *_ in steps) / n
+    ms = sum(s for _, s, *_ in steps) / n
+    var = sum((r - mr) ** 2 for r, *_ in steps)
+    b = sum((r - mr) * (s - ms) for r, s, *_ in steps) / var if var else 0.0
+    return ms - b * mr, b
+
+
+def decompose(results: dict) -> None:
+    """Decode steps only (one token per row per step): DATPO / GRPO seconds per token = (what DATPO's steps
+    cost over what GRPO's steps cost at the same rows: a tree step's premium) × (GRPO's step price at
+    DATPO's rows over GRPO's own: the rows in flight). The price is GRPO's fitted line (step_cost); a
+    table of mean milliseconds per step by rows in flight shows both."""
+    tree, flat = (results[n]["prof"].per_step for n in list(results)[:2])
+    a, b = step_cost(flat)
+    cost = {k: sum(s for _, s, *_ in steps) for k, steps in (("tree", tree), ("flat", flat))}
+    tokens = {k: sum(r for r, *_ in steps) for k, steps in (("tree", tree), ("flat", flat))}
+    priced = sum(a + b * r for r, *_ in tree)
+    premium = cost["tree"] / priced
+    rows = (priced / tokens["tree"]) / (cost["flat"] / tokens["flat"])
+    print(f"\nDecode steps alone: GRPO's step costs {a * 1e3:.0f} ms + {b * 1e3:.2f} ms per row (least "
+          f"squares over its {len(flat)} steps)")
+    edges = [1, 9, 17, 33, 49, 65, 10 ** 9]
+    print(f"{'rows in flight':16s}{'DATPO ms/step (steps)':>30s}{'GRPO ms/step (steps)':>30s}")
+    for lo, hi in zip(edges, edges[1:]):
+        cells = []
+        for steps in (tree, flat):
+            inside = [s for r, s, *_ in steps if lo <= r < hi]
+            cells.append(f"{sum(inside) / len(inside) * 1e3:.0f} ({len(inside)})" if inside else "-")
+        label = f"{lo}-{hi - 1}" if hi < 10 ** 9 else f"{lo}+"
+        if cells != ["-", "-"]:
+            print(f"{label:16s}" + "".join(f"{c:>30s}" for c in cells))
+    print(f"DATPO / GRPO seconds per decoded token {premium * rows:.2f} = a tree step's premium at equal "
+          f"rows {premium:.2f} × rows in flight {rows:.2f}", flush=True)
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="64,256", help="max_new_tokens of each shape, comma-separated")
@@ -291,6 +336,7 @@ def main():
             print(f"{name}: {results[name]['wall']:.1f} s, {results[name]['tokens']} tokens, load average "
                   f"{os.getloadavg()[0]:.2f}", flush=True)
         table(results, new_tokens, args.clock)
+        decompose(results)
 
 
 if __name__ == "__main__":
