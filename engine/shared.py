@@ -14,7 +14,9 @@ response's first f tokens (read by every branch of that base). This step:
     one batch entry); each base prefix the same way for its branches, each reading its own first f tokens
     (a mask per query row); and each row's own tokens (its response so far and the new token) as in the
     reference. The slots read per step fall from rows × context to prompts × prompt + bases × fork prefix
-    + rows × own tokens. The kernel is ATen's CPU flash attention, which returns the log-sum-exp.
+    + rows × own tokens. The kernel is ATen's CPU flash attention, which returns the log-sum-exp. A call
+    pads its groups to the widest, so each part is cut by width (by_width: up to 32 slots, then one bin
+    per doubling): a fresh branch does not read a long row's width of masked slots.
   * draws each token by inverse transform sampling: one uniform u per row against the cumulative sum of
     the probabilities (in float64, so no token's share is lost to rounding), the first token whose
     cumulative probability exceeds u·total: a sample from the same distribution as torch.multinomial's
@@ -80,6 +82,24 @@ def part(groups: list[list[int]], members: list[list[tuple[int, int]]], rows: in
     return Part(read.to(device), index.to(device), mask, back.to(device))
 
 
+def width_bin(width: int) -> int:
+    """The bin of a group of `width` slots: 0 up to 32 slots, then one per doubling (33-64, 65-128, ...)."""
+    return max(0, (width - 1).bit_length() - 5)
+
+
+def by_width(groups: list[list[int]], members: list[list[tuple[int, int]]]) -> list[tuple[list, list]]:
+    """The groups (and their members) split by width_bin, narrowest first. A Part pads every group to its
+    widest: at 256 new tokens one long row made a fresh branch's own part read 256 slots, mostly masked
+    (a DATPO step at 49-64 rows cost 1.6x GRPO's, docs/measurements.md). Within a bin a group is padded to
+    at most twice its width."""
+    bins: dict[int, tuple[list, list]] = {}
+    for slots, rows_of in zip(groups, members):
+        into = bins.setdefault(width_bin(len(slots)), ([], []))
+        into[0].append(slots)
+        into[1].append(rows_of)
+    return [bins[b] for b in sorted(bins)]
+
+
 def step_kv(pool: KVPool, rows, prompt_lengths: list[int], per_kv: int = 1) -> SharedKV:
     """The SharedKV of one decode step of `rows` (DecodeRows, each context just extended by the slot of the
     token fed now). A row's context is its prompt's P slots, then (a branch at fork f) its base's first f
@@ -107,10 +127,10 @@ def step_kv(pool: KVPool, rows, prompt_lengths: list[int], per_kv: int = 1) -> S
             base_members[g].append((i, fork))
         own.append(row.slots[length + fork:])
     device = pool.device
-    parts = [part(prompt_groups, prompt_members, len(rows), device, per_kv)]
-    if base_groups:
-        parts.append(part(base_groups, base_members, len(rows), device, per_kv))
-    parts.append(part(own, [[(i, len(slots))] for i, slots in enumerate(own)], len(rows), device, per_kv))
+    parts = []
+    for groups, members in ((prompt_groups, prompt_members), (base_groups, base_members),
+                            (own, [[(i, len(slots))] for i, slots in enumerate(own)])):
+        parts += [part(g, m, len(rows), device, per_kv) for g, m in by_width(groups, members)]
     write = torch.tensor([row.slots[-1] for row in rows], device=device)
     return SharedKV(pool, write, parts)
 

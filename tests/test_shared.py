@@ -63,6 +63,42 @@ def test_shared_attention_equals_the_reference_attention():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+
+def test_groups_of_unequal_widths_are_split_so_none_reads_more_than_twice_its_slots():
+    """One prompt (10 tokens); base rows with 3, 40, 70 and 200 tokens of their own (+ the new one) and two
+    branches of one ended base at forks 5 and 50 (one group: they share its first 50 slots). Each part pads
+    its groups to its widest, so the own tokens fall into four parts (widths 4 and the branches' 3 and 10;
+    41; 71; 201): no group reads more than max(32, twice its own) slots. The output still equals the
+    reference attention's."""
+    assert [shared.width_bin(w) for w in (1, 32, 33, 64, 65, 128, 129)] == [0, 0, 1, 1, 2, 2, 3]
+    groups = [[0] * w for w in (201, 4, 41, 3, 71, 10)]
+    split = shared.by_width(groups, [[(i, len(g))] for i, g in enumerate(groups)])
+    assert [[len(g) for g in gs] for gs, _ in split] == [[4, 3, 10], [41], [71], [201]]
+    assert [[m[0][0] for m in ms] for _, ms in split] == [[1, 3, 5], [2], [4], [0]]   # members go along
+    torch.manual_seed(1)
+    pool = kv.KVPool(fake_model(), 1200, "cpu", torch.float32)
+    pool.layers[0].normal_()
+    prompt = []
+    pool.extend(prompt, 10)
+    ended = pool.share([(prompt, 10)])[0]
+    pool.extend(ended, 60)
+    rows = [DecodeRow(i, 0, i, None, pool.share([(prompt, 10)])[0], 999) for i in range(4)]
+    rows += [DecodeRow(4, 0, 9, 5, pool.share([(ended, 15)])[0], 999),
+             DecodeRow(5, 0, 9, 50, pool.share([(ended, 60)])[0], 999)]
+    for row, n in zip(rows, [3, 40, 70, 200, 2, 9]):
+        pool.extend(row.slots, n + 1)                      # its own tokens, then the slot of the one fed now
+    step = shared.step_kv(pool, rows, [10], per_kv=2)
+    # the prompt; the base prefix (50); the own tokens: 4, 3, 10 padded to 10; 41; 71; 201
+    assert sorted(p.read.shape[1] for p in step.parts) == [10, 10, 41, 50, 71, 201]
+    query, key, value = torch.randn(6, 4, 1, 16), torch.randn(6, 2, 1, 16), torch.randn(6, 2, 1, 16)
+    layer = types.SimpleNamespace(layer_idx=0)
+    before = pool.layers[0].clone()
+    out, _ = shared.shared_attention(layer, query, key, value, None, scaling=0.25, engine_kv=step)
+    pool.layers[0].copy_(before)
+    ref, _ = kv.engine_attention(layer, query, key, value, None, scaling=0.25,
+                                 engine_kv=kv.step_kv(pool, [row.slots for row in rows], 1)[0])
+    assert torch.allclose(out, ref, atol=1e-5)
+
 def sampler_model():
     """lm_head is the identity: the hidden state is the row's scores."""
     return types.SimpleNamespace(get_output_embeddings=lambda: torch.nn.Identity())
