@@ -38,15 +38,22 @@ SHARED_ATTENTION = "datpo_shared"
 
 
 @dataclass
-class Part:
-    """One part of every row's context for a decode step: groups of rows reading the same slots. `read`
-    [groups, S] the slots (padded), `rows` [groups, R] the rows of each group (padded with the index of a
-    zero query), `mask` [groups, 1, R, S] additive (0 visible, −inf not) or None when every row of every
-    group sees all S, `back` [rows] each row's place in groups × R (groups × R itself: the row has no
-    slots in this part)."""
+class Call:
+    """One attention call: groups of rows reading the same slots. `read` [groups, S] the slots (padded),
+    `rows` [groups, R] the rows of each group (padded with the index of a zero query), `mask`
+    [groups, 1, R, S] additive (0 visible, −inf not) or None when every row of every group sees all S."""
     read: torch.Tensor
     rows: torch.Tensor
     mask: torch.Tensor | None
+
+
+@dataclass
+class Part:
+    """One part of every row's context for a decode step (the prompts, the base prefixes, or the rows' own
+    tokens), in calls of groups of similar width (by_width). `back` [rows]: each row's place in the calls'
+    outputs (groups × R each) one after the other; their total (an empty entry): the row has no slots in
+    this part."""
+    calls: list[Call]
     back: torch.Tensor
 
 
@@ -61,25 +68,31 @@ class SharedKV:
 
 def part(groups: list[list[int]], members: list[list[tuple[int, int]]], rows: int, device,
          per_kv: int = 1) -> Part:
-    """A Part from each group's slots and its members (row index, slots visible: a prefix of the group's);
-    its mask repeated for the per_kv query heads that share a key/value head (attend)."""
-    width = max(map(len, groups))
-    size = max(map(len, members))
-    read = torch.zeros(len(groups), width, dtype=torch.long)
-    index = torch.full((len(groups), size), rows, dtype=torch.long)
-    visible = torch.full((len(groups), size), 1, dtype=torch.long)
-    back = torch.full((rows,), len(groups) * size, dtype=torch.long)
-    for g, (slots, rows_of) in enumerate(zip(groups, members)):
-        read[g, :len(slots)] = torch.tensor(slots)
-        for r, (row, seen) in enumerate(rows_of):
-            index[g, r], visible[g, r] = row, seen
-            back[row] = g * size + r
-    mask = None
-    if (visible != width).any():
-        hidden = torch.arange(width)[None, None, :] >= visible[:, :, None]
-        mask = torch.zeros(len(groups), 1, size, width).masked_fill_(hidden[:, None], float("-inf"))
-        mask = mask.repeat(1, 1, per_kv, 1).to(device)
-    return Part(read.to(device), index.to(device), mask, back.to(device))
+    """A Part from each group's slots and its members (row index, slots visible: a prefix of the group's),
+    one Call per width bin; masks repeated for the per_kv query heads that share a key/value head
+    (attend)."""
+    calls, entries = [], 0
+    back = torch.full((rows,), -1, dtype=torch.long)
+    for groups, members in by_width(groups, members):
+        width = max(map(len, groups))
+        size = max(map(len, members))
+        read = torch.zeros(len(groups), width, dtype=torch.long)
+        index = torch.full((len(groups), size), rows, dtype=torch.long)
+        visible = torch.full((len(groups), size), 1, dtype=torch.long)
+        for g, (slots, rows_of) in enumerate(zip(groups, members)):
+            read[g, :len(slots)] = torch.tensor(slots)
+            for r, (row, seen) in enumerate(rows_of):
+                index[g, r], visible[g, r] = row, seen
+                back[row] = entries + g * size + r
+        mask = None
+        if (visible != width).any():
+            hidden = torch.arange(width)[None, None, :] >= visible[:, :, None]
+            mask = torch.zeros(len(groups), 1, size, width).masked_fill_(hidden[:, None], float("-inf"))
+            mask = mask.repeat(1, 1, per_kv, 1).to(device)
+        calls.append(Call(read.to(device), index.to(device), mask))
+        entries += len(groups) * size
+    back[back < 0] = entries
+    return Part(calls, back.to(device))
 
 
 def width_bin(width: int) -> int:
@@ -127,35 +140,42 @@ def step_kv(pool: KVPool, rows, prompt_lengths: list[int], per_kv: int = 1) -> S
             base_members[g].append((i, fork))
         own.append(row.slots[length + fork:])
     device = pool.device
-    parts = []
-    for groups, members in ((prompt_groups, prompt_members), (base_groups, base_members),
-                            (own, [[(i, len(slots))] for i, slots in enumerate(own)])):
-        parts += [part(g, m, len(rows), device, per_kv) for g, m in by_width(groups, members)]
+    parts = [part(prompt_groups, prompt_members, len(rows), device, per_kv)]
+    if base_groups:
+        parts.append(part(base_groups, base_members, len(rows), device, per_kv))
+    parts.append(part(own, [[(i, len(slots))] for i, slots in enumerate(own)], len(rows), device, per_kv))
     write = torch.tensor([row.slots[-1] for row in rows], device=device)
     return SharedKV(pool, write, parts)
 
 
-def attend(query, layer, part: Part, scale):
-    """One part: each group's rows attend to its slots → (out [groups × R + 1, H, d],
-    lse [groups × R + 1, H]), the last entry empty (out 0, lse −inf) for rows outside every group. The G
-    query heads that read one key/value head go in as G × R query positions of that head (each key is read
-    once per head, not G times; part.mask is laid out so)."""
-    groups, width = part.read.shape
-    size = part.rows.shape[1]
+def attend(query, layer, call: Call, scale):
+    """One call: each group's rows attend to its slots → (out [groups × R, H, d], lse [groups × R, H]).
+    The G query heads that read one key/value head go in as G × R query positions of that head (each key
+    is read once per head, not G times; call.mask is laid out so)."""
+    groups, width = call.read.shape
+    size = call.rows.shape[1]
     heads, dim = query.shape[1:]
     kv_heads = layer.shape[2]
-    context = layer.index_select(0, part.read.flatten()).view(groups, width, *layer.shape[1:])
+    context = layer.index_select(0, call.read.flatten()).view(groups, width, *layer.shape[1:])
     keys, values = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)   # [g, H_kv, S, d]
-    q = query[part.rows].view(groups, size, kv_heads, heads // kv_heads, dim)        # [g, R, H_kv, G, d]
+    q = query[call.rows].view(groups, size, kv_heads, heads // kv_heads, dim)        # [g, R, H_kv, G, d]
     q = q.permute(0, 2, 3, 1, 4).reshape(groups, kv_heads, heads // kv_heads * size, dim)
-    mask = None if part.mask is None else part.mask.to(q.dtype)
+    mask = None if call.mask is None else call.mask.to(q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[:2]
     out = out.view(groups, kv_heads, heads // kv_heads, size, dim).permute(0, 3, 1, 2, 4)
     lse = lse.view(groups, kv_heads, heads // kv_heads, size).permute(0, 3, 1, 2)
-    out = torch.cat((out.reshape(groups * size, heads, dim), out.new_zeros(1, heads, dim)))
-    lse = torch.cat((lse.reshape(groups * size, heads), lse.new_full((1, heads), -torch.inf)))
-    return out, lse
+    return out.reshape(groups * size, heads, dim), lse.reshape(groups * size, heads)
+
+
+def attend_part(query, layer, part: Part, scale):
+    """Every call of a part, their outputs one after the other and then an empty entry (out 0, lse −inf)
+    for rows outside the part → each row's (out [rows, H, d], lse [rows, H]) by part.back."""
+    outs, lses = zip(*[attend(query, layer, call, scale) for call in part.calls])
+    heads, dim = query.shape[1:]
+    out = torch.cat(outs + (outs[0].new_zeros(1, heads, dim),))
+    lse = torch.cat(lses + (lses[0].new_full((1, heads), -torch.inf),))
+    return out[part.back], lse[part.back]
 
 
 def shared_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, engine_kv=None,
@@ -169,8 +189,7 @@ def shared_attention(module, query, key, value, attention_mask, scaling=None, dr
     rows, heads, _, dim = query.shape
     q = torch.cat((query[:, :, -1].to(layer.dtype), query.new_zeros(1, heads, dim, dtype=layer.dtype)))
     scale = scaling if scaling is not None else dim ** -0.5
-    outs, lses = zip(*[(o[p.back], lse[p.back]) for p in engine_kv.parts
-                       for o, lse in [attend(q, layer, p, scale)]])
+    outs, lses = zip(*[attend_part(q, layer, p, scale) for p in engine_kv.parts])
     lse = torch.stack(lses)                                                # [parts, rows, H]
     weights = (lse - torch.logsumexp(lse, dim=0)).exp()
     out = (torch.stack(outs) * weights[..., None]).sum(0)                 # [rows, H, d]

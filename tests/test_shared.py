@@ -45,7 +45,8 @@ def test_shared_attention_equals_the_reference_attention():
         pool.extend(row.slots, 1)
     step = shared.step_kv(pool, rows, [21, 9], per_kv=2)
     assert len(step.parts) == 3                                     # prompts, base prefixes, own tokens
-    assert step.parts[0].read.shape[0] == 2 and step.parts[1].read.shape == (2, 7)   # 2 prompts, 2 bases
+    assert [len(p.calls) for p in step.parts] == [1, 1, 1]           # every width within 32 slots
+    assert step.parts[0].calls[0].read.shape[0] == 2 and step.parts[1].calls[0].read.shape == (2, 7)
     query, key, value = torch.randn(len(rows), 4, 1, 16), torch.randn(len(rows), 2, 1, 16), \
         torch.randn(len(rows), 2, 1, 16)
     layer = types.SimpleNamespace(layer_idx=0)
@@ -89,7 +90,10 @@ def test_groups_of_unequal_widths_are_split_so_none_reads_more_than_twice_its_sl
         pool.extend(row.slots, n + 1)                      # its own tokens, then the slot of the one fed now
     step = shared.step_kv(pool, rows, [10], per_kv=2)
     # the prompt; the base prefix (50); the own tokens: 4, 3, 10 padded to 10; 41; 71; 201
-    assert sorted(p.read.shape[1] for p in step.parts) == [10, 10, 41, 50, 71, 201]
+    assert [[c.read.shape[1] for c in p.calls] for p in step.parts] == [[10], [50], [10, 41, 71, 201]]
+    # each row's entry in the own calls' outputs one after the other: the first call holds rows 0, 4, 5
+    # (entries 0-2), then row 1 (3), row 2 (4), row 3 (5)
+    assert step.parts[2].back.tolist() == [0, 3, 4, 5, 1, 2]
     query, key, value = torch.randn(6, 4, 1, 16), torch.randn(6, 2, 1, 16), torch.randn(6, 2, 1, 16)
     layer = types.SimpleNamespace(layer_idx=0)
     before = pool.layers[0].clone()
