@@ -103,6 +103,22 @@ def test_groups_of_unequal_widths_are_split_so_none_reads_more_than_twice_its_sl
                                  engine_kv=kv.step_kv(pool, [row.slots for row in rows], 1)[0])
     assert torch.allclose(out, ref, atol=1e-5)
 
+
+def test_bench_width_bins_runs_every_layout_and_both_ways_agree(capsys):
+    """bench/bench_width_bins.py's own code on one layer: a line per layout, the DATPO layouts cut into
+    more than one call, and the one-call and by-width outputs equal within float32 rounding."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_width_bins
+
+    bench_width_bins.main(["--layers", "1", "--repeats", "1", "--rounds", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "max |Δ|" in line]
+    assert len(lines) == 4
+    assert all(float(line.rsplit(" ", 1)[1]) < 1e-5 for line in lines)
+    assert "base prefixes 1," not in lines[2] and "own tokens 1;" not in lines[2]   # DATPO at 256
+
 def sampler_model():
     """lm_head is the identity: the hidden state is the row's scores."""
     return types.SimpleNamespace(get_output_embeddings=lambda: torch.nn.Identity())
