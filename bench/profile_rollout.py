@@ -70,9 +70,8 @@ class Profile:
         self.forward = 0.0                       # seconds inside the model's forward (decode + prefill)
         self.decode_forward = 0.0                # of which in decode steps
         self.decode_seconds = 0.0                # decode steps (forward, sampling, the rows' bookkeeping)
-        self.batch_sizes = collections.Counter() # rows of each decode step -> steps
         self.planning = collections.Counter()    # fork planning's parts
-        self.per_step = []                       # (rows, seconds, forward seconds) of each decode step
+        self.per_step = []                       # (rows, seconds) of each decode step
         self.engine = None                       # the rollout's engine
         self._rows, self._tail = [], False       # the decode step in progress: its rows, whether in the tail
 
@@ -82,8 +81,7 @@ class Profile:
         self.forward += forward
         self.decode_forward += forward
         self.decode_seconds += seconds
-        self.batch_sizes[len(rows)] += 1
-        self.per_step.append((len(rows), seconds, forward))
+        self.per_step.append((len(rows), seconds))
         if self._tail:
             self._add("tail", seconds, len(rows), len(rows))
             return
@@ -91,6 +89,11 @@ class Profile:
         for phase, count in (("base decode", len(rows) - branch), ("branch decode", branch)):
             if count:
                 self._add(phase, seconds * count / len(rows), count, len(rows))
+
+    @property
+    def batch_sizes(self) -> collections.Counter:
+        """Rows of each decode step -> steps."""
+        return collections.Counter(rows for rows, _ in self.per_step)
 
     def _add(self, phase, seconds, tokens, rows):
         self.seconds[phase] += seconds
@@ -251,15 +254,14 @@ def table(results: dict, new_tokens: int, clock: str) -> None:
           f"{(a['wall'] / a['tokens']) / (b['wall'] / b['tokens']):.2f})", flush=True)
 
 
-
-def step_cost(steps: list[tuple]) -> tuple[float, float]:
-    """(a, b) of the least-squares line seconds = a + b · rows over decode steps (rows, seconds, ...): a
+def step_cost(steps: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of the least-squares line seconds = a + b · rows over decode steps (rows, seconds): a
     step's fixed cost (the weights read once, whatever the rows) and each row's."""
     n = len(steps)
-    mr = sum(r for r, *_ in steps) / n
-    ms = sum(s for _, s, *_ in steps) / n
-    var = sum((r - mr) ** 2 for r, *_ in steps)
-    b = sum((r - mr) * (s - ms) for r, s, *_ in steps) / var if var else 0.0
+    mr = sum(r for r, _ in steps) / n
+    ms = sum(s for _, s in steps) / n
+    var = sum((r - mr) ** 2 for r, _ in steps)
+    b = sum((r - mr) * (s - ms) for r, s in steps) / var if var else 0.0
     return ms - b * mr, b
 
 
@@ -270,11 +272,9 @@ def decompose(results: dict) -> None:
     table of mean milliseconds per step by rows in flight shows both."""
     tree, flat = (results[n]["prof"].per_step for n in list(results)[:2])
     a, b = step_cost(flat)
-    cost = {k: sum(s for _, s, *_ in steps) for k, steps in (("tree", tree), ("flat", flat))}
-    tokens = {k: sum(r for r, *_ in steps) for k, steps in (("tree", tree), ("flat", flat))}
-    priced = sum(a + b * r for r, *_ in tree)
-    premium = cost["tree"] / priced
-    rows = (priced / tokens["tree"]) / (cost["flat"] / tokens["flat"])
+    priced = sum(a + b * r for r, _ in tree)                    # DATPO's steps at GRPO's prices
+    premium = sum(s for _, s in tree) / priced
+    rows = (priced / sum(r for r, _ in tree)) / (sum(s for _, s in flat) / sum(r for r, _ in flat))
     print(f"\nDecode steps alone: GRPO's step costs {a * 1e3:.0f} ms + {b * 1e3:.2f} ms per row (least "
           f"squares over its {len(flat)} steps)")
     edges = [1, 9, 17, 33, 49, 65, 10 ** 9]
@@ -282,13 +282,14 @@ def decompose(results: dict) -> None:
     for lo, hi in zip(edges, edges[1:]):
         cells = []
         for steps in (tree, flat):
-            inside = [s for r, s, *_ in steps if lo <= r < hi]
+            inside = [s for r, s in steps if lo <= r < hi]
             cells.append(f"{sum(inside) / len(inside) * 1e3:.0f} ({len(inside)})" if inside else "-")
         label = f"{lo}-{hi - 1}" if hi < 10 ** 9 else f"{lo}+"
         if cells != ["-", "-"]:
             print(f"{label:16s}" + "".join(f"{c:>30s}" for c in cells))
     print(f"DATPO / GRPO seconds per decoded token {premium * rows:.2f} = a tree step's premium at equal "
           f"rows {premium:.2f} × rows in flight {rows:.2f}", flush=True)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -101,10 +101,10 @@ def width_bin(width: int) -> int:
 
 
 def by_width(groups: list[list[int]], members: list[list[tuple[int, int]]]) -> list[tuple[list, list]]:
-    """The groups (and their members) split by width_bin, narrowest first. A Part pads every group to its
-    widest: at 256 new tokens one long row made a fresh branch's own part read 256 slots, mostly masked
-    (a DATPO step at 49-64 rows cost 1.6x GRPO's, docs/measurements.md). Within a bin a group is padded to
-    at most twice its width."""
+    """The groups (and their members) split by width_bin, narrowest first: one Call each. A Call pads every
+    group to its widest, so in one call a long row made every fresh row read its width, mostly masked
+    (bench/bench_width_bins.py, docs/measurements.md). Within a bin a group is padded to at most twice its
+    width (or 32 slots)."""
     bins: dict[int, tuple[list, list]] = {}
     for slots, rows_of in zip(groups, members):
         into = bins.setdefault(width_bin(len(slots)), ([], []))

@@ -64,11 +64,10 @@ def test_shared_attention_equals_the_reference_attention():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-
 def test_groups_of_unequal_widths_are_split_so_none_reads_more_than_twice_its_slots():
     """One prompt (10 tokens); base rows with 3, 40, 70 and 200 tokens of their own (+ the new one) and two
-    branches of one ended base at forks 5 and 50 (one group: they share its first 50 slots). Each part pads
-    its groups to its widest, so the own tokens fall into four parts (widths 4 and the branches' 3 and 10;
+    branches of one ended base at forks 5 and 50 (one group: they share its first 50 slots). A call pads
+    its groups to its widest, so the own tokens fall into four calls (widths 4 and the branches' 3 and 10;
     41; 71; 201): no group reads more than max(32, twice its own) slots. The output still equals the
     reference attention's."""
     assert [shared.width_bin(w) for w in (1, 32, 33, 64, 65, 128, 129)] == [0, 0, 1, 1, 2, 2, 3]
@@ -118,6 +117,7 @@ def test_bench_width_bins_runs_every_layout_and_both_ways_agree(capsys):
     assert len(lines) == 4
     assert all(float(line.rsplit(" ", 1)[1]) < 1e-5 for line in lines)
     assert "base prefixes 1," not in lines[2] and "own tokens 1;" not in lines[2]   # DATPO at 256
+
 
 def sampler_model():
     """lm_head is the identity: the hidden state is the row's scores."""
